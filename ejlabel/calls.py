@@ -1,0 +1,175 @@
+"""Self-describing calls: the abstract signature of each kernel call, carried in the program.
+
+Next to its label, every labelled op carries ``ejcall="<text>"``: the call's kernel (import path
+of its class and its op id), version, abstract arguments (shape, dtype, weak type; sharding as
+its fingerprint), static keyword arguments and batch axes. The text is tagged JSON
+(:mod:`ejlabel.serialize`), zlib-compressed and base64url-encoded, because HLO printing emits
+frontend attribute values unquoted-inside-quotes and would mangle raw JSON. With it,
+``invocations_from_program`` rebuilds each call's :class:`~ejlabel.kernel.Invocation` with
+``jax.ShapeDtypeStruct`` arguments from a program file alone, in a process that never ran the
+model, which is what offline tuning needs.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import re
+import zlib
+from typing import Any
+
+import jax
+
+from .fingerprint import sharding_fingerprint
+from .kernel import Invocation, Kernel
+from .labels import CALL_ATTRIBUTE, LABEL_RE, parse_label, program_texts
+from .serialize import import_path, resolve_path, to_jsonable, from_jsonable
+
+__all__ = ["encode_call", "decode_call", "CallDescription", "call_descriptions", "invocations_from_program", "CallDecodeError"]
+
+_FORMAT = 1
+_CALL_RE = re.compile(CALL_ATTRIBUTE + r'\s*=\s*"(?P<call>[A-Za-z0-9_-]+)"')
+_cache: dict[tuple[str, str], str] = {}
+
+
+class CallDecodeError(ValueError):
+    """A call description that cannot be decoded or whose kernel cannot be rebuilt."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallDescription:
+    """The decoded ``ejcall`` attribute of one labelled call."""
+
+    kernel: str  # "module:QualName" of the Kernel subclass
+    op_id: str  # unversioned kernel name
+    version: str
+    call_key: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    batch_axes: Any
+    shardings: tuple[str | None, ...]
+
+    @property
+    def label_op(self) -> str:
+        return f"{self.op_id}@v{self.version}"
+
+
+def _encode_tree(tree: Any) -> Any:
+    return to_jsonable(jax.tree_util.tree_map(_abstract_leaf, tree, is_leaf=lambda x: x is None))
+
+
+def _abstract_leaf(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type):
+        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=bool(getattr(getattr(x, "aval", x), "weak_type", False)))
+    return x
+
+
+def encode_call(inv: Invocation[Any, Any]) -> str:
+    """The ``ejcall`` text of ``inv``; memoised per (op, call key) since it runs at every trace."""
+    memo_key = (inv.op_id, inv.call_key)
+    cached = _cache.get(memo_key)
+    if cached is not None:
+        return cached
+    leaves = jax.tree_util.tree_leaves((inv.args, inv.kwargs))
+    data = {
+        "f": _FORMAT,
+        "kernel": import_path(type(inv.kernel)),
+        "op": inv.kernel.op_id,
+        "v": inv.kernel.version,
+        "key": inv.call_key,
+        "args": _encode_tree(inv.args),
+        "kwargs": _encode_tree(inv.kwargs),
+        "batch_axes": to_jsonable(inv.batch_axes),
+        "shardings": [sharding_fingerprint(x) for x in leaves if hasattr(x, "shape")],
+    }
+    raw = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    text = base64.urlsafe_b64encode(zlib.compress(raw, 9)).decode("ascii").rstrip("=")
+    _cache[memo_key] = text
+    return text
+
+
+def decode_call(text: str) -> CallDescription:
+    """Invert :func:`encode_call` (without importing the kernel)."""
+    try:
+        raw = zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+        data = json.loads(raw)
+        if data.get("f") != _FORMAT:
+            raise CallDecodeError(f"call description format {data.get('f')!r} is not {_FORMAT}")
+        return CallDescription(
+            kernel=data["kernel"],
+            op_id=data["op"],
+            version=str(data["v"]),
+            call_key=data["key"],
+            args=tuple(from_jsonable(data["args"])),
+            kwargs=from_jsonable(data["kwargs"]),
+            batch_axes=from_jsonable(data["batch_axes"]),
+            shardings=tuple(data.get("shardings", ())),
+        )
+    except CallDecodeError:
+        raise
+    except Exception as err:  # any malformed text: one clear error type
+        raise CallDecodeError(f"cannot decode call description {text[:40]!r}...: {err}") from None
+
+
+def call_descriptions(x: Any) -> dict[str, str]:
+    """Map each label in ``x`` to its encoded call description (first one seen wins)."""
+    found: dict[str, str] = {}
+    for text in program_texts(x):
+        for match in _CALL_RE.finditer(text):
+            # Both attributes sit in the same braces; the label may come before or after.
+            start = text.rfind("{", 0, match.start())
+            end = text.find("}", match.end())
+            label_match = LABEL_RE.search(text, start if start >= 0 else 0, end if end >= 0 else len(text))
+            if label_match is not None:
+                found.setdefault(label_match.group(0), match.group("call"))
+    return found
+
+
+def rebuild_kernel(desc: CallDescription) -> Kernel[Any, Any]:
+    """An instance of the described kernel class with the described op id and version."""
+    try:
+        cls = resolve_path(desc.kernel)
+    except (ImportError, AttributeError) as err:
+        raise CallDecodeError(f"cannot import kernel {desc.kernel}: {err}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Kernel)):
+        raise CallDecodeError(f"{desc.kernel} is not a Kernel subclass")
+    kernel = None
+    for make in (lambda: cls(), lambda: cls(desc.op_id)):
+        try:
+            candidate = make()
+        except TypeError:
+            continue
+        if candidate.op_id == desc.op_id:
+            kernel = candidate
+            break
+    if kernel is None:
+        raise CallDecodeError(f"cannot construct {desc.kernel} with op id {desc.op_id!r}")
+    if kernel.version != desc.version:
+        raise CallDecodeError(
+            f"{desc.kernel} is version {kernel.version}, the program was built with version {desc.version}"
+        )
+    return kernel
+
+
+def invocations_from_program(x: Any) -> dict[str, Invocation[Any, Any]]:
+    """Rebuild the ``Invocation`` of every described call in ``x``, keyed by label.
+
+    Arguments come back as ``jax.ShapeDtypeStruct``; the call key is the one in the label, so
+    configs tuned for the rebuilt invocation land exactly where the program will look.
+    Raises :class:`CallDecodeError` for the first call that cannot be rebuilt; use
+    :func:`call_descriptions` and :func:`decode_call` to handle calls one by one.
+    """
+    out: dict[str, Invocation[Any, Any]] = {}
+    for lab, text in call_descriptions(x).items():
+        out[lab] = invocation_from_description(lab, decode_call(text))
+    return out
+
+
+def invocation_from_description(lab: str, desc: CallDescription) -> Invocation[Any, Any]:
+    op_id, call_key = parse_label(lab)
+    if op_id.split(".bwd@")[0] != desc.label_op.split("@v")[0] and op_id != desc.label_op:
+        raise CallDecodeError(f"label {lab} carries a description of {desc.label_op}")
+    return Invocation(
+        rebuild_kernel(desc), desc.args, desc.kwargs, batch_axes=desc.batch_axes, known_call_key=call_key
+    )

@@ -1,0 +1,186 @@
+"""The in-memory config cache, the autotuning policy, and their context-local overrides.
+
+Keys everywhere are ``(device_fingerprint, op_id, call_key)`` with a versioned op id
+(``matmul@v1``), so a config is only ever served to the device and kernel version it was
+chosen for. ``overlay_cache`` and ``policy_override`` are ``contextvars``-based: they are local to
+the thread or task that enters them, nest, and are restored on exceptions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from .persistent import normalize_key
+from .serialize import from_json, to_json
+
+__all__ = [
+    "ConfigCache",
+    "AutotunePolicy",
+    "overlay_cache",
+    "policy_override",
+    "active_overlays",
+    "effective_policy",
+    "to_json",
+    "from_json",
+]
+
+Key = tuple[str, str, str]
+
+
+class ConfigCache:
+    """Thread-safe in-memory map from ``(device, op_id, call_key)`` to a config.
+
+    Both the three-argument form ``get(dev, op_id, call_key)`` and the tuple form
+    ``get((dev, op_id, call_key))`` are accepted, as is ``key in cache``.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[Key, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, dev: str | Key, op_id: str | None = None, call_key: str | None = None) -> Any | None:
+        key = normalize_key(dev, op_id, call_key)
+        with self._lock:
+            return self._entries.get(key)
+
+    def put(self, dev: str | Key, op_id: Any = None, call_key: str | None = None, cfg: Any = None) -> None:
+        if isinstance(dev, tuple):  # put(key, cfg)
+            key, cfg = normalize_key(dev), op_id
+        else:
+            key = normalize_key(dev, op_id, call_key)
+        if cfg is None:
+            raise ValueError("cfg: expected a config, got None")
+        with self._lock:
+            self._entries[key] = cfg
+
+    def delete(self, dev: str | Key, op_id: str | None = None, call_key: str | None = None) -> bool:
+        key = normalize_key(dev, op_id, call_key)
+        with self._lock:
+            return self._entries.pop(key, None) is not None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def entries(self) -> list[tuple[Key, Any]]:
+        """A snapshot of ``(key, config)`` pairs."""
+        with self._lock:
+            return list(self._entries.items())
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, tuple):
+            return False
+        with self._lock:
+            return normalize_key(key) in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"ConfigCache({len(self)} entries)"
+
+
+MissAction = Literal["heuristic", "autotune", "error"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AutotunePolicy:
+    """What a cache miss does, and how much tuning it may cost.
+
+    Attributes:
+      enabled: whether tuning may run at all; ``False`` forces the heuristic on a miss.
+      on_miss: ``"heuristic"`` (use ``heuristic_cfg``), ``"autotune"`` (tune now, on inputs
+        built from the abstract signature, outside any trace) or ``"error"`` (raise: for
+        production runs that must only use tuned configs).
+      max_configs: try at most this many candidates (the heuristic one always among them).
+      time_budget_s: stop timing new candidates of one call after this many seconds.
+      num_warmup, num_iters: runs per candidate before and during timing.
+      early_stop: drop candidates clearly slower than the best so far (successive halving).
+      compile_workers: threads that compile candidates ahead of time.
+    """
+
+    enabled: bool = True
+    on_miss: MissAction = "heuristic"
+    max_configs: int | None = None
+    time_budget_s: float | None = None
+    num_warmup: int = 3
+    num_iters: int = 10
+    early_stop: bool = True
+    compile_workers: int = 4
+
+    def __post_init__(self) -> None:
+        if self.on_miss not in ("heuristic", "autotune", "error"):
+            raise ValueError(f"on_miss: expected 'heuristic', 'autotune' or 'error', got {self.on_miss!r}")
+        for name in ("num_warmup", "num_iters", "compile_workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (1 if name != "num_warmup" else 0):
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.max_configs is not None and self.max_configs < 1:
+            raise ValueError(f"max_configs: expected None or >= 1, got {self.max_configs!r}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"time_budget_s: expected None or > 0, got {self.time_budget_s!r}")
+
+    @property
+    def tunes_on_miss(self) -> bool:
+        return self.enabled and self.on_miss == "autotune"
+
+
+_overlays: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("ejlabel_overlays", default=())
+_policy_fields: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("ejlabel_policy", default={})
+
+
+@contextlib.contextmanager
+def overlay_cache(cache: Any) -> Iterator[Any]:
+    """Consult ``cache`` before every selector's own caches inside the block (innermost first)."""
+    if not hasattr(cache, "get"):
+        raise TypeError(f"cache: expected an object with get(dev, op_id, call_key), got {type(cache).__name__}")
+    token = _overlays.set((cache, *_overlays.get()))
+    try:
+        yield cache
+    finally:
+        _overlays.reset(token)
+
+
+def active_overlays() -> tuple[Any, ...]:
+    return _overlays.get()
+
+
+_POLICY_FIELDS = {f.name for f in dataclasses.fields(AutotunePolicy)}
+
+
+@contextlib.contextmanager
+def policy_override(**fields: Any) -> Iterator[None]:
+    """Override fields of every selector's ``AutotunePolicy`` inside the block.
+
+    ``autotune=False`` disables tuning; ``autotune=True`` enables it and tunes on a miss.
+    Any other keyword must be an ``AutotunePolicy`` field.
+    """
+    updates = dict(fields)
+    if "autotune" in updates:
+        flag = updates.pop("autotune")
+        if not isinstance(flag, bool):
+            raise TypeError(f"autotune: expected a bool, got {flag!r}")
+        updates["enabled"] = flag
+        if flag:
+            updates.setdefault("on_miss", "autotune")
+    unknown = set(updates) - _POLICY_FIELDS
+    if unknown:
+        raise TypeError(f"policy_override: unknown field(s) {sorted(unknown)}; expected {sorted(_POLICY_FIELDS)} or autotune")
+    dataclasses.replace(AutotunePolicy(), **updates)  # validates the values now, not at first use
+    token = _policy_fields.set({**_policy_fields.get(), **updates})
+    try:
+        yield
+    finally:
+        _policy_fields.reset(token)
+
+
+def effective_policy(policy: AutotunePolicy) -> AutotunePolicy:
+    """``policy`` with the active ``policy_override`` fields applied."""
+    overrides = _policy_fields.get()
+    return dataclasses.replace(policy, **overrides) if overrides else policy

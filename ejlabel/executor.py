@@ -1,0 +1,122 @@
+"""``Executor``: choose a config for a call, label the call's region, run it.
+
+Selection happens in Python at trace time, so under ``jax.jit`` it costs nothing at run time;
+the label is written as frontend attributes on every op of the call (and, for kernels with a
+custom VJP, on every op of the backward pass, under ``<op>.bwd@v<version>``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+
+from .calls import encode_call
+from .fingerprint import get_device_platform
+from .kernel import Invocation, Kernel, is_array
+from .labels import label, label_scope
+from .registry import maybe_record
+from .selection import BACKWARD_SUFFIX, ConfigSelectorChain
+
+__all__ = ["Executor", "get_default_executor", "set_default_executor"]
+
+
+class Executor:
+    """Runs kernels with configs chosen by ``selector``.
+
+    ``executor(kernel, *args, cfg=None, **kwargs)`` works eagerly and inside ``jax.jit``;
+    ``cfg=`` forces a config (provenance ``override``).
+    """
+
+    def __init__(self, selector: ConfigSelectorChain | None = None) -> None:
+        if selector is not None and not isinstance(selector, ConfigSelectorChain):
+            raise TypeError(f"selector: expected a ConfigSelectorChain, got {type(selector).__name__}")
+        self.selector = selector if selector is not None else ConfigSelectorChain()
+
+    def __call__(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
+        return self.run_invocation(Invocation(kernel, args, kwargs, override_cfg=cfg))
+
+    def run_invocation(self, inv: Invocation[Any, Any]) -> Any:
+        """Select a config for ``inv``, then run it labelled."""
+        selection = self.selector.select(inv)
+        maybe_record(inv)
+        return run_labelled(inv, selection.cfg)
+
+
+def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
+    """Run ``inv`` with ``cfg``, its forward (and backward) ops carrying their labels."""
+    kernel = inv.kernel
+    call_key = inv.call_key
+    forward_label = label(inv.op_id, call_key)
+    description = encode_call(inv)
+    impl = kernel.implementation(get_device_platform())
+    if not kernel.has_custom_vjp:
+        with label_scope(forward_label, description):
+            return impl(*inv.args, cfg=cfg, **inv.kwargs)
+
+    backward_label = label(f"{kernel.op_id}{BACKWARD_SUFFIX}@v{kernel.version}", call_key)
+    static_kwargs = inv.static_kwargs
+
+    @jax.custom_vjp
+    def call(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> Any:
+        with label_scope(forward_label, description):
+            return impl(*args, cfg=cfg, **array_kwargs, **static_kwargs)
+
+    def call_fwd(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return call(args, array_kwargs), (args, array_kwargs)
+
+    def call_bwd(saved: tuple[Any, Any], cotangent: Any) -> tuple[Any, Any]:
+        args, array_kwargs = saved
+        with label_scope(backward_label, description):
+            grads = kernel.custom_vjp(args, cfg, {**array_kwargs, **static_kwargs}, tuple(jax.tree_util.tree_leaves(cotangent)))
+        grads = tuple(grads)
+        if len(grads) != len(args):
+            raise ValueError(
+                f"{type(kernel).__qualname__}.custom_vjp returned {len(grads)} cotangents for {len(args)} positional arguments"
+            )
+        return tuple(_cotangent_for(arg, g) for arg, g in zip(args, grads)), jax.tree_util.tree_map(lambda _: None, array_kwargs)
+
+    call.defvjp(call_fwd, call_bwd)
+    return call(inv.args, inv.array_kwargs)
+
+
+def _cotangent_for(primal: Any, grad: Any) -> Any:
+    """Integer and boolean inputs have no cotangent; everything else gets the kernel's grad."""
+    if is_array(primal) and not jax.numpy.issubdtype(primal.dtype, jax.numpy.inexact):
+        return None
+    return grad
+
+
+_default_lock = threading.Lock()
+_default_executor: Executor | None = None
+
+
+def get_default_executor() -> Executor:
+    """The executor ``kernel(*args)`` uses: memory cache plus the user's persistent cache."""
+    global _default_executor
+    with _default_lock:
+        if _default_executor is None:
+            _default_executor = Executor(ConfigSelectorChain(persistent=_open_default_persistent()))
+        return _default_executor
+
+
+def set_default_executor(executor: Executor | None) -> None:
+    """Replace the default executor (None: rebuild it on next use)."""
+    global _default_executor
+    if executor is not None and not isinstance(executor, Executor):
+        raise TypeError(f"executor: expected an Executor or None, got {type(executor).__name__}")
+    with _default_lock:
+        _default_executor = executor
+
+
+def _open_default_persistent() -> Any:
+    import warnings
+
+    from .persistent import CacheError, PersistentCache
+
+    try:
+        return PersistentCache()
+    except CacheError as err:
+        warnings.warn(f"running without a persistent config cache: {err}", stacklevel=3)
+        return None

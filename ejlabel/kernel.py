@@ -1,0 +1,215 @@
+"""``Kernel`` (what a kernel is) and ``Invocation`` (one call of it, abstractly).
+
+A kernel is a class with a frozen config type, one or more implementations, a heuristic config
+and a config space to tune over. The executor picks the implementation for the backend it runs
+on, in this order of preference:
+
+=======  =======================================================
+backend  methods tried, first one the subclass defines wins
+=======  =======================================================
+gpu      ``run_triton``, ``run_pallas``, ``run_xla``, ``run``
+tpu      ``run_pallas``, ``run_xla``, ``run``
+cpu      ``run_xla``, ``run``
+=======  =======================================================
+
+An ``Invocation`` holds a call's arguments and derives everything the caches need from their
+abstract values only: the versioned op id (``matmul@v1``), the 16-hex call key, the device
+fingerprint. The config is never part of the key; it is what the key looks up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+import jax
+import numpy as np
+
+from .fingerprint import abstractify, default_key_builder_with_sharding, device_fingerprint
+
+__all__ = ["Kernel", "Invocation", "PLATFORM_METHODS", "is_array"]
+
+Cfg = TypeVar("Cfg")
+Out = TypeVar("Out")
+
+PLATFORM_METHODS: dict[str, tuple[str, ...]] = {
+    "gpu": ("run_triton", "run_pallas", "run_xla", "run"),
+    "tpu": ("run_pallas", "run_xla", "run"),
+    "cpu": ("run_xla", "run"),
+    "unknown": ("run_xla", "run"),
+}
+_ALL_RUN_METHODS = ("run", "run_xla", "run_pallas", "run_triton")
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is an array-like leaf (concrete, traced or abstract)."""
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, jax.core.Tracer))
+
+
+class Kernel(Generic[Cfg, Out]):
+    """Base class of every kernel: subclass it and define at least one ``run*`` method.
+
+    Subclasses set ``version`` (a class attribute, ``"1"`` by default) when a change makes old
+    tuned configs meaningless: it is part of the op id, so the caches never serve a config tuned
+    for another version. Optional hooks:
+
+    - ``custom_vjp(primals, cfg, kwargs, cotangents)``: the backward pass, returning one
+      cotangent per positional argument; the executor wires it through ``jax.custom_vjp`` and
+      labels it ``<op>.bwd@v<version>``.
+    - ``make_inputs(inv, key)``: concrete arguments for tuning, for kernels whose inputs must
+      satisfy constraints (integer segment ids, positive lengths).
+    - ``reference(*args, **kwargs)``: the output tuning checks candidates against.
+    """
+
+    version: ClassVar[str] = "1"
+
+    def __init__(self, op_id: str | None = None, *, name: str | None = None) -> None:
+        op_id = op_id if op_id is not None else name
+        if not isinstance(op_id, str) or not op_id or "@" in op_id or ":" in op_id or "#" in op_id:
+            raise ValueError(f"op_id: expected a non-empty name without '@', ':' or '#', got {op_id!r}")
+        if not any(self._defines(method) for method in _ALL_RUN_METHODS):
+            raise TypeError(
+                f"{type(self).__qualname__} defines no run method: define at least one of "
+                f"{', '.join(_ALL_RUN_METHODS)}"
+            )
+        self.op_id = op_id
+
+    @property
+    def versioned_id(self) -> str:
+        """``<op_id>@v<version>``: the op id the caches and labels use."""
+        return f"{self.op_id}@v{self.version}"
+
+    def _defines(self, method: str) -> bool:
+        return getattr(type(self), method, None) is not getattr(Kernel, method, None)
+
+    def implementation(self, platform: str) -> Callable[..., Out]:
+        """The bound ``run*`` method the executor calls on ``platform``."""
+        for method in PLATFORM_METHODS.get(platform, PLATFORM_METHODS["unknown"]):
+            if self._defines(method):
+                return getattr(self, method)
+        raise NotImplementedError(f"{type(self).__qualname__} has no implementation for platform {platform!r}")
+
+    @property
+    def has_custom_vjp(self) -> bool:
+        return self._defines("custom_vjp")
+
+    # The run methods are declared here so that subclasses can override any subset of them.
+    def run(self, *args: Any, cfg: Cfg, **kwargs: Any) -> Out:
+        raise NotImplementedError
+
+    def run_xla(self, *args: Any, cfg: Cfg, **kwargs: Any) -> Out:
+        raise NotImplementedError
+
+    def run_pallas(self, *args: Any, cfg: Cfg, **kwargs: Any) -> Out:
+        raise NotImplementedError
+
+    def run_triton(self, *args: Any, cfg: Cfg, **kwargs: Any) -> Out:
+        raise NotImplementedError
+
+    def custom_vjp(self, primals: tuple[Any, ...], cfg: Cfg, kwargs: dict[str, Any], cotangents: tuple[Any, ...]) -> Sequence[Any]:
+        raise NotImplementedError
+
+    def heuristic_cfg(self, inv: Invocation[Cfg, Out]) -> Cfg:
+        """The config used when nothing is cached and tuning is off."""
+        raise NotImplementedError(f"{type(self).__qualname__} defines no heuristic_cfg")
+
+    def config_space(self, inv: Invocation[Cfg, Out]) -> Iterable[Cfg]:
+        """Candidate configs for tuning; by default only the heuristic one."""
+        return [self.heuristic_cfg(inv)]
+
+    def make_inputs(self, inv: Invocation[Cfg, Out], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Concrete ``(args, kwargs)`` for tuning: random normal floats, random integers."""
+        from .tuning import random_inputs
+
+        return random_inputs(inv, key)
+
+    def candidate_is_valid(self, inv: Invocation[Cfg, Out], cfg: Cfg) -> bool:
+        """Whether ``cfg`` may be tried on ``inv`` (shape divisibility, backend support)."""
+        return True
+
+    def __call__(self, *args: Any, cfg: Cfg | None = None, **kwargs: Any) -> Out:
+        """Run through the default executor (memory cache, persistent cache, heuristic)."""
+        from .executor import get_default_executor
+
+        return get_default_executor()(self, *args, cfg=cfg, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}({self.versioned_id!r})"
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split keyword arguments into (array-valued, static)."""
+    arrays, static = {}, {}
+    for name, value in kwargs.items():
+        leaves = jax.tree_util.tree_leaves(value)
+        (arrays if leaves and all(is_array(leaf) for leaf in leaves) else static)[name] = value
+    return arrays, static
+
+
+@dataclasses.dataclass(eq=False)
+class Invocation(Generic[Cfg, Out]):
+    """One call of a kernel: its arguments, described by abstract values for the caches.
+
+    Attributes:
+      kernel: the kernel being called.
+      args: positional arguments (arrays, tracers, ``ShapeDtypeStruct``\\ s or pytrees of them).
+      kwargs: keyword arguments; array-valued ones are inputs, the rest are static options.
+      batch_axes: the ``in_axes`` of a surrounding ``vmap_with_config``; part of the key.
+      override_cfg: an explicit config (``cfg=`` at the call), which skips every cache.
+    """
+
+    kernel: Kernel[Cfg, Out]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    batch_axes: Any = None
+    override_cfg: Cfg | None = None
+    known_call_key: str | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kernel, Kernel):
+            raise TypeError(f"kernel: expected a Kernel instance, got {type(self.kernel).__name__}")
+        self.args = tuple(self.args)
+        self.kwargs = dict(self.kwargs)
+
+    @property
+    def op_id(self) -> str:
+        """The versioned op id, ``<name>@v<version>``."""
+        return self.kernel.versioned_id
+
+    @property
+    def kernel_version(self) -> str:
+        return self.kernel.version
+
+    @functools.cached_property
+    def abstract_args(self) -> tuple[Any, ...]:
+        return abstractify(self.args)
+
+    @functools.cached_property
+    def abstract_kwargs(self) -> dict[str, Any]:
+        return abstractify(self.kwargs)
+
+    @functools.cached_property
+    def array_kwargs(self) -> dict[str, Any]:
+        return _split_kwargs(self.kwargs)[0]
+
+    @functools.cached_property
+    def static_kwargs(self) -> dict[str, Any]:
+        return _split_kwargs(self.kwargs)[1]
+
+    @functools.cached_property
+    def call_key(self) -> str:
+        """16-hex fingerprint of op id, version, abstract args, sharding, static kwargs, batch axes."""
+        if self.known_call_key is not None:
+            return self.known_call_key
+        return default_key_builder_with_sharding(self)
+
+    @functools.cached_property
+    def device_fingerprint(self) -> str:
+        return device_fingerprint()
+
+    @property
+    def cache_key(self) -> tuple[str, str, str]:
+        """``(device_fingerprint, op_id, call_key)``, the key of every config cache."""
+        return (self.device_fingerprint, self.op_id, self.call_key)

@@ -1,0 +1,166 @@
+"""Kernel-call labels: their format, writing them into the program, reading them back.
+
+A label ``ejkernel_ops#<op>@v<version>:<16 hex call key>`` names one kernel call signature.
+The executor writes it onto every op of the call's region as an XLA *frontend attribute*
+(``ejlabel="..."``), next to an encoded description of the call (``ejcall="..."``, see
+:mod:`ejlabel.calls`). Frontend attributes are the only carrier that survives every program
+form: they appear verbatim in StableHLO (``lowered.as_text()``), HLO
+(``lowered.compiler_ir("hlo")``), compiled HLO (``compiled.as_text()``) and XLA dump files, and
+they follow ops through jit, grad, vmap, scan, while, cond, checkpoint and shard_map. A name
+scope is written too, so profiler traces show the kernel, but it cannot be the carrier: XLA cuts
+``op_name`` metadata at the first ``@`` and StableHLO text prints no locations at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar, overload
+
+import jax
+from jax.experimental.xla_metadata import set_xla_metadata
+
+__all__ = [
+    "LABEL_PREFIX",
+    "LABEL_RE",
+    "LABEL_ATTRIBUTE",
+    "CALL_ATTRIBUTE",
+    "label",
+    "label_scope",
+    "parse_label",
+    "extract_labels_from_hlo_text",
+    "find_labels_in_lowered",
+    "program_texts",
+]
+
+LABEL_PREFIX = "ejkernel_ops#"
+LABEL_ATTRIBUTE = "ejlabel"
+CALL_ATTRIBUTE = "ejcall"
+
+LABEL_RE = re.compile(
+    r"(?P<prefix>[A-Za-z_][A-Za-z0-9_.-]*#)(?P<op>[A-Za-z0-9_.\-/]+@v[0-9A-Za-z_.-]+):(?P<key>[0-9a-f]{16})(?![0-9a-f])"
+)
+"""Matches a label; group ``op`` is ``name@vN`` (the cache's op id) and ``key`` the call key."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@overload
+def label(op_id: str, call_hash: str, prefix: str | None = None) -> str: ...
+@overload
+def label(op_id: str, call_hash: None = None, prefix: str | None = None) -> Callable[[F], F]: ...
+
+
+def label(op_id: str, call_hash: str | None = None, prefix: str | None = None) -> str | Callable[[F], F]:
+    """Format a label, or, given only a name, return a decorator that labels a function.
+
+    ``label("matmul@v1", "0123456789abcdef")`` returns ``"ejkernel_ops#matmul@v1:0123456789abcdef"``.
+    ``@label("my_attention")`` labels every op the decorated function emits with
+    ``ejkernel_ops#my_attention@v1:<key>``, the key being the fingerprint of the call's abstract
+    signature (array shapes, dtypes and shardings, other arguments by value).
+
+    The prefix defaults to ``$EJLABEL_PREFIX`` or ``ejkernel_ops#``; it must end with ``#``.
+    """
+    if not isinstance(op_id, str) or not op_id:
+        raise TypeError(f"op_id: expected a non-empty str, got {op_id!r}")
+    chosen = prefix or os.environ.get("EJLABEL_PREFIX") or LABEL_PREFIX
+    if not chosen.endswith("#"):
+        raise ValueError(f"prefix: expected a string ending in '#', got {chosen!r}")
+    if call_hash is None:
+        return _label_decorator(op_id, chosen)
+    if not re.fullmatch(r"[0-9a-f]{16}", call_hash):
+        raise ValueError(f"call_hash: expected 16 lowercase hex characters, got {call_hash!r}")
+    versioned = op_id if "@v" in op_id else f"{op_id}@v1"
+    return f"{chosen}{versioned}:{call_hash}"
+
+
+def _label_decorator(name: str, prefix: str) -> Callable[[F], F]:
+    from .fingerprint import abstractify, short_hash
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def labelled(*args: Any, **kwargs: Any) -> Any:
+            key = short_hash((name, abstractify(args), abstractify(kwargs)))
+            with label_scope(label(name, key, prefix)):
+                return fn(*args, **kwargs)
+
+        return labelled  # type: ignore[return-value]
+
+    return decorate
+
+
+def parse_label(text: str) -> tuple[str, str]:
+    """Split a label into ``(op_id, call_key)``, e.g. ``("matmul@v1", "0123456789abcdef")``."""
+    match = LABEL_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"label: expected 'ejkernel_ops#<op>@v<version>:<16 hex>', got {text!r}")
+    return match.group("op"), match.group("key")
+
+
+@contextlib.contextmanager
+def label_scope(lab: str, call: str | None = None) -> Iterator[None]:
+    """Label every op traced inside the block with ``lab`` (and the encoded call, if given)."""
+    attributes = {LABEL_ATTRIBUTE: lab}
+    if call is not None:
+        attributes[CALL_ATTRIBUTE] = call
+    with set_xla_metadata(**attributes), jax.named_scope(lab):
+        yield
+
+
+def extract_labels_from_hlo_text(text: str) -> list[str]:
+    """Distinct labels in ``text`` (any program form), in order of first appearance."""
+    return list(dict.fromkeys(m.group(0) for m in LABEL_RE.finditer(text)))
+
+
+_DUMP_SUFFIXES = (".txt", ".mlir", ".hlo")
+
+
+def program_texts(x: Any) -> list[str]:
+    """The program text(s) of ``x``, which may be any form the label readers accept.
+
+    ``x`` is a ``jax.stages.Lowered`` (its StableHLO text), a ``jax.stages.Compiled`` (its
+    optimised HLO), HLO or StableHLO text, or a path to a program file or to an XLA dump
+    directory (every ``*.txt`` / ``*.mlir`` / ``*.hlo`` file in it, in name order).
+    """
+    if isinstance(x, (jax.stages.Lowered, jax.stages.Compiled)):
+        text = x.as_text()
+        if text is None:
+            raise ValueError(f"x: this {type(x).__name__} has no text form")
+        return [text]
+    if isinstance(x, os.PathLike) or (isinstance(x, str) and _looks_like_path(x)):
+        return [p.read_text(errors="replace") for p in _program_files(Path(x))]
+    if isinstance(x, str):
+        return [x]
+    if isinstance(x, bytes):
+        return [x.decode(errors="replace")]
+    raise TypeError(
+        "x: expected a Lowered, a Compiled, program text, or a path to an HLO file or XLA dump "
+        f"directory, got {type(x).__name__}"
+    )
+
+
+def _looks_like_path(text: str) -> bool:
+    return "\n" not in text and len(text) < 4096 and Path(text).exists()
+
+
+def _program_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _DUMP_SUFFIXES)
+        if not files:
+            raise ValueError(f"x: the directory {path} holds no program files ({', '.join(_DUMP_SUFFIXES)})")
+        return files
+    raise FileNotFoundError(f"x: no such file or directory: {path}")
+
+
+def find_labels_in_lowered(x: Any) -> list[str]:
+    """Distinct labels in a lowered/compiled program, program text, file or dump directory."""
+    labels: dict[str, None] = {}
+    for text in program_texts(x):
+        labels.update(dict.fromkeys(extract_labels_from_hlo_text(text)))
+    return list(labels)

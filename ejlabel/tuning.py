@@ -1,0 +1,481 @@
+"""Autotuning: compile every candidate ahead of time, check it, time only the executable.
+
+For one call (an :class:`~ejlabel.kernel.Invocation`) the tuner
+
+1. lowers and compiles each candidate config on the abstract arguments, several at once in a
+   thread pool (XLA compiles outside the GIL); compile time is reported, never timed;
+2. builds concrete inputs once (``kernel.make_inputs``), outside any trace;
+3. checks each candidate's output against the reference (``kernel.reference`` if defined, else
+   the heuristic config's output) by relative error with a dtype-appropriate tolerance;
+4. times the compiled executables with successive halving: every survivor gets a few timed
+   runs, the slower half is dropped, the rest get twice as many, until one round at the full
+   ``num_iters`` decides. A large config space then costs far less than timing every config
+   fully, and the final decision is still made on full-length measurements.
+
+Candidates that fail to compile, run out of memory, give NaN or a wrong result are recorded with
+the reason and skipped. The winner goes to the memory cache and the persistent cache with
+provenance ``autotuned``, its statistics and every candidate's result.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import AutotunePolicy, ConfigCache
+from .kernel import Invocation, Kernel
+from .registry import abstract_invocation
+
+__all__ = [
+    "Timing",
+    "benchmark",
+    "CandidateResult",
+    "TuneResult",
+    "Autotuner",
+    "AutotuneError",
+    "autotune",
+    "autotune_recorded",
+    "tune_invocation",
+    "random_inputs",
+]
+
+
+class Timing(float):
+    """A median time in milliseconds that also carries the full statistics."""
+
+    median_ms: float
+    mean_ms: float
+    min_ms: float
+    iqr_ms: float
+    count: int
+    samples_ms: tuple[float, ...]
+
+    def __new__(cls, samples_ms: Sequence[float]) -> Timing:
+        if not samples_ms:
+            raise ValueError("samples_ms: expected at least one sample")
+        ordered = sorted(samples_ms)
+        timing = super().__new__(cls, statistics.median(ordered))
+        timing.median_ms = float(timing)
+        timing.mean_ms = statistics.fmean(ordered)
+        timing.min_ms = ordered[0]
+        quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
+        timing.iqr_ms = quartiles[2] - quartiles[0]
+        timing.count = len(ordered)
+        timing.samples_ms = tuple(samples_ms)
+        return timing
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {k: getattr(self, k) for k in ("median_ms", "mean_ms", "min_ms", "iqr_ms", "count")}
+
+    def __repr__(self) -> str:
+        return f"Timing(median={self.median_ms:.4g} ms, iqr={self.iqr_ms:.3g} ms, n={self.count})"
+
+
+def _timed_runs(fn: Callable[[], Any], count: int) -> list[float]:
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
+def benchmark(fn: Callable[..., Any], *args: Any, num_warmup: int = 3, num_iters: int = 10, **kwargs: Any) -> Timing:
+    """Median wall time of ``fn(*args, **kwargs)`` in milliseconds, device synchronised.
+
+    At least one untimed call runs first, so compilation is never timed. Every output leaf is
+    waited on (``jax.block_until_ready``) before the clock stops. The result is a ``float``
+    carrying ``median_ms``, ``mean_ms``, ``min_ms``, ``iqr_ms``, ``count`` and ``samples_ms``.
+    """
+    if num_iters < 1:
+        raise ValueError(f"num_iters: expected >= 1, got {num_iters}")
+    if num_warmup < 0:
+        raise ValueError(f"num_warmup: expected >= 0, got {num_warmup}")
+    call = lambda: fn(*args, **kwargs)
+    _timed_runs(call, max(1, num_warmup))
+    return Timing(_timed_runs(call, num_iters))
+
+
+def random_inputs(inv: Invocation[Any, Any], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Concrete arguments for ``inv``: standard normal floats, small non-negative integers."""
+    seed = int(jax.random.randint(key, (), 0, 2**31 - 1)) if isinstance(key, jax.Array) else int(key)
+    rng = np.random.default_rng(seed)
+
+    def make(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        dtype = np.dtype(leaf.dtype)
+        if jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating):
+            value = rng.standard_normal(leaf.shape, dtype=np.float32)
+        elif dtype == np.bool_:
+            value = rng.integers(0, 2, leaf.shape).astype(bool)
+        else:
+            value = rng.integers(0, 8, leaf.shape)
+        return jnp.asarray(value, dtype=dtype)
+
+    spec = abstract_invocation(inv)
+    return jax.tree_util.tree_map(make, spec.args), jax.tree_util.tree_map(make, spec.kwargs)
+
+
+_TOLERANCE = {"float64": 1e-9, "float32": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
+
+
+def _relative_error(out: Any, ref: Any) -> float:
+    errors = []
+    for o, r in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref), strict=True):
+        o64, r64 = np.asarray(o, dtype=np.float64), np.asarray(r, dtype=np.float64)
+        if o64.shape != r64.shape:
+            return math.inf
+        if not np.all(np.isfinite(o64)):
+            return math.nan
+        scale = np.linalg.norm(r64)
+        errors.append(float(np.linalg.norm(o64 - r64) / scale) if scale > 0 else float(np.linalg.norm(o64)))
+    return max(errors, default=0.0)
+
+
+def _tolerance(out: Any) -> float:
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(out) if hasattr(leaf, "dtype")]
+    floats = [np.dtype(leaf.dtype).name for leaf in leaves if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return max((_TOLERANCE.get(name, 3e-2) for name in floats), default=0.0)
+
+
+@dataclasses.dataclass
+class CandidateResult:
+    """What happened to one candidate config.
+
+    ``status`` is ``ok``, ``compile_error``, ``runtime_error``, ``out_of_memory``, ``nan``,
+    ``wrong`` (relative error over tolerance), ``pruned`` (dropped by successive halving after
+    timing) or ``skipped`` (over the time budget).
+    """
+
+    cfg: Any
+    status: str = "pending"
+    reason: str | None = None
+    compile_s: float | None = None
+    error: float | None = None
+    timing: Timing | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        from .serialize import to_jsonable
+
+        return {
+            "cfg": to_jsonable(self.cfg),
+            "status": self.status,
+            "reason": self.reason,
+            "compile_s": self.compile_s,
+            "relative_error": self.error,
+            "timing": self.timing.to_dict() if self.timing is not None else None,
+        }
+
+
+@dataclasses.dataclass
+class TuneResult:
+    """The outcome of tuning one call."""
+
+    op_id: str
+    call_key: str
+    best_cfg: Any
+    best: CandidateResult
+    candidates: list[CandidateResult]
+    wall_s: float
+
+    def stats(self) -> dict[str, Any]:
+        """The statistics stored with the winner in the persistent cache."""
+        assert self.best.timing is not None
+        return {**self.best.timing.to_dict(), "wall_s": self.wall_s, "candidates": [c.to_dict() for c in self.candidates]}
+
+
+class AutotuneError(RuntimeError):
+    """Every candidate of a call failed; the message lists each one's reason."""
+
+
+def _describe_error(err: BaseException) -> tuple[str, str]:
+    text = f"{type(err).__name__}: {err}".strip()
+    lowered = text.lower()
+    status = "out_of_memory" if ("resource_exhausted" in lowered or "out of memory" in lowered) else "runtime_error"
+    return status, text.splitlines()[0][:500]
+
+
+class _Progress:
+    """A progress bar on a terminal (rich), silence otherwise."""
+
+    def __init__(self, total: int, description: str, enabled: bool | None) -> None:
+        self._bar = None
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        if enabled and total > 0:
+            try:
+                from rich.progress import Progress
+            except ImportError:
+                return
+            self._bar = Progress(transient=False)
+            self._task = self._bar.add_task(description, total=total)
+            self._bar.start()
+
+    def advance(self, amount: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, amount)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+@dataclasses.dataclass
+class _Job:
+    """One call being tuned: its spec, candidates and compiled executables."""
+
+    inv: Invocation[Any, Any]
+    candidates: list[CandidateResult]
+    executables: dict[int, Any] = dataclasses.field(default_factory=dict)
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+class Autotuner:
+    """The tuning engine; ``tune`` one call, or ``tune_many`` calls with one compile pool.
+
+    Args:
+      policy: iteration counts, candidate cap, time budget, early stopping, compile threads.
+      progress: show a progress bar (None: only when stderr is a terminal).
+      seed: seed of the random tuning inputs.
+    """
+
+    def __init__(self, policy: AutotunePolicy | None = None, *, progress: bool | None = None, seed: int = 0) -> None:
+        self.policy = policy if policy is not None else AutotunePolicy()
+        self.progress = progress
+        self.seed = seed
+
+    def tune(self, inv: Invocation[Any, Any], configs: Iterable[Any] | None = None) -> TuneResult:
+        return self.tune_many([inv], configs=None if configs is None else {0: list(configs)})[0]
+
+    def tune_many(
+        self, invocations: Sequence[Invocation[Any, Any]], configs: dict[int, list[Any]] | None = None
+    ) -> list[TuneResult]:
+        """Tune each call; all candidates of all calls compile in one thread pool first."""
+        # A separate thread has no active JAX trace, so tuning triggered while tracing a jit'd
+        # function compiles and runs concretely instead of being staged into that function.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as outside_trace:
+            return outside_trace.submit(self._tune_many, list(invocations), configs or {}).result()
+
+    def _tune_many(self, invocations: list[Invocation[Any, Any]], configs: dict[int, list[Any]]) -> list[TuneResult]:
+        jobs = [self._job(i, abstract_invocation(inv), configs.get(i)) for i, inv in enumerate(invocations)]
+        total = sum(len(job.candidates) for job in jobs)
+        progress = _Progress(2 * total, "autotuning", self.progress)
+        try:
+            self._compile_all(jobs, progress)
+            return [self._measure(job, progress) for job in jobs]
+        finally:
+            progress.close()
+
+    def _job(self, index: int, inv: Invocation[Any, Any], configs: list[Any] | None) -> _Job:
+        kernel = inv.kernel
+        heuristic = kernel.heuristic_cfg(inv)
+        space = list(configs) if configs is not None else list(kernel.config_space(inv))
+        unique = list(dict.fromkeys([heuristic, *space] if configs is None else space))
+        unique = [cfg for cfg in unique if kernel.candidate_is_valid(inv, cfg)]
+        if self.policy.max_configs is not None:
+            unique = unique[: self.policy.max_configs]
+        if not unique:
+            raise AutotuneError(f"{inv.op_id} call {inv.call_key}: no valid candidate configs")
+        return _Job(inv, [CandidateResult(cfg) for cfg in unique])
+
+    def _compile_all(self, jobs: list[_Job], progress: _Progress) -> None:
+        work = [(job, i) for job in jobs for i in range(len(job.candidates))]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.policy.compile_workers) as pool:
+            futures = {pool.submit(self._compile, job.inv, job.candidates[i]): (job, i) for job, i in work}
+            for future in concurrent.futures.as_completed(futures):
+                job, i = futures[future]
+                executable = future.result()
+                if executable is not None:
+                    job.executables[i] = executable
+                progress.advance()
+
+    @staticmethod
+    def _compile(inv: Invocation[Any, Any], candidate: CandidateResult) -> Any:
+        impl = inv.kernel.implementation(_platform())
+        static = inv.static_kwargs
+
+        def call(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> Any:
+            return impl(*args, cfg=candidate.cfg, **array_kwargs, **static)
+
+        start = time.perf_counter()
+        try:
+            executable = jax.jit(call).lower(inv.args, inv.array_kwargs).compile()
+        except Exception as err:  # any failure of one candidate is recorded, not raised
+            candidate.status, candidate.reason = "compile_error", _describe_error(err)[1]
+            return None
+        finally:
+            candidate.compile_s = time.perf_counter() - start
+        return executable
+
+    def _measure(self, job: _Job, progress: _Progress) -> TuneResult:
+        inv, policy = job.inv, self.policy
+        args, kwargs = inv.kernel.make_inputs(inv, jax.random.key(self.seed))
+        array_kwargs = {k: v for k, v in kwargs.items() if k in inv.array_kwargs}
+        reference = self._reference(job, args, kwargs, array_kwargs)
+        alive: list[int] = []
+        for i, executable in job.executables.items():
+            candidate = job.candidates[i]
+            try:
+                out = jax.block_until_ready(executable(args, array_kwargs))
+            except Exception as err:
+                candidate.status, candidate.reason = _describe_error(err)
+                continue
+            candidate.error = _relative_error(out, reference) if reference is not None else 0.0
+            tolerance = _tolerance(out)
+            if math.isnan(candidate.error):
+                candidate.status, candidate.reason = "nan", "output has NaN or Inf"
+            elif candidate.error > tolerance:
+                candidate.status = "wrong"
+                candidate.reason = f"relative error {candidate.error:.3g} over tolerance {tolerance:.3g}"
+            else:
+                alive.append(i)
+        progress.advance(len(job.candidates) - len(alive))
+        winner = self._race(job, alive, args, array_kwargs, progress)
+        if winner is None:
+            reasons = "; ".join(f"{c.cfg!r}: {c.status} ({c.reason})" for c in job.candidates)
+            raise AutotuneError(f"every candidate of {inv.op_id} call {inv.call_key} failed: {reasons}")
+        best = job.candidates[winner]
+        return TuneResult(inv.op_id, inv.call_key, best.cfg, best, job.candidates, time.perf_counter() - job.start)
+
+    def _reference(self, job: _Job, args: tuple[Any, ...], kwargs: dict[str, Any], array_kwargs: dict[str, Any]) -> Any:
+        kernel = job.inv.kernel
+        reference = getattr(kernel, "reference", None)
+        if callable(reference):
+            return jax.block_until_ready(reference(*args, **kwargs))
+        for i, executable in job.executables.items():  # the heuristic config is candidate 0 when valid
+            try:
+                return jax.block_until_ready(executable(args, array_kwargs))
+            except Exception:
+                continue
+        return None
+
+    def _race(self, job: _Job, alive: list[int], args: Any, array_kwargs: Any, progress: _Progress) -> int | None:
+        """Successive halving over the correct candidates; returns the winner's index.
+
+        Every survivor is timed with ``iters`` runs, the slower half is dropped, ``iters``
+        doubles, until a round at the full ``num_iters`` ranks the last ones. Past the time
+        budget, candidates not yet timed are skipped and the ranking so far decides.
+        """
+        policy = self.policy
+        if not alive:
+            return None
+        halving = policy.early_stop and len(alive) > 2
+        iters = max(2, policy.num_iters // 4) if halving else policy.num_iters
+        deadline = job.start + policy.time_budget_s if policy.time_budget_s else math.inf
+        while True:
+            for i in list(alive):
+                candidate = job.candidates[i]
+                over_budget = time.perf_counter() > deadline
+                if over_budget and candidate.timing is None and len(alive) > 1:
+                    candidate.status, candidate.reason = "skipped", "time budget spent"
+                    alive.remove(i)
+                    progress.advance()
+                elif not over_budget or candidate.timing is None:
+                    executable = job.executables[i]
+                    candidate.timing = benchmark(
+                        executable, args, array_kwargs, num_warmup=policy.num_warmup, num_iters=iters
+                    )
+            alive.sort(key=lambda i: job.candidates[i].timing)
+            if iters >= policy.num_iters or len(alive) <= 1 or time.perf_counter() > deadline:
+                break
+            keep = math.ceil(len(alive) / 2)
+            for i in alive[keep:]:
+                job.candidates[i].status = "pruned"
+                job.candidates[i].reason = f"in the slower half after {iters} timed runs"
+            progress.advance(len(alive) - keep)
+            alive = alive[:keep]
+            iters = min(policy.num_iters, iters * 2)
+        for i in alive:
+            job.candidates[i].status = "ok"
+        progress.advance(len(alive))
+        return alive[0]
+
+
+def _platform() -> str:
+    from .fingerprint import get_device_platform
+
+    return get_device_platform()
+
+
+def store_result(result: TuneResult, inv: Invocation[Any, Any], cache: ConfigCache | None, persistent: Any) -> None:
+    """Put a tuning winner into the memory cache and, when given, the persistent cache."""
+    key = inv.cache_key
+    if cache is not None:
+        cache.put(*key, result.best_cfg)
+    if persistent is not None:
+        persistent.put(*key, result.best_cfg, provenance="autotuned", stats=result.stats(), kernel_version=inv.kernel_version)
+
+
+def tune_invocation(
+    inv: Invocation[Any, Any],
+    *,
+    policy: AutotunePolicy | None = None,
+    cache: ConfigCache | None = None,
+    persistent: Any = None,
+    configs: Iterable[Any] | None = None,
+) -> TuneResult:
+    """Tune one call and store the winner (used by the selector on a cache miss)."""
+    result = Autotuner(policy).tune(inv, configs)
+    store_result(result, inv, cache, persistent)
+    return result
+
+
+def _default_selector() -> Any:
+    from .executor import get_default_executor
+
+    return get_default_executor().selector
+
+
+def autotune(
+    kernel: Kernel[Any, Any],
+    *args: Any,
+    configs: Iterable[Any] | None = None,
+    num_warmup: int = 3,
+    num_iters: int = 10,
+    selector: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """Tune ``kernel`` on these arguments and return the fastest correct config.
+
+    The winner is stored in ``selector``'s caches (the default executor's when None), so later
+    calls with the same signature use it.
+    """
+    selector = selector if selector is not None else _default_selector()
+    policy = dataclasses.replace(selector.policy, num_warmup=num_warmup, num_iters=num_iters)
+    inv = Invocation(kernel, args, kwargs)
+    return tune_invocation(inv, policy=policy, cache=selector.cache, persistent=selector.persistent, configs=configs).best_cfg
+
+
+def autotune_recorded(
+    invocations: Iterable[Invocation[Any, Any]],
+    *,
+    selector: Any = None,
+    policy: AutotunePolicy | None = None,
+    progress: bool | None = None,
+) -> dict[tuple[str, str], Any]:
+    """Tune many calls in one batch; returns ``{(op_id, call_key): winning config}``.
+
+    Calls are deduplicated by ``(op_id, call_key)``; every candidate of every call compiles in
+    one pool; each winner is stored in ``selector``'s memory and persistent caches.
+    """
+    selector = selector if selector is not None else _default_selector()
+    unique: dict[tuple[str, str], Invocation[Any, Any]] = {}
+    for inv in invocations:
+        unique.setdefault((inv.op_id, inv.call_key), inv)
+    tuner = Autotuner(policy if policy is not None else selector.policy, progress=progress)
+    results = tuner.tune_many(list(unique.values()))
+    for inv, result in zip(unique.values(), results):
+        store_result(result, inv, selector.cache, selector.persistent)
+    return {key: result.best_cfg for key, result in zip(unique, results)}

@@ -1,0 +1,39 @@
+"""Test isolation: every test gets its own persistent-cache directory and default executor."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path_factory.mktemp("ejlabel-cache")
+    monkeypatch.setenv("EJLABEL_CACHE_DIR", str(path))
+    import ejlabel
+
+    ejlabel.set_default_executor(None)
+    ejlabel.clear_invocations()
+    yield path
+    ejlabel.set_default_executor(None)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a child Python that imports ejlabel and the test kernels."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, **env: str) -> str:
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(**env), timeout=300)
+    assert proc.returncode == 0, f"child failed:\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}"
+    return proc.stdout

@@ -1,0 +1,113 @@
+"""Small kernels for the tests: importable by path, so a child process can rebuild their calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ejlabel import Invocation, Kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleConfig:
+    factor: int = 1
+    mode: str = "mul"
+
+
+class ScaleKernel(Kernel[ScaleConfig, jax.Array]):
+    """x * 2 computed in a way the config chooses; every config gives the same answer."""
+
+    def __init__(self) -> None:
+        super().__init__("scale")
+
+    def run(self, x: jax.Array, *, cfg: ScaleConfig, offset: float = 0.0) -> jax.Array:
+        if cfg.mode == "mul":
+            y = x * 2.0
+        else:
+            y = x + x
+        return jnp.sin(y) * 0 + y + offset
+
+    def heuristic_cfg(self, inv: Invocation) -> ScaleConfig:
+        return ScaleConfig()
+
+    def config_space(self, inv: Invocation) -> list[ScaleConfig]:
+        return [ScaleConfig(1, "mul"), ScaleConfig(2, "add")]
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    precision: str = "default"
+
+
+class MatmulKernel(Kernel[MatmulConfig, jax.Array]):
+    """A matmul with a hand-written backward, to check custom-VJP labels and gradients."""
+
+    def __init__(self) -> None:
+        super().__init__("toymatmul")
+
+    def run(self, a: jax.Array, b: jax.Array, *, cfg: MatmulConfig) -> jax.Array:
+        return jnp.dot(a, b)
+
+    def custom_vjp(self, primals: tuple[Any, ...], cfg: MatmulConfig, kwargs: dict[str, Any], cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
+        a, b = primals
+        (g,) = cotangents
+        return (g @ b.T, a.T @ g)
+
+    def heuristic_cfg(self, inv: Invocation) -> MatmulConfig:
+        return MatmulConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """``block`` elements per loop step: fewer, bigger steps do less work per element."""
+
+    block: int = 1
+    wrong: bool = False
+
+
+class LoopSumKernel(Kernel[LoopConfig, jax.Array]):
+    """Row sums of ``x [n, m]`` computed by a loop whose trip count the config sets.
+
+    Each loop step does a fixed amount of extra arithmetic, so the number of steps (m / block)
+    sets the real cost: block=m is cheapest, block=1 the most expensive. ``wrong=True`` skips
+    the loop and returns garbage very fast, which tuning must reject.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("loopsum")
+
+    def run(self, x: jax.Array, *, cfg: LoopConfig) -> jax.Array:
+        n, m = x.shape
+        if cfg.wrong:
+            return jnp.zeros((n,), x.dtype)
+        if m % cfg.block:
+            raise ValueError(f"block {cfg.block} does not divide {m}")
+        steps = m // cfg.block
+        chunks = x.reshape(n, steps, cfg.block)
+
+        def body(i: int, acc: jax.Array) -> jax.Array:
+            chunk = lax.dynamic_index_in_dim(chunks, i, axis=1, keepdims=False)
+            busy = jnp.tanh(jnp.tanh(chunk)) * 0.0  # per-step work that does not change the result
+            return acc + chunk.sum(axis=1) + busy.sum(axis=1)
+
+        return lax.fori_loop(0, steps, body, jnp.zeros((n,), x.dtype))
+
+    def reference(self, x: jax.Array) -> jax.Array:
+        return x.sum(axis=1)
+
+    def heuristic_cfg(self, inv: Invocation) -> LoopConfig:
+        return LoopConfig(block=1)
+
+    def config_space(self, inv: Invocation) -> list[LoopConfig]:
+        m = inv.args[0].shape[1]
+        blocks = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if m % b == 0]
+        return [LoopConfig(b) for b in blocks] + [LoopConfig(block=m, wrong=True)]
+
+
+scale = ScaleKernel()
+toymatmul = MatmulKernel()
+loopsum = LoopSumKernel()
