@@ -41,7 +41,7 @@ class CallDecodeError(ValueError):
 class CallDescription:
     """The decoded ``ejcall`` attribute of one labelled call."""
 
-    kernel: str  # "module:QualName" of the Kernel subclass
+    kernel: str | None  # "module:QualName" of the Kernel subclass; None if it has no importable name
     op_id: str  # unversioned kernel name
     version: str
     call_key: str
@@ -74,7 +74,7 @@ def encode_call(inv: Invocation[Any, Any]) -> str:
     leaves = jax.tree_util.tree_leaves((inv.args, inv.kwargs))
     data = {
         "f": _FORMAT,
-        "kernel": import_path(type(inv.kernel)),
+        "kernel": _kernel_path(inv.kernel),
         "op": inv.kernel.op_id,
         "v": inv.kernel.version,
         "key": inv.call_key,
@@ -87,6 +87,14 @@ def encode_call(inv: Invocation[Any, Any]) -> str:
     text = base64.urlsafe_b64encode(zlib.compress(raw, 9)).decode("ascii").rstrip("=")
     _cache[memo_key] = text
     return text
+
+
+def _kernel_path(kernel: Kernel[Any, Any]) -> str | None:
+    """The kernel class's import path, or None for a class defined inside a function."""
+    try:
+        return import_path(type(kernel))
+    except TypeError:
+        return None
 
 
 def decode_call(text: str) -> CallDescription:
@@ -128,6 +136,11 @@ def call_descriptions(x: Any) -> dict[str, str]:
 
 def rebuild_kernel(desc: CallDescription) -> Kernel[Any, Any]:
     """An instance of the described kernel class with the described op id and version."""
+    if desc.kernel is None:
+        raise CallDecodeError(
+            f"kernel {desc.op_id!r} was defined inside a function; define its class at module level "
+            "so that offline tools can import it"
+        )
     try:
         cls = resolve_path(desc.kernel)
     except (ImportError, AttributeError) as err:

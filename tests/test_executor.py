@@ -245,7 +245,7 @@ def test_labels_to_configs_finds_exactly_what_the_executor_used(tmp_path):
         c = ex(toymatmul, a, jnp.ones((4, 2)), cfg=toymatmul.heuristic_cfg(None))
         return a.sum() + b.sum() + c.sum()
 
-    lowered = jax.jit(jax.grad(model)).lower(X, y)
+    lowered = jax.jit(jax.value_and_grad(model)).lower(X, y)
     pairs = labels_to_configs(lowered, selector)
     by_op = {(p.op_id, p.provenance) for p in pairs}
     assert ("scale@v1", "heuristic") in by_op and ("scale@v1", "persistent") in by_op

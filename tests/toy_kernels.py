@@ -89,10 +89,13 @@ class LoopSumKernel(Kernel[LoopConfig, jax.Array]):
         steps = m // cfg.block
         chunks = x.reshape(n, steps, cfg.block)
 
+        probe = x[:, : min(m, 64)]
+
         def body(i: int, acc: jax.Array) -> jax.Array:
             chunk = lax.dynamic_index_in_dim(chunks, i, axis=1, keepdims=False)
-            busy = jnp.tanh(jnp.tanh(chunk)) * 0.0  # per-step work that does not change the result
-            return acc + chunk.sum(axis=1) + busy.sum(axis=1)
+            # A fixed amount of work per step that leaves the result unchanged: cost ~ steps.
+            busy = jnp.tanh(probe.T @ probe + i).sum() * 0.0
+            return acc + chunk.sum(axis=1) + busy
 
         return lax.fori_loop(0, steps, body, jnp.zeros((n,), x.dtype))
 

@@ -1,0 +1,177 @@
+"""Autotuning with real timing on the CPU: ahead-of-time compiles, checks, early stopping."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejlabel
+from ejlabel import (
+    AutotunePolicy,
+    Autotuner,
+    ConfigSelectorChain,
+    Executor,
+    Invocation,
+    Kernel,
+    PersistentCache,
+    autotune,
+    autotune_recorded,
+    benchmark,
+    get_invocations,
+    labels_to_configs,
+    recording,
+)
+from ejlabel.tuning import AutotuneError
+
+from toy_kernels import LoopConfig, LoopSumKernel, loopsum, scale
+
+X = jax.random.normal(jax.random.key(0), (64, 512))
+FAST = AutotunePolicy(num_warmup=1, num_iters=8, compile_workers=2)
+
+
+def test_benchmark_returns_median_float_with_stats():
+    f = jax.jit(lambda x: x @ x.T)
+    t = benchmark(f, X, num_warmup=2, num_iters=7)
+    assert isinstance(t, float) and t > 0
+    assert t.count == 7 and t.min_ms <= t.median_ms and t.iqr_ms >= 0 and len(t.samples_ms) == 7
+    assert float(t) == t.median_ms
+    with pytest.raises(ValueError, match="num_iters"):
+        benchmark(f, X, num_iters=0)
+
+
+def test_benchmark_seed_form_and_no_compile_time():
+    calls = []
+
+    @jax.jit
+    def f(x):
+        calls.append(1)  # runs at trace time only
+        return x + 1
+
+    t = benchmark(lambda: f(X), num_iters=5)
+    assert len(calls) == 1 and t.count == 5
+
+
+def test_autotune_picks_cheapest_and_rejects_wrong():
+    result = Autotuner(FAST).tune(Invocation(loopsum, (X,)))
+    statuses = {c.cfg: c.status for c in result.candidates}
+    assert statuses[LoopConfig(block=512, wrong=True)] == "wrong"
+    assert result.best_cfg.block >= 128 and not result.best_cfg.wrong
+    assert statuses[LoopConfig(block=1)] in ("pruned", "ok")
+    timed = [c for c in result.candidates if c.timing is not None]
+    assert max(c.timing for c in timed) > 3 * result.best.timing  # configs really differ in cost
+    assert any(c.status == "pruned" for c in result.candidates)  # early stopping dropped some
+    assert all(c.compile_s is not None and c.compile_s > 0 for c in result.candidates)
+
+
+def test_compile_failure_recorded_others_run():
+    class Fragile(LoopSumKernel):
+        def config_space(self, inv):
+            return [LoopConfig(3), LoopConfig(4), LoopConfig(8)]  # 3 does not divide 512: fails to trace
+
+    result = Autotuner(FAST).tune(Invocation(Fragile(), (X,)))
+    bad = next(c for c in result.candidates if c.cfg == LoopConfig(3))
+    assert bad.status == "compile_error" and "does not divide" in bad.reason
+    assert result.best_cfg in (LoopConfig(4), LoopConfig(8))
+
+
+def test_all_candidates_failing_lists_reasons():
+    with pytest.raises(AutotuneError, match="compile_error"):
+        Autotuner(FAST).tune(Invocation(loopsum, (X,)), configs=[LoopConfig(3), LoopConfig(5)])
+
+
+def test_autotune_seed_form_stores_winner():
+    best = autotune(loopsum, X, num_warmup=1, num_iters=6)
+    inv = Invocation(loopsum, (X,))
+    selector = ejlabel.get_default_executor().selector
+    assert selector.cache.get(*inv.cache_key) == best
+    assert selector.persistent.get_entry(*inv.cache_key).provenance == "autotuned"
+
+
+def test_second_run_hits_persistent_cache_and_tunes_nothing(tmp_path):
+    traces = []
+
+    class Counting(LoopSumKernel):
+        def run(self, x, *, cfg):
+            traces.append(cfg)
+            return super().run(x, cfg=cfg)
+
+    kernel = Counting()
+    model = lambda ex: jax.jit(lambda x: ex(kernel, x) * 2)
+
+    first = Executor(ConfigSelectorChain(persistent=PersistentCache(tmp_path), policy=dataclasses.replace(FAST, on_miss="autotune")))
+    out = model(first)(X)
+    tuned = len(traces)
+    assert tuned > 5  # every candidate compiled, plus the final trace
+    entry = first.selector.persistent.get_entry(*Invocation(kernel, (X,)).cache_key)
+    assert entry.provenance == "autotuned" and entry.stats["median_ms"] > 0 and entry.stats["candidates"]
+
+    traces.clear()
+    second = Executor(ConfigSelectorChain(persistent=PersistentCache(tmp_path), policy=dataclasses.replace(FAST, on_miss="autotune")))
+    out2 = model(second)(X)
+    assert len(traces) == 1  # only the model's own trace: nothing compiled for tuning
+    assert jnp.allclose(out, out2, rtol=1e-4)
+    lowered = jax.jit(lambda x: second(kernel, x)).lower(X)
+    assert [p.provenance for p in labels_to_configs(lowered, second.selector)] == ["memory"]
+
+
+def test_autotune_inside_jit_trace_returns_config_without_leaks(tmp_path):
+    ex = Executor(ConfigSelectorChain(persistent=PersistentCache(tmp_path), autotune=True))
+    with ejlabel.policy_override(num_iters=4, num_warmup=1):
+        with jax.checking_leaks():
+            out = jax.jit(lambda x: ex(loopsum, x))(X)
+    assert jnp.allclose(out, X.sum(axis=1), rtol=1e-4, atol=1e-3)
+    decision = ex.selector.decision(Invocation(loopsum, (X,)).cache_key)
+    assert decision.provenance == "autotuned" and not decision.cfg.wrong
+
+
+def test_policy_override_turns_tuning_off():
+    ex = Executor(ConfigSelectorChain(autotune=True))
+    with ejlabel.policy_override(autotune=False):
+        ex(loopsum, X)
+    assert ex.selector.decision(Invocation(loopsum, (X,)).cache_key).provenance == "heuristic"
+
+
+def test_recording_keeps_abstract_specs_only():
+    x = np.ones((8, 16), np.float32)  # numpy arrays can be weakly referenced
+    ref = weakref.ref(x)
+    with recording():
+        scale(x)
+        scale(x)  # same signature: recorded once
+        scale(jnp.ones((2, 2)))
+    recorded = get_invocations()
+    assert len(recorded) == 2
+    assert all(isinstance(a, jax.ShapeDtypeStruct) for inv in recorded for a in inv.args)
+    del x
+    gc.collect()
+    assert ref() is None
+
+
+def test_autotune_recorded_tunes_each_distinct_call_once(tmp_path):
+    traced = []
+
+    class Counting(LoopSumKernel):
+        def run(self, x, *, cfg):
+            traced.append((x.shape, cfg))
+            return super().run(x, cfg=cfg)
+
+    kernel = Counting()
+    a, b = jnp.ones((16, 64)), jnp.ones((8, 128))
+    with recording():
+        for x in (a, b, a, a, b):
+            kernel(x)
+    invs = get_invocations()
+    assert len(invs) == 2
+    traced.clear()
+    selector = ConfigSelectorChain(persistent=PersistentCache(tmp_path))
+    winners = autotune_recorded(invs + invs, selector=selector, policy=FAST)
+    assert set(winners) == {(inv.op_id, inv.call_key) for inv in invs}
+    spaces = sum(len(kernel.config_space(inv)) for inv in invs)
+    assert len(traced) == spaces  # each candidate of each distinct call compiled exactly once
+    for inv in invs:
+        assert selector.persistent.get(*inv.cache_key) == winners[(inv.op_id, inv.call_key)]
