@@ -14,7 +14,6 @@ import random
 import socket
 import subprocess
 import sys
-import types
 from typing import Any, NamedTuple
 
 import jax
@@ -314,6 +313,16 @@ def test_named_sharding_on_one_device() -> None:
     array = jax.device_put(jnp.zeros((4, 8)), NamedSharding(mesh, P("x")))
     assert short_hash(array) == short_hash(sharded)
     assert short_hash(abstractify(array)) == short_hash(sharded)
+
+
+def test_other_shardings_use_public_text() -> None:
+    impls = pytest.importorskip("jax._src.sharding_impls")
+    replicated = impls.GSPMDSharding.get_replicated(jax.devices())
+    text = sharding_fingerprint(replicated)
+    assert text is not None and "GSPMDSharding" in text and "0x" not in text
+    assert text == sharding_fingerprint(impls.GSPMDSharding.get_replicated(jax.devices()))
+    spec = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=replicated)
+    assert short_hash(spec) != short_hash(jax.ShapeDtypeStruct((2,), jnp.float32))
 
 
 EIGHT_DEVICE_CODE = """
