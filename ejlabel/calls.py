@@ -24,6 +24,7 @@ import jax
 from .fingerprint import sharding_fingerprint
 from .kernel import Invocation, Kernel
 from .labels import CALL_ATTRIBUTE, LABEL_RE, parse_label, program_texts
+from .selection import BACKWARD_SUFFIX
 from .serialize import import_path, resolve_path, to_jsonable, from_jsonable
 
 __all__ = ["encode_call", "decode_call", "CallDescription", "call_descriptions", "invocations_from_program", "CallDecodeError"]
@@ -180,8 +181,10 @@ def invocations_from_program(x: Any) -> dict[str, Invocation[Any, Any]]:
 
 
 def invocation_from_description(lab: str, desc: CallDescription) -> Invocation[Any, Any]:
+    """The Invocation a label's description describes; a backward label gives its forward call."""
     op_id, call_key = parse_label(lab)
-    if op_id.split(".bwd@")[0] != desc.label_op.split("@v")[0] and op_id != desc.label_op:
+    name, _, version = op_id.rpartition("@v")
+    if name.removesuffix(BACKWARD_SUFFIX) != desc.op_id or version != desc.version:
         raise CallDecodeError(f"label {lab} carries a description of {desc.label_op}")
     return Invocation(
         rebuild_kernel(desc), desc.args, desc.kwargs, batch_axes=desc.batch_axes, known_call_key=call_key

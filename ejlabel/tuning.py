@@ -262,23 +262,48 @@ class Autotuner:
     def tune_many(
         self, invocations: Sequence[Invocation[Any, Any]], configs: dict[int, list[Any]] | None = None
     ) -> list[TuneResult]:
-        """Tune each call; all candidates of all calls compile in one thread pool first."""
+        """Tune each call; all candidates of all calls compile in one thread pool first.
+
+        Raises the first call's :class:`AutotuneError` if any call has no working candidate;
+        :meth:`tune_each` returns per-call errors instead.
+        """
+        outcomes = self.tune_each(invocations, configs)
+        for outcome in outcomes:
+            if isinstance(outcome, AutotuneError):
+                raise outcome
+        return outcomes  # type: ignore[return-value]
+
+    def tune_each(
+        self, invocations: Sequence[Invocation[Any, Any]], configs: dict[int, list[Any]] | None = None
+    ) -> list[TuneResult | AutotuneError]:
+        """Like :meth:`tune_many`, but a call whose candidates all fail gives its error in place."""
         # A separate thread has no active JAX trace, so tuning triggered while tracing a jit'd
         # function compiles and runs concretely instead of being staged into that function.
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as outside_trace:
-            return outside_trace.submit(self._tune_many, list(invocations), configs or {}).result()
+            return outside_trace.submit(self._tune_each, list(invocations), configs or {}).result()
 
-    def _tune_many(self, invocations: list[Invocation[Any, Any]], configs: dict[int, list[Any]]) -> list[TuneResult]:
-        jobs = [self._job(i, abstract_invocation(inv), configs.get(i)) for i, inv in enumerate(invocations)]
-        total = sum(len(job.candidates) for job in jobs)
-        progress = _Progress(2 * total, "autotuning", self.progress)
+    def _tune_each(self, invocations: list[Invocation[Any, Any]], configs: dict[int, list[Any]]) -> list[TuneResult | AutotuneError]:
+        jobs: list[_Job | AutotuneError] = []
+        for i, inv in enumerate(invocations):
+            try:
+                jobs.append(self._job(abstract_invocation(inv), configs.get(i)))
+            except AutotuneError as err:
+                jobs.append(err)
+        live = [job for job in jobs if isinstance(job, _Job)]
+        progress = _Progress(2 * sum(len(job.candidates) for job in live), "autotuning", self.progress)
         try:
-            self._compile_all(jobs, progress)
-            return [self._measure(job, progress) for job in jobs]
+            self._compile_all(live, progress)
+            return [job if isinstance(job, AutotuneError) else self._measure_or_error(job, progress) for job in jobs]
         finally:
             progress.close()
 
-    def _job(self, index: int, inv: Invocation[Any, Any], configs: list[Any] | None) -> _Job:
+    def _measure_or_error(self, job: _Job, progress: _Progress) -> TuneResult | AutotuneError:
+        try:
+            return self._measure(job, progress)
+        except AutotuneError as err:
+            return err
+
+    def _job(self, inv: Invocation[Any, Any], configs: list[Any] | None) -> _Job:
         kernel = inv.kernel
         heuristic = kernel.heuristic_cfg(inv)
         space = list(configs) if configs is not None else list(kernel.config_space(inv))
@@ -475,7 +500,15 @@ def autotune_recorded(
     for inv in invocations:
         unique.setdefault((inv.op_id, inv.call_key), inv)
     tuner = Autotuner(policy if policy is not None else selector.policy, progress=progress)
-    results = tuner.tune_many(list(unique.values()))
-    for inv, result in zip(unique.values(), results):
-        store_result(result, inv, selector.cache, selector.persistent)
-    return {key: result.best_cfg for key, result in zip(unique, results)}
+    outcomes = tuner.tune_each(list(unique.values()))
+    winners, failures = {}, []
+    for key, inv, outcome in zip(unique, unique.values(), outcomes):
+        if isinstance(outcome, AutotuneError):
+            failures.append(str(outcome))
+        else:
+            store_result(outcome, inv, selector.cache, selector.persistent)
+            winners[key] = outcome.best_cfg
+    if failures:
+        # The calls that did tune are stored already; the error names the others.
+        raise AutotuneError(f"{len(failures)} of {len(unique)} calls could not be tuned: " + " | ".join(failures))
+    return winners

@@ -1,0 +1,213 @@
+"""Offline audit of a program: every kernel call, the config it maps to, what is unseen.
+
+``audit(x)`` reads the call graph of a program (:func:`ejlabel.analysis.call_graph`) and
+summarises it per call site: op, version, shapes, config, provenance, how often it runs and its
+estimated cost. Calls with no cached config (or only the kernel's heuristic) are *unseen*:
+``tune_unseen`` tunes exactly those. The report renders as a terminal table, Markdown or JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import networkx as nx
+
+from ejlabel.serialize import to_jsonable
+from ejlabel.selection import ConfigSelectorChain
+
+from .graph import call_graph
+
+__all__ = ["CallRow", "Report", "audit", "TUNED_PROVENANCES"]
+
+TUNED_PROVENANCES = frozenset({"override", "memory", "persistent", "autotuned"})
+"""Provenances that count as seen; ``heuristic`` and None are unseen."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRow:
+    """One kernel call site of the program."""
+
+    node: str
+    label: str
+    op: str
+    version: str
+    call_key: str
+    direction: str
+    config: Any
+    provenance: str | None
+    input_shapes: tuple[str, ...]
+    shapes: tuple[str, ...]
+    instructions: int
+    multiplicity: int | None
+    flops: int
+    bytes: int
+    nesting: tuple[str, ...]
+    attributed_custom_calls: tuple[str, ...]
+
+    @property
+    def seen(self) -> bool:
+        return self.provenance in TUNED_PROVENANCES
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["config"] = _jsonable_config(self.config)
+        data["seen"] = self.seen
+        return data
+
+
+def _jsonable_config(cfg: Any) -> Any:
+    try:
+        return to_jsonable(cfg)
+    except TypeError:
+        return repr(cfg)
+
+
+def _short(cfg: Any, width: int = 48) -> str:
+    if cfg is None:
+        return "-"
+    text = repr(cfg)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}E"
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The audit of one program: its call rows, totals per op, and unseen calls."""
+
+    calls: tuple[CallRow, ...]
+    device: str
+    graph: nx.DiGraph = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def unseen(self) -> tuple[CallRow, ...]:
+        """Call sites without a tuned config, one per distinct label."""
+        distinct: dict[str, CallRow] = {}
+        for row in self.calls:
+            if not row.seen:
+                distinct.setdefault(row.label, row)
+        return tuple(distinct.values())
+
+    @property
+    def by_op(self) -> dict[str, dict[str, int]]:
+        """Per op: call sites, distinct labels, unseen labels, flops and bytes (times multiplicity)."""
+        totals: dict[str, dict[str, Any]] = {}
+        for row in self.calls:
+            op = totals.setdefault(row.op, {"sites": 0, "labels": set(), "unseen": set(), "flops": 0, "bytes": 0})
+            times = row.multiplicity or 1
+            op["sites"] += 1
+            op["labels"].add(row.label)
+            if not row.seen:
+                op["unseen"].add(row.label)
+            op["flops"] += row.flops * times
+            op["bytes"] += row.bytes * times
+        return {
+            name: {"sites": t["sites"], "labels": len(t["labels"]), "unseen": len(t["unseen"]), "flops": t["flops"], "bytes": t["bytes"]}
+            for name, t in sorted(totals.items())
+        }
+
+    def summary(self) -> str:
+        labels = {row.label for row in self.calls}
+        return f"{len(self.calls)} kernel call sites, {len(labels)} distinct calls, {len(self.unseen)} unseen, on {self.device}"
+
+    def to_json(self, indent: int | None = 2) -> str:
+        data = {
+            "device": self.device,
+            "summary": self.summary(),
+            "calls": [row.to_dict() for row in self.calls],
+            "by_op": self.by_op,
+            "unseen": [row.label for row in self.unseen],
+        }
+        return json.dumps(data, indent=indent, default=repr)
+
+    def _table_rows(self) -> list[list[str]]:
+        rows = []
+        for row in self.calls:
+            times = "?" if row.multiplicity is None else str(row.multiplicity)
+            rows.append([
+                f"{row.op}@v{row.version}",
+                row.call_key[:8],
+                " ".join(row.input_shapes[:3]) + (" …" if len(row.input_shapes) > 3 else ""),
+                _short(row.config),
+                row.provenance or "UNSEEN",
+                times,
+                _human(row.flops),
+                _human(row.bytes) + "B",
+            ])
+        return rows
+
+    _HEADERS = ["op", "key", "inputs", "config", "provenance", "×", "flops", "bytes"]
+
+    def to_markdown(self) -> str:
+        lines = [f"**{self.summary()}**", "", "| " + " | ".join(self._HEADERS) + " |", "|" + "---|" * len(self._HEADERS)]
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in self._table_rows()]
+        lines += ["", "| op | sites | distinct | unseen | flops | bytes |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"| {op} | {t['sites']} | {t['labels']} | {t['unseen']} | {_human(t['flops'])} | {_human(t['bytes'])}B |"
+            for op, t in self.by_op.items()
+        ]
+        return "\n".join(lines)
+
+    def render(self, width: int = 140) -> str:
+        """A terminal table (rich), as text."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=self.summary(), title_justify="left")
+        for header in self._HEADERS:
+            table.add_column(header, no_wrap=header in ("op", "key", "provenance"))
+        for cells in self._table_rows():
+            style = "red" if cells[4] in ("UNSEEN", "heuristic") else None
+            table.add_row(*cells, style=style)
+        console = Console(width=width, record=True, file=open("/dev/null", "w"), color_system=None)  # noqa: SIM115
+        console.print(table)
+        return console.export_text()
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def audit(x: Any, selector: ConfigSelectorChain | None = None, device: str | None = None) -> Report:
+    """Audit ``x`` (anything ``find_labels_in_lowered`` accepts) against ``selector``'s caches.
+
+    With no selector, a fresh one over the default persistent cache is used: the audit then
+    shows what a new process would find.
+    """
+    if selector is None:
+        from ejlabel.executor import _open_default_persistent
+
+        selector = ConfigSelectorChain(persistent=_open_default_persistent())
+    graph = call_graph(x, selector=selector, device=device)
+    rows = []
+    for node, data in graph.nodes(data=True):
+        if data.get("kind", "kernel") != "kernel":
+            continue
+        rows.append(
+            CallRow(
+                node=node,
+                label=data["label"],
+                op=data["op"],
+                version=data["version"],
+                call_key=data["call_key"],
+                direction=data["direction"],
+                config=data["config"],
+                provenance=data["provenance"],
+                input_shapes=tuple(data.get("input_shapes", ())),
+                shapes=tuple(data.get("shapes", ())),
+                instructions=data["instructions"],
+                multiplicity=data["multiplicity"],
+                flops=data["flops"],
+                bytes=data["bytes"],
+                nesting=tuple(data["nesting"]),
+                attributed_custom_calls=tuple(data.get("attributed_custom_calls", ())),
+            )
+        )
+    return Report(tuple(rows), graph.graph.get("device", device or ""), graph)

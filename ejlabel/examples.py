@@ -1,0 +1,163 @@
+"""An example model: a small decoder-only transformer built from ``ejlabel.kernels``.
+
+Embedding, ``n_layers`` blocks of RMSNorm → grouped-query causal attention → RMSNorm → gated
+MLP, a final norm and the softmax cross-entropy loss. The same model runs on three sets of ops
+(``Ops``): ``KERNEL_OPS`` (every call labelled, configs chosen by the executor),
+``XLA_OPS`` (plain ``jax.numpy``) and ``CUDNN_OPS`` (XLA, with cuDNN attention), which is how
+the benchmarks compare them. Sizes: ``TINY`` for the CPU, ``GPU_125M`` (~125M parameters) for
+the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ejlabel.kernels.attention import flash_attention
+from ejlabel.kernels.cross_entropy import softmax_cross_entropy
+from ejlabel.kernels.matmul import matmul
+from ejlabel.kernels.norms import rms_norm
+
+__all__ = ["ModelConfig", "TINY", "GPU_125M", "Ops", "KERNEL_OPS", "XLA_OPS", "CUDNN_OPS", "init_params", "example_batch", "loss_fn", "make_train_step", "make_serve_step"]
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    seq_len: int
+    batch: int
+    dtype: Any = jnp.float32
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+TINY = ModelConfig(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=32, batch=2)
+GPU_125M = ModelConfig(vocab=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048, seq_len=2048, batch=8, dtype=jnp.bfloat16)
+
+
+class Ops(NamedTuple):
+    """The four operations the model is made of."""
+
+    matmul: Callable[[Array, Array], Array]
+    rms_norm: Callable[[Array, Array], Array]
+    attention: Callable[[Array, Array, Array], Array]  # causal, [batch, seq, heads, dim]
+    cross_entropy: Callable[[Array, Array], Array]  # per-token float32 loss
+
+
+def _xla_rms_norm(x: Array, w: Array, eps: float = 1e-6) -> Array:
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def _xla_cross_entropy(logits: Array, labels: Array) -> Array:
+    logits32 = logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits32, labels[:, None], axis=-1)[:, 0]
+    return jax.nn.logsumexp(logits32, axis=-1) - picked
+
+
+def _xla_matmul(a: Array, b: Array) -> Array:
+    return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def _sdpa(implementation: str | None) -> Callable[[Array, Array, Array], Array]:
+    def attention(q: Array, k: Array, v: Array) -> Array:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+    return attention
+
+
+KERNEL_OPS = Ops(matmul, rms_norm, lambda q, k, v: flash_attention(q, k, v, causal=True), softmax_cross_entropy)
+XLA_OPS = Ops(_xla_matmul, _xla_rms_norm, _sdpa("xla"), _xla_cross_entropy)
+CUDNN_OPS = Ops(_xla_matmul, _xla_rms_norm, _sdpa("cudnn"), _xla_cross_entropy)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Weights drawn with 1/sqrt(fan-in) scaling, in ``cfg.dtype``."""
+    def dense(key: jax.Array, fan_in: int, fan_out: int) -> Array:
+        return (jax.random.normal(key, (fan_in, fan_out), jnp.float32) / math.sqrt(fan_in)).astype(cfg.dtype)
+
+    kv_width = cfg.n_kv_heads * cfg.head_dim
+    keys = iter(jax.random.split(key, 2 + 7 * cfg.n_layers))
+    layers = []
+    for _ in range(cfg.n_layers):
+        layers.append({
+            "attn_norm": jnp.ones((cfg.d_model,), cfg.dtype),
+            "wq": dense(next(keys), cfg.d_model, cfg.d_model),
+            "wk": dense(next(keys), cfg.d_model, kv_width),
+            "wv": dense(next(keys), cfg.d_model, kv_width),
+            "wo": dense(next(keys), cfg.d_model, cfg.d_model),
+            "mlp_norm": jnp.ones((cfg.d_model,), cfg.dtype),
+            "w_gate": dense(next(keys), cfg.d_model, cfg.d_ff),
+            "w_up": dense(next(keys), cfg.d_model, cfg.d_ff),
+            "w_down": dense(next(keys), cfg.d_ff, cfg.d_model),
+        })
+    return {
+        "embed": (jax.random.normal(next(keys), (cfg.vocab, cfg.d_model), jnp.float32) * 0.02).astype(cfg.dtype),
+        "layers": layers,
+        "final_norm": jnp.ones((cfg.d_model,), cfg.dtype),
+        "unembed": dense(next(keys), cfg.d_model, cfg.vocab),
+    }
+
+
+def example_batch(cfg: ModelConfig, key: jax.Array) -> dict[str, Array]:
+    """Random tokens ``[batch, seq]`` and their next-token targets."""
+    tokens = jax.random.randint(key, (cfg.batch, cfg.seq_len + 1), 0, cfg.vocab, dtype=jnp.int32)
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _block(x: Float[Array, "tokens d"], layer: Params, cfg: ModelConfig, ops: Ops) -> Float[Array, "tokens d"]:
+    b, s = cfg.batch, cfg.seq_len
+    h = ops.rms_norm(x, layer["attn_norm"])
+    q = ops.matmul(h, layer["wq"]).reshape(b, s, cfg.n_heads, cfg.head_dim)
+    k = ops.matmul(h, layer["wk"]).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+    v = ops.matmul(h, layer["wv"]).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+    attended = ops.attention(q, k, v).reshape(b * s, cfg.d_model)
+    x = x + ops.matmul(attended, layer["wo"])
+    h = ops.rms_norm(x, layer["mlp_norm"])
+    gated = jax.nn.silu(ops.matmul(h, layer["w_gate"])) * ops.matmul(h, layer["w_up"])
+    return x + ops.matmul(gated, layer["w_down"])
+
+
+def logits_fn(params: Params, tokens: Int[Array, "batch seq"], cfg: ModelConfig, ops: Ops) -> Float[Array, "tokens vocab"]:
+    """Next-token logits for every position, flattened to ``[batch * seq, vocab]``."""
+    x = params["embed"][tokens.reshape(-1)]
+    for layer in params["layers"]:
+        x = _block(x, layer, cfg, ops)
+    return ops.matmul(ops.rms_norm(x, params["final_norm"]), params["unembed"])
+
+
+def loss_fn(params: Params, batch: dict[str, Array], cfg: ModelConfig, ops: Ops) -> Float[Array, ""]:
+    """Mean next-token cross-entropy."""
+    logits = logits_fn(params, batch["tokens"], cfg, ops)
+    return jnp.mean(ops.cross_entropy(logits, batch["targets"].reshape(-1)))
+
+
+def make_train_step(cfg: ModelConfig, ops: Ops = KERNEL_OPS, learning_rate: float = 0.05) -> Callable[[Params, dict[str, Array]], tuple[Params, Array]]:
+    """``step(params, batch) -> (params, loss)``: value_and_grad and a plain SGD update."""
+
+    def step(params: Params, batch: dict[str, Array]) -> tuple[Params, Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, cfg, ops)
+        new_params = jax.tree_util.tree_map(lambda p, g: (p - learning_rate * g.astype(jnp.float32)).astype(p.dtype), params, grads)
+        return new_params, loss
+
+    return step
+
+
+def make_serve_step(cfg: ModelConfig, ops: Ops = KERNEL_OPS) -> Callable[[Params, Array], Array]:
+    """``step(params, tokens) -> logits [batch * seq, vocab]``: the forward pass only."""
+    return lambda params, tokens: logits_fn(params, tokens, cfg, ops)
