@@ -1,0 +1,563 @@
+"""Flash attention: softmax(q k^T * scale + mask) v over ``[batch, seq, heads, dim]`` arrays.
+
+Features, in every implementation that accepts them:
+
+- grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q``; query head ``h``
+  reads key/value head ``h // (heads_q // heads_kv)``;
+- ``causal``: query ``i`` sees keys ``j <= i`` (positions counted from 0 in both);
+- ``sliding_window=(left, right)``: query ``i`` sees keys ``i - left <= j <= i + right``
+  (with ``causal`` the right side is 0);
+- ``segment_ids [batch, seq]``: tokens see only tokens with the same id; ids ``<= 0`` are
+  padding, which sees nothing and gets output 0;
+- ``cu_seqlens [n + 1]``: a packed batch; ``q``, ``k`` and ``v`` are ``[1, total, heads,
+  dim]`` and sequence ``s`` is ``tokens cu_seqlens[s]:cu_seqlens[s + 1]``; tokens past
+  ``cu_seqlens[-1]`` are padding. It is turned into segment ids ``1..n`` (padding 0), so
+  causal masks and windows act within each sequence.
+
+A query that sees no key gets output 0 and gradient 0, never NaN.
+
+Implementations, chosen by :class:`AttentionConfig.impl`:
+
+- ``"xla"``: the reference; the masked softmax in float32, backward by ``jax.vjp``.
+- ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``; GPU, 16-bit inputs,
+  causal or not, no segments or windows.
+- ``"pallas"``: a flash-attention-2 forward on the Triton backend. Each program owns one
+  ``q`` block of one head and walks the key/value blocks with an online softmax in base 2,
+  skipping the blocks that causal masks or windows leave empty. Backward kernels follow the
+  same recipe: one computes ``dq`` per ``q`` block; the other computes ``dk`` and ``dv`` per
+  key/value block and head, summing over the query heads of its group inside the program, so
+  grouped-query attention writes no per-query-head partials. The custom VJP receives only the
+  inputs, so the backward reruns the forward for the output and the log-sum-exp: one extra
+  forward instead of keeping them alive, the usual flash-attention trade.
+
+Sequences are padded to whole blocks and the head dimension to a power of two; the padding is
+masked out and sliced off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from ejlabel import BwdParams, FwdParams, Invocation, Kernel
+
+from ._pallas import MASK_VALUE, compiler_params, dot, interpret_mode, next_power_of_2, on_gpu, pad_axis, pad_to
+
+__all__ = ["AttentionConfig", "AttentionKernel", "cu_seqlens_to_segment_ids", "flash_attention"]
+
+_IMPLS = ("xla", "cudnn", "pallas")
+_LOG2E = math.log2(math.e)
+Window = tuple[int | None, int | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """How to run one attention call.
+
+    Attributes:
+      impl: ``"xla"``, ``"cudnn"`` or ``"pallas"``.
+      fwd: tiles and launch parameters of the Pallas forward (unset fields get defaults).
+      bwd: the same for the Pallas backward kernels.
+    """
+
+    impl: str = "xla"
+    fwd: FwdParams = FwdParams()
+    bwd: BwdParams = BwdParams()
+
+    def __post_init__(self) -> None:
+        if self.impl not in _IMPLS:
+            raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Masks
+
+
+def cu_seqlens_to_segment_ids(cu_seqlens: Int[Array, "n+1"], total: int) -> Int[Array, "1 total"]:
+    """Segment ids ``[1, total]`` of a packed batch: ``s + 1`` for tokens of sequence ``s``, 0 past the end."""
+    positions = jnp.arange(total, dtype=jnp.int32)
+    ids = jnp.searchsorted(cu_seqlens[1:].astype(jnp.int32), positions, side="right").astype(jnp.int32) + 1
+    return jnp.where(positions < cu_seqlens[-1], ids, 0)[None, :]
+
+
+def _bounds(causal: bool, window: Window | None) -> Window:
+    """How far left and right of itself a query sees (None: unbounded)."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _mask(
+    q_pos: Int[Array, "bq"], k_pos: Int[Array, "bk"], q_seg: Int[Array, "bq"] | None, k_seg: Int[Array, "bk"] | None,
+    *, bounds: Window, kv_len: int | None,
+) -> jax.Array | None:
+    """``[bq, bk]`` visibility of keys to queries, or None when every key is visible."""
+    left, right = bounds
+    conditions = []
+    if kv_len is not None:
+        conditions.append(k_pos[None, :] < kv_len)
+    if right is not None:
+        conditions.append(k_pos[None, :] <= q_pos[:, None] + right)
+    if left is not None:
+        conditions.append(k_pos[None, :] >= q_pos[:, None] - left)
+    if q_seg is not None:
+        conditions.append((q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] > 0))
+    return functools.reduce(jnp.logical_and, conditions) if conditions else None
+
+
+# --------------------------------------------------------------------------------------------
+# XLA
+
+
+def _attention_xla(
+    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+    segment_ids: Int[Array, "batch seq"] | None, *, scale: float, bounds: Window,
+) -> Float[Array, "batch sq heads dim"]:
+    batch, sq, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(batch, sq, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+    positions_q, positions_k = jnp.arange(sq), jnp.arange(k.shape[1])
+    if segment_ids is None:
+        mask = _mask(positions_q, positions_k, None, None, bounds=bounds, kv_len=None)
+        mask = None if mask is None else mask[None]
+    else:
+        mask = jax.vmap(lambda s: _mask(positions_q, positions_k, s, s, bounds=bounds, kv_len=None))(segment_ids)
+    if mask is not None:
+        mask = mask[:, None, None]  # [batch, 1, 1, sq, skv] against [batch, kv_heads, group, sq, skv]
+        scores = jnp.where(mask, scores, MASK_VALUE)
+    probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    if mask is not None:
+        probs = jnp.where(mask, probs, 0.0)
+    total = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(total == 0.0, 1.0, total)  # rows that see nothing stay 0
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def _attention_cudnn(
+    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+    *, scale: float, causal: bool,
+) -> Float[Array, "batch sq heads dim"]:
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Static facts every Pallas kernel of one call needs."""
+
+    scale: float  # softmax scale times log2(e): the kernels work in base 2
+    bounds: Window
+    block_q: int
+    block_k: int
+    kv_len: int | None  # the true key length when the keys are padded without segment ids
+    group: int
+
+    def kv_blocks(self, q_block: jax.Array, num_kv_blocks: int) -> tuple[jax.Array, jax.Array]:
+        """Key/value blocks ``[lo, hi)`` that query block ``q_block`` can see."""
+        left, right = self.bounds
+        lo = jnp.int32(0) if left is None else lax.div(jnp.maximum(q_block * self.block_q - left, 0), self.block_k)
+        if right is None:
+            return lo, jnp.int32(num_kv_blocks)
+        last = (q_block + 1) * self.block_q + right  # one past the last visible position
+        return lo, jnp.minimum(lax.div(jnp.maximum(last, 0) + self.block_k - 1, self.block_k), num_kv_blocks)
+
+    def q_blocks(self, kv_block: jax.Array, num_q_blocks: int) -> tuple[jax.Array, jax.Array]:
+        """Query blocks ``[lo, hi)`` that can see key/value block ``kv_block``."""
+        left, right = self.bounds
+        lo = jnp.int32(0) if right is None else lax.div(jnp.maximum(kv_block * self.block_k - right, 0), self.block_q)
+        if left is None:
+            return lo, jnp.int32(num_q_blocks)
+        last = (kv_block + 1) * self.block_k + left
+        return lo, jnp.minimum(lax.div(last + self.block_q - 1, self.block_q), num_q_blocks)
+
+    def mask(self, q_start: jax.Array, k_start: jax.Array, q_seg: jax.Array | None, k_seg: jax.Array | None) -> jax.Array | None:
+        q_pos = q_start + jnp.arange(self.block_q, dtype=jnp.int32)
+        k_pos = k_start + jnp.arange(self.block_k, dtype=jnp.int32)
+        return _mask(q_pos, k_pos, q_seg, k_seg, bounds=self.bounds, kv_len=self.kv_len)
+
+
+def _split_segments(refs: tuple[Any, ...], has_segments: bool) -> tuple[Any, Any, tuple[Any, ...]]:
+    return (refs[0], refs[1], refs[2:]) if has_segments else (None, None, refs)
+
+
+def _forward_kernel(q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, geo: _Geometry, has_segments: bool) -> None:
+    q_seg_ref, kv_seg_ref, (o_ref, lse_ref) = _split_segments(refs, has_segments)
+    bq, bk = geo.block_q, geo.block_k
+    i = pl.program_id(0)
+    q = q_ref[...]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+
+    def step(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        acc, running_max, running_sum = carry
+        start = pl.multiple_of(j * bk, bk)
+        keys = pl.ds(start, bk)
+        scores = dot(q, k_ref[keys, :], trans_b=True) * geo.scale
+        mask = geo.mask(i * bq, start, q_seg, None if kv_seg_ref is None else kv_seg_ref[keys])
+        if mask is not None:
+            scores = jnp.where(mask, scores, MASK_VALUE)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))
+        probs = jnp.exp2(scores - new_max[:, None])
+        if mask is not None:
+            # A row with nothing visible yet has new_max == MASK_VALUE and exp2(0) == 1 above.
+            probs = jnp.where(mask, probs, 0.0)
+        correction = jnp.exp2(running_max - new_max)
+        running_sum = running_sum * correction + jnp.sum(probs, axis=1)
+        acc = acc * correction[:, None] + dot(probs.astype(v_ref.dtype), v_ref[keys, :])
+        return acc, new_max, running_sum
+
+    lo, hi = geo.kv_blocks(i, k_ref.shape[0] // bk)
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    acc, running_max, running_sum = lax.fori_loop(lo, hi, step, init)
+    seen = running_sum > 0.0
+    o_ref[...] = (acc / jnp.where(seen, running_sum, 1.0)[:, None]).astype(o_ref.dtype)
+    # Rows that see nothing get any finite value: every use of it is masked.
+    lse_ref[...] = jnp.where(seen, running_max + jnp.log2(jnp.where(seen, running_sum, 1.0)), 0.0)
+
+
+def _dq_kernel(
+    q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, *refs: Any, geo: _Geometry, has_segments: bool
+) -> None:
+    q_seg_ref, kv_seg_ref, (dq_ref,) = _split_segments(refs, has_segments)
+    bq, bk = geo.block_q, geo.block_k
+    i = pl.program_id(0)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+
+    def step(j: jax.Array, dq: jax.Array) -> jax.Array:
+        start = pl.multiple_of(j * bk, bk)
+        keys = pl.ds(start, bk)
+        k = k_ref[keys, :]
+        probs = jnp.exp2(dot(q, k, trans_b=True) * geo.scale - lse[:, None])
+        mask = geo.mask(i * bq, start, q_seg, None if kv_seg_ref is None else kv_seg_ref[keys])
+        if mask is not None:
+            probs = jnp.where(mask, probs, 0.0)
+        dscores = probs * (dot(do, v_ref[keys, :], trans_b=True) - delta[:, None])
+        return dq + dot(dscores.astype(k.dtype), k)
+
+    lo, hi = geo.kv_blocks(i, k_ref.shape[0] // bk)
+    dq = lax.fori_loop(lo, hi, step, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * (geo.scale / _LOG2E)).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(
+    q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, *refs: Any, geo: _Geometry, has_segments: bool
+) -> None:
+    q_seg_ref, kv_seg_ref, (dk_ref, dv_ref) = _split_segments(refs, has_segments)
+    bq, bk = geo.block_q, geo.block_k
+    j = pl.program_id(0)
+    k, v = k_ref[...], v_ref[...]
+    kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
+    lo, hi = geo.q_blocks(j, q_ref.shape[0] // bq)
+    dk = dv = jnp.zeros(k.shape, jnp.float32)
+    # The query heads of this key/value head's group, unrolled: the group is small and static.
+    for head in range(geo.group):
+
+        def step(i: jax.Array, grads: tuple[jax.Array, jax.Array], head: int = head) -> tuple[jax.Array, jax.Array]:
+            dk, dv = grads
+            start = pl.multiple_of(i * bq, bq)
+            rows = pl.ds(start, bq)
+            q, do = q_ref[rows, head, :], do_ref[rows, head, :]
+            probs = jnp.exp2(dot(q, k, trans_b=True) * geo.scale - lse_ref[head, rows][:, None])
+            mask = geo.mask(start, j * bk, None if q_seg_ref is None else q_seg_ref[rows], kv_seg)
+            if mask is not None:
+                probs = jnp.where(mask, probs, 0.0)
+            dv = dv + dot(probs.astype(do.dtype), do, trans_a=True)
+            dscores = probs * (dot(do, v, trans_b=True) - delta_ref[head, rows][:, None])
+            return dk + dot(dscores.astype(q.dtype), q, trans_a=True), dv
+
+        dk, dv = lax.fori_loop(lo, hi, step, (dk, dv))
+    dk_ref[...] = (dk * (geo.scale / _LOG2E)).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Padded:
+    """Operands padded for the Pallas kernels, and what is needed to undo it."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    segment_ids: jax.Array | None
+    geo: _Geometry
+    seq_q: int
+    dim: int
+
+
+def _resolve_blocks(params: FwdParams | BwdParams, seq_q: int, seq_kv: int) -> tuple[int, int]:
+    # Triton dots need sides of at least 16; tiles far longer than the sequence are wasted.
+    return (min(params.q_blocksize, max(16, next_power_of_2(seq_q))), min(params.kv_blocksize, max(16, next_power_of_2(seq_kv))))
+
+
+def _pad(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, params: FwdParams | BwdParams,
+    *, scale: float, bounds: Window,
+) -> _Padded:
+    batch, seq_q, heads, dim = q.shape
+    seq_kv = k.shape[1]
+    block_q, block_k = _resolve_blocks(params, seq_q, seq_kv)
+    padded_dim = max(16, next_power_of_2(dim))
+    q, k, v = (pad_axis(t, 3, padded_dim) for t in (q, k, v))
+    q, (k, v) = pad_to(q, 1, block_q), (pad_to(t, 1, block_k) for t in (k, v))
+    if segment_ids is not None:
+        # Both roles read one array: pad it to the longer of the two padded lengths.
+        segment_ids = pad_axis(segment_ids.astype(jnp.int32), 1, max(q.shape[1], k.shape[1]))
+    kv_len = seq_kv if segment_ids is None and k.shape[1] != seq_kv else None
+    geo = _Geometry(scale * _LOG2E, bounds, block_q, block_k, kv_len, heads // k.shape[2])
+    return _Padded(q, k, v, segment_ids, geo, seq_q, dim)
+
+
+def _segment_inputs(p: _Padded, q_spec: pl.BlockSpec, kv_spec: pl.BlockSpec) -> tuple[list[jax.Array], list[pl.BlockSpec]]:
+    if p.segment_ids is None:
+        return [], []
+    seq_q, seq_kv = p.q.shape[1], p.k.shape[1]
+    return [p.segment_ids[:, :seq_q], p.segment_ids[:, :seq_kv]], [q_spec, kv_spec]
+
+
+def _forward_pallas(p: _Padded, params: FwdParams) -> tuple[jax.Array, jax.Array]:
+    """``(out [batch, seq_q_padded, heads, dim_padded], lse [batch, heads, seq_q_padded])``, lse in base 2."""
+    batch, seq_q, heads, dim = p.q.shape
+    seq_kv, geo = p.k.shape[1], p.geo
+    q_block = pl.BlockSpec((None, geo.block_q, None, dim), lambda i, b, h: (b, i, h, 0))
+    kv_whole = pl.BlockSpec((None, seq_kv, None, dim), lambda i, b, h: (b, 0, lax.div(h, geo.group), 0))
+    segments, segment_specs = _segment_inputs(
+        p, pl.BlockSpec((None, geo.block_q), lambda i, b, h: (b, i)), pl.BlockSpec((None, seq_kv), lambda i, b, h: (b, 0))
+    )
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, geo=geo, has_segments=p.segment_ids is not None),
+        grid=(seq_q // geo.block_q, batch, heads),
+        in_specs=[q_block, kv_whole, kv_whole, *segment_specs],
+        out_specs=[q_block, pl.BlockSpec((None, None, geo.block_q), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(p.q.shape, p.q.dtype), jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)],
+        compiler_params=compiler_params(params.num_warps, params.num_stages),
+        interpret=interpret_mode(),
+        name="flash_attention_fwd",
+    )(p.q, p.k, p.v, *segments)
+
+
+def _backward_pallas(p: _Padded, out: jax.Array, lse: jax.Array, g: jax.Array, params: BwdParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+    batch, seq_q, heads, dim = p.q.shape
+    seq_kv, kv_heads, geo = p.k.shape[1], p.k.shape[2], p.geo
+    do = pad_axis(pad_axis(g.astype(p.q.dtype), 3, dim), 1, seq_q)
+    # delta_i = sum_d out_id * dout_id, the row term of the softmax backward.
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+    launch = dict(compiler_params=compiler_params(params.num_warps, params.num_stages), interpret=interpret_mode())
+    has_segments = p.segment_ids is not None
+
+    q_block = pl.BlockSpec((None, geo.block_q, None, dim), lambda i, b, h: (b, i, h, 0))
+    kv_whole = pl.BlockSpec((None, seq_kv, None, dim), lambda i, b, h: (b, 0, lax.div(h, geo.group), 0))
+    row_block = pl.BlockSpec((None, None, geo.block_q), lambda i, b, h: (b, h, i))
+    segments, segment_specs = _segment_inputs(
+        p, pl.BlockSpec((None, geo.block_q), lambda i, b, h: (b, i)), pl.BlockSpec((None, seq_kv), lambda i, b, h: (b, 0))
+    )
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, geo=geo, has_segments=has_segments),
+        grid=(seq_q // geo.block_q, batch, heads),
+        in_specs=[q_block, kv_whole, kv_whole, q_block, row_block, row_block, *segment_specs],
+        out_specs=q_block,
+        out_shape=jax.ShapeDtypeStruct(p.q.shape, p.q.dtype),
+        name="flash_attention_bwd_dq",
+        **launch,
+    )(p.q, p.k, p.v, do, lse, delta, *segments)
+
+    # One program per key/value block and key/value head; it reads its group's query heads.
+    q_group = pl.BlockSpec((None, seq_q, geo.group, dim), lambda j, b, h: (b, 0, h, 0))
+    kv_block = pl.BlockSpec((None, geo.block_k, None, dim), lambda j, b, h: (b, j, h, 0))
+    rows_group = pl.BlockSpec((None, geo.group, seq_q), lambda j, b, h: (b, h, 0))
+    segments, segment_specs = _segment_inputs(
+        p, pl.BlockSpec((None, seq_q), lambda j, b, h: (b, 0)), pl.BlockSpec((None, geo.block_k), lambda j, b, h: (b, j))
+    )
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, geo=geo, has_segments=has_segments),
+        grid=(seq_kv // geo.block_k, batch, kv_heads),
+        in_specs=[q_group, kv_block, kv_block, q_group, rows_group, rows_group, *segment_specs],
+        out_specs=[kv_block, kv_block],
+        out_shape=[jax.ShapeDtypeStruct(p.k.shape, p.k.dtype)] * 2,
+        name="flash_attention_bwd_dkv",
+        **launch,
+    )(p.q, p.k, p.v, do, lse, delta, *segments)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel
+
+
+def _default_fwd(dim: int) -> FwdParams:
+    return FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8 if dim >= 128 else 4, num_stages=3)
+
+
+def _default_bwd(dim: int) -> BwdParams:
+    return BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8 if dim >= 128 else 4, num_stages=2)
+
+
+class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
+    """Flash attention with masks, segments and grouped heads; see the module docstring."""
+
+    version = "1"
+
+    def __init__(self) -> None:
+        super().__init__("flash_attention")
+
+    def run(
+        self, q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+        *, cfg: AttentionConfig, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+    ) -> Float[Array, "batch sq heads dim"]:
+        segment_ids = _segments(q, k, segment_ids, cu_seqlens)
+        scale = _scale(q, softmax_scale)
+        bounds = _bounds(causal, sliding_window)
+        if cfg.impl == "xla":
+            return _attention_xla(q, k, v, segment_ids, scale=scale, bounds=bounds)
+        if cfg.impl == "cudnn":
+            if segment_ids is not None or sliding_window is not None:
+                raise ValueError("the cudnn implementation takes no segment ids, cu_seqlens or sliding window")
+            return _attention_cudnn(q, k, v, scale=scale, causal=causal)
+        fwd = _default_fwd(q.shape[3]).merge(cfg.fwd)
+        out, _ = _forward_pallas(_pad(q, k, v, segment_ids, fwd, scale=scale, bounds=bounds), fwd)
+        return out[:, : q.shape[1], :, : q.shape[3]]
+
+    def custom_vjp(
+        self, primals: tuple[Any, ...], cfg: AttentionConfig, kwargs: dict[str, Any], cotangents: tuple[Any, ...]
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q, k, v = primals
+        (g,) = cotangents
+        segment_ids = _segments(q, k, kwargs.get("segment_ids"), kwargs.get("cu_seqlens"))
+        scale = _scale(q, kwargs.get("softmax_scale"))
+        causal, window = kwargs.get("causal", False), kwargs.get("sliding_window")
+        bounds = _bounds(causal, window)
+        if cfg.impl != "pallas":
+            if cfg.impl == "cudnn":
+                forward = functools.partial(_attention_cudnn, scale=scale, causal=causal)
+            else:
+                forward = functools.partial(_attention_xla, segment_ids=segment_ids, scale=scale, bounds=bounds)
+            _, pullback = jax.vjp(forward, q, k, v)
+            return pullback(g.astype(q.dtype))
+        dim = q.shape[3]
+        fwd, bwd = _default_fwd(dim).merge(cfg.fwd), _default_bwd(dim).merge(cfg.bwd)
+        out, lse = _forward_pallas(_pad(q, k, v, segment_ids, fwd, scale=scale, bounds=bounds), fwd)
+        padded = _pad(q, k, v, segment_ids, bwd, scale=scale, bounds=bounds)
+        # The forward may have used other tiles: bring its outputs to the backward's padding.
+        out, lse = pad_axis(out[:, : q.shape[1]], 1, padded.q.shape[1]), pad_axis(lse[:, :, : q.shape[1]], 2, padded.q.shape[1])
+        dq, dk, dv = _backward_pallas(padded, out, lse, g, bwd)
+        return dq[:, : q.shape[1], :, :dim], dk[:, : k.shape[1], :, :dim], dv[:, : k.shape[1], :, :dim]
+
+    def reference(
+        self, q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+        *, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+    ) -> Float[Array, "batch sq heads dim"]:
+        segment_ids = _segments(q, k, segment_ids, cu_seqlens)
+        return _attention_xla(q, k, v, segment_ids, scale=_scale(q, softmax_scale), bounds=_bounds(causal, sliding_window))
+
+    def make_inputs(self, inv: Invocation[AttentionConfig, jax.Array], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        keys = jax.random.split(key, 3)
+        args = tuple(jax.random.normal(kk, a.shape, jnp.float32).astype(a.dtype) for kk, a in zip(keys, inv.args))
+        kwargs = dict(inv.kwargs)
+        batch, seq = inv.args[0].shape[:2]
+        if kwargs.get("segment_ids") is not None:
+            # Four contiguous segments per row, the last eighth of each row padding.
+            ids = 1 + (jnp.arange(seq) * 4) // seq
+            ids = jnp.where(jnp.arange(seq) < seq - seq // 8, ids, 0)
+            kwargs["segment_ids"] = jnp.broadcast_to(ids, (batch, seq)).astype(kwargs["segment_ids"].dtype)
+        if kwargs.get("cu_seqlens") is not None:
+            count = kwargs["cu_seqlens"].shape[0] - 1
+            used = seq - seq // 8
+            kwargs["cu_seqlens"] = ((jnp.arange(count + 1) * used) // max(count, 1)).astype(kwargs["cu_seqlens"].dtype)
+        return args, kwargs
+
+    def heuristic_cfg(self, inv: Invocation[AttentionConfig, jax.Array]) -> AttentionConfig:
+        if not on_gpu():
+            return AttentionConfig("xla")
+        dim = inv.args[0].shape[3]
+        return AttentionConfig("pallas", _default_fwd(dim), _default_bwd(dim))
+
+    def config_space(self, inv: Invocation[AttentionConfig, jax.Array]) -> list[AttentionConfig]:
+        if not on_gpu():
+            small = BwdParams(16, 16, 4, 1)
+            return [AttentionConfig("xla"), AttentionConfig("pallas", FwdParams(16, 16, 4, 1), small), AttentionConfig("pallas", FwdParams(32, 16, 4, 1), small)]
+        # Tuning times the forward only, so the backward keeps its default tiles.
+        bwd = _default_bwd(inv.args[0].shape[3])
+        tiles = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+        pallas = [AttentionConfig("pallas", FwdParams(bq, bk, w, s), bwd) for bq, bk, w, s in tiles]
+        return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas
+
+    def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:
+        q = inv.args[0]
+        if cfg.impl == "cudnn":
+            plain = all(inv.kwargs.get(name) is None for name in ("segment_ids", "cu_seqlens", "sliding_window"))
+            return on_gpu() and plain and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] % 8 == 0 and q.shape[3] <= 128
+        if cfg.impl == "pallas":
+            fwd = _default_fwd(q.shape[3]).merge(cfg.fwd)
+            return fwd.q_blocksize <= max(16, 2 * q.shape[1]) and fwd.kv_blocksize <= max(16, 2 * inv.args[1].shape[1])
+        return True
+
+
+def _segments(q: jax.Array, k: jax.Array, segment_ids: jax.Array | None, cu_seqlens: jax.Array | None) -> jax.Array | None:
+    if segment_ids is not None and cu_seqlens is not None:
+        raise ValueError("pass segment_ids or cu_seqlens, not both")
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens, q, k and v are [1, total, heads, dim]; got q of shape {q.shape}")
+        segment_ids = cu_seqlens_to_segment_ids(cu_seqlens, q.shape[1])
+    if segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
+        raise ValueError(f"segment_ids: expected shape {q.shape[:2]} with equal q and kv lengths, got {segment_ids.shape} (kv {k.shape[1]})")
+    return segment_ids
+
+
+def _scale(q: jax.Array, softmax_scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+
+
+def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with k and v alike, got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q, k: batch and dim must match and kv heads divide q heads, got {q.shape} and {k.shape}")
+
+
+_ATTENTION = AttentionKernel()
+
+
+def flash_attention(
+    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+    *, causal: bool = False, segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+    softmax_scale: float | None = None, sliding_window: tuple[int, int] | None = None, cfg: AttentionConfig | None = None,
+) -> Float[Array, "batch sq heads dim"]:
+    """Multi-head attention with optional causal mask, window, segments and grouped heads.
+
+    Args:
+      q: ``[batch, seq_q, heads, dim]`` queries.
+      k, v: ``[batch, seq_kv, kv_heads, dim]``; ``kv_heads`` divides ``heads``.
+      causal: query ``i`` sees keys ``j <= i``.
+      segment_ids: ``[batch, seq]`` int; tokens see only equal ids; ids ``<= 0`` are padding
+        (output 0). Needs ``seq_q == seq_kv``.
+      cu_seqlens: ``[n + 1]`` int cumulative lengths of a packed batch; ``q``, ``k``, ``v``
+        are then ``[1, total, ...]``. Exclusive with ``segment_ids``.
+      softmax_scale: multiplies ``q k^T``; default ``1 / sqrt(dim)``.
+      sliding_window: ``(left, right)``: query ``i`` sees keys ``i - left .. i + right``.
+      cfg: force a config; by default the executor picks one.
+
+    Returns:
+      ``[batch, seq_q, heads, dim]`` in the dtype of ``q``.
+    """
+    _check_shapes(q, k, v)
+    window = None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1]))
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return _ATTENTION(
+        q, k, v, causal=bool(causal), softmax_scale=scale, sliding_window=window, segment_ids=segment_ids, cu_seqlens=cu_seqlens, cfg=cfg
+    )
