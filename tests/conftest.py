@@ -23,9 +23,9 @@ def isolated_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: py
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """Environment for a child Python that imports ejlabel and the test kernels."""
+    """Environment for a child Python that imports the installed ejlabel and the test kernels."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS_DIR), env.get("PYTHONPATH", "")] if p)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.update(extra)
     return env
@@ -34,6 +34,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 def run_python(code: str, **env: str) -> str:
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(**env), timeout=300)
+    # -P: the child must import the installed package, never the source tree of the current directory.
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=subprocess_env(**env), timeout=300)
     assert proc.returncode == 0, f"child failed:\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}"
     return proc.stdout

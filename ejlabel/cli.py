@@ -1,0 +1,210 @@
+"""The ``ejlabel`` command: audit programs, tune their unseen calls, manage the config cache.
+
+Exit codes: 0 success, 1 failure (an error, or calls that could not be tuned), 2 bad usage.
+Errors go to stderr as one line; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "build_parser"]
+
+_SPEC_RE = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9, ]*)\]")
+_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64", "i32": "int32", "s32": "int32", "i64": "int64", "s64": "int64", "i8": "int8", "u8": "uint8", "bool": "bool", "pred": "bool"}
+
+
+class UsageError(Exception):
+    """Bad arguments discovered after parsing (exit code 2)."""
+
+
+def _parse_example_args(text: str) -> list[Any]:
+    """``"f32[8,16] i32[8]"`` → ShapeDtypeStructs."""
+    import jax
+    import jax.numpy as jnp
+
+    specs = []
+    for token in text.split():
+        match = _SPEC_RE.fullmatch(token)
+        if match is None or match.group("dtype") not in _DTYPES:
+            raise UsageError(f"--example-args: expected specs like 'f32[8,16] i32[8]', got {token!r}")
+        dims = tuple(int(d) for d in match.group("dims").replace(" ", "").split(",") if d)
+        specs.append(jax.ShapeDtypeStruct(dims, jnp.dtype(_DTYPES[match.group("dtype")])))
+    return specs
+
+
+def _program(path: str, example_args: str | None) -> Any:
+    """A path to an HLO file / dump directory, or ``module:function`` lowered on example args."""
+    if Path(path).exists():
+        if example_args:
+            raise UsageError("--example-args only applies to a module:function target")
+        return Path(path)
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        raise UsageError(f"PATH: {path!r} is neither an existing file or directory nor 'module:function'")
+    if example_args is None:
+        raise UsageError("--example-args is required to lower a module:function target")
+    import jax
+
+    fn = getattr(importlib.import_module(module_name), attr)
+    return jax.jit(fn).lower(*_parse_example_args(example_args))
+
+
+def _selector(cache_dir: str | None) -> Any:
+    from .persistent import PersistentCache
+    from .selection import ConfigSelectorChain
+
+    return ConfigSelectorChain(persistent=PersistentCache(cache_dir))
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from ejlabel.analysis import audit, draw, to_dot
+
+    report = audit(_program(args.path, args.example_args), selector=_selector(args.cache_dir))
+    if args.json:
+        print(report.to_json())
+    elif args.markdown:
+        print(report.to_markdown())
+    else:
+        print(report.render())
+    if args.dot:
+        Path(args.dot).write_text(to_dot(report.graph))
+    for image in (args.svg, args.png):
+        if image:
+            draw(report.graph, image)
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ejlabel.analysis import tune_unseen
+
+    selector = _selector(args.cache_dir)
+    policy = dataclasses.replace(
+        selector.policy,
+        time_budget_s=args.budget,
+        num_iters=args.iters,
+        max_configs=args.max_configs,
+    )
+    report = tune_unseen(_program(args.path, args.example_args), selector=selector, policy=policy)
+    for lab, cfg in report.tuned.items():
+        print(f"tuned  {lab}  {cfg!r}")
+    for lab, error in report.errors.items():
+        print(f"error  {lab}  {error}", file=sys.stderr)
+    print(report.summary())
+    return 1 if report.errors else 0
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from .persistent import PersistentCache
+
+    cache = PersistentCache(args.cache_dir)
+    action = args.action
+    if action == "ls":
+        for entry in cache.entries():
+            median = (entry.stats or {}).get("median_ms")
+            timing = f"{median:.4g} ms" if isinstance(median, (int, float)) else "-"
+            print(f"{entry.op_id:28} {entry.call_key}  {entry.provenance:10} {timing:>12}  {entry.device}  {entry.config!r}")
+    elif action == "show":
+        matches = [e for e in cache.entries() if args.key in (e.call_key, f"{e.op_id}:{e.call_key}") or args.key.endswith(f"{e.op_id}:{e.call_key}")]
+        if not matches:
+            raise LookupError(f"KEY: no cache entry matches {args.key!r} (give a call key, op@vN:key or a label)")
+        from .serialize import to_jsonable
+
+        for entry in matches:
+            data = {f: getattr(entry, f) for f in entry.__dataclass_fields__}
+            data["config"] = to_jsonable(entry.config)
+            print(json.dumps(data, indent=2, default=repr))
+    elif action == "stats":
+        print(json.dumps(cache.stats(), indent=2, default=str))
+    elif action == "export":
+        print(f"exported {cache.export(args.file)} entries to {args.file}")
+    elif action == "import":
+        print(f"imported {cache.import_(args.file, overwrite=args.overwrite)} entries from {args.file}")
+    elif action == "clear":
+        if not args.yes:
+            raise UsageError(f"clear removes every entry of {cache.path}; pass --yes to confirm")
+        print(f"removed {cache.clear()} entries from {cache.path}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(fresh=args.fresh, workdir=args.workdir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ejlabel", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--cache-dir", default=None, help="persistent cache directory (default: $EJLABEL_CACHE_DIR or ~/.cache/ejlabel)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    audit = commands.add_parser("audit", help="list every kernel call of a program with its config")
+    audit.add_argument("path", help="HLO file, XLA dump directory, or module:function")
+    audit.add_argument("--example-args", help="argument specs for module:function, e.g. 'f32[8,16] i32[8]'")
+    form = audit.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="print JSON")
+    form.add_argument("--markdown", action="store_true", help="print Markdown")
+    audit.add_argument("--dot", metavar="FILE", help="write the call graph as DOT")
+    audit.add_argument("--svg", metavar="FILE", help="draw the call graph as SVG (needs Graphviz)")
+    audit.add_argument("--png", metavar="FILE", help="draw the call graph as PNG (needs Graphviz)")
+    audit.set_defaults(run=_cmd_audit)
+
+    tune = commands.add_parser("tune", help="tune every call of a program that has no tuned config")
+    tune.add_argument("path", help="HLO file, XLA dump directory, or module:function")
+    tune.add_argument("--example-args", help="argument specs for module:function")
+    tune.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="time budget per call")
+    tune.add_argument("--iters", type=int, default=10, help="timed runs per candidate (default 10)")
+    tune.add_argument("--max-configs", type=int, default=None, help="candidates per call at most")
+    tune.set_defaults(run=_cmd_tune)
+
+    cache = commands.add_parser("cache", help="inspect and move tuned configs")
+    actions = cache.add_subparsers(dest="action", required=True)
+    actions.add_parser("ls", help="list entries")
+    show = actions.add_parser("show", help="show one entry with its statistics")
+    show.add_argument("key", help="call key, op@vN:key, or a full label")
+    actions.add_parser("stats", help="counts by op and device")
+    export = actions.add_parser("export", help="write entries to a JSON file")
+    export.add_argument("file")
+    imp = actions.add_parser("import", help="read entries from a JSON file")
+    imp.add_argument("file")
+    imp.add_argument("--overwrite", action="store_true", help="replace existing entries")
+    clear = actions.add_parser("clear", help="remove every entry")
+    clear.add_argument("--yes", action="store_true", help="confirm")
+    cache.set_defaults(run=_cmd_cache)
+
+    demo = commands.add_parser("demo", help="lower the example model, audit, tune unseen calls, audit again")
+    demo.add_argument("--fresh", action="store_true", help="use a temporary cache instead of the persistent one")
+    demo.add_argument("--workdir", default=None, help="where to write the program dump (default: a temporary directory)")
+    demo.set_defaults(run=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except UsageError as err:
+        if args.debug:
+            raise
+        print(f"ejlabel {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (Exception, KeyboardInterrupt) as err:  # the command line reports, it does not crash
+        if args.debug:
+            raise
+        print(f"ejlabel {args.command}: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Kernels a transformer needs, each with an XLA reference and Pallas GPU implementations.
+
+Which implementation runs is a field of each kernel's config (``impl``), so the tuner picks it
+per call site and the audit shows it. The sequence and numerics helpers live here too.
+"""
+
+from .attention import AttentionConfig, AttentionKernel, cu_seqlens_to_segment_ids, flash_attention
+from .cross_entropy import CrossEntropyConfig, CrossEntropyKernel, softmax_cross_entropy
+from .matmul import MatmulConfig, MatmulKernel, matmul
+from .norms import LayerNormKernel, NormConfig, RMSNormKernel, layer_norm, rms_norm
+from .sequence import (
+    chunk_array,
+    identity_dtype_convert,
+    log_sum_exp,
+    mask_to_segment_ids,
+    prepare_cu_seqlens_from_mask,
+    prepare_lens,
+    prepare_lens_from_mask,
+    safe_divide,
+    segment_ids_to_mask,
+    unchunk_array,
+)
+
+__all__ = [
+    "AttentionConfig",
+    "AttentionKernel",
+    "CrossEntropyConfig",
+    "CrossEntropyKernel",
+    "LayerNormKernel",
+    "MatmulConfig",
+    "MatmulKernel",
+    "NormConfig",
+    "RMSNormKernel",
+    "chunk_array",
+    "cu_seqlens_to_segment_ids",
+    "flash_attention",
+    "identity_dtype_convert",
+    "layer_norm",
+    "log_sum_exp",
+    "mask_to_segment_ids",
+    "matmul",
+    "prepare_cu_seqlens_from_mask",
+    "prepare_lens",
+    "prepare_lens_from_mask",
+    "rms_norm",
+    "safe_divide",
+    "segment_ids_to_mask",
+    "softmax_cross_entropy",
+    "unchunk_array",
+]

@@ -1,0 +1,98 @@
+"""The installed `ejlabel` console script, run in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import run_python, subprocess_env
+
+EJLABEL = str(Path(sys.executable).with_name("ejlabel"))
+
+
+def cli(*args: str, cache: Path, check: int | None = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run([EJLABEL, "--cache-dir", str(cache), *args], capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    if check is not None:
+        assert proc.returncode == check, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory) -> Path:
+    """An HLO file of a model made of the test kernels, written by another process."""
+    path = tmp_path_factory.mktemp("program") / "model.hlo.txt"
+    run_python(f"""
+import jax, jax.numpy as jnp
+from toy_kernels import scale, loopsum
+def model(x):
+    return loopsum(scale(x)).sum() + loopsum(x).sum()
+open({str(path)!r}, "w").write(jax.jit(model).lower(jnp.ones((8, 64))).compiler_ir("hlo").as_hlo_text())
+""")
+    return path
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["audit", "--help"], ["tune", "--help"], ["cache", "--help"], ["cache", "ls", "--help"], ["demo", "--help"]])
+def test_help_everywhere(argv, tmp_path):
+    proc = cli(*argv, cache=tmp_path)
+    assert "usage: ejlabel" in proc.stdout
+
+
+def test_usage_errors_exit_2_without_traceback(tmp_path):
+    proc = cli("audit", str(tmp_path / "missing"), cache=tmp_path, check=2)
+    assert "PATH" in proc.stderr and "Traceback" not in proc.stderr
+    assert cli("bogus", cache=tmp_path, check=2).stderr.startswith("usage:")
+    assert "--yes" in cli("cache", "clear", cache=tmp_path, check=2).stderr
+
+
+def test_errors_exit_1_and_debug_shows_traceback(tmp_path):
+    bad = tmp_path / "bad.hlo.txt"
+    bad.write_text("HloModule m\nENTRY %main {\n  %x = f32[ parameter(0\n}\n")
+    proc = cli("audit", str(bad), cache=tmp_path / "c", check=1)
+    assert "error" in proc.stderr and "Traceback" not in proc.stderr
+    debug = subprocess.run([EJLABEL, "--debug", "--cache-dir", str(tmp_path / "c"), "audit", str(bad)], capture_output=True, text=True, env=subprocess_env())
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_audit_tune_audit_and_cache_commands(program, tmp_path):
+    cache = tmp_path / "cache"
+    before = json.loads(cli("audit", str(program), "--json", cache=cache).stdout)
+    assert {call["op"] for call in before["calls"]} == {"scale", "loopsum"}
+    assert len(before["calls"]) == 3  # loopsum is called at two places with the same signature
+    assert len(before["unseen"]) == 2  # ...so it is one distinct call to tune
+    tuned = cli("tune", str(program), "--iters", "3", cache=cache)
+    assert "tuned 2 distinct calls" in tuned.stdout
+    after = json.loads(cli("audit", str(program), "--json", cache=cache).stdout)
+    assert after["unseen"] == [] and {c["provenance"] for c in after["calls"]} == {"persistent"}
+    again = cli("tune", str(program), cache=cache)
+    assert "tuned 0 distinct calls" in again.stdout
+
+    listing = cli("cache", "ls", cache=cache).stdout
+    assert "loopsum@v1" in listing and "autotuned" in listing
+    key = after["calls"][0]["call_key"]
+    shown = json.loads(cli("cache", "show", key, cache=cache).stdout)
+    assert shown["call_key"] == key and shown["stats"]["median_ms"] > 0
+    stats = json.loads(cli("cache", "stats", cache=cache).stdout)
+    assert stats["entries"] >= 2
+    exported = tmp_path / "configs.json"
+    cli("cache", "export", str(exported), cache=cache)
+    other = tmp_path / "other"
+    assert "imported" in cli("cache", "import", str(exported), cache=other).stdout
+    assert json.loads(cli("audit", str(program), "--json", cache=other).stdout)["unseen"] == []
+    dot = tmp_path / "graph.dot"
+    cli("audit", str(program), "--dot", str(dot), cache=other)
+    assert "loopsum@v1" in dot.read_text()
+    assert "removed" in cli("cache", "clear", "--yes", cache=other).stdout
+    assert json.loads(cli("cache", "stats", cache=other).stdout)["entries"] == 0
+
+
+def test_audit_module_function_target(tmp_path):
+    proc = cli("audit", "toy_kernels:scale", "--example-args", "f32[4,8]", "--markdown", cache=tmp_path)
+    assert "scale@v1" in proc.stdout and "UNSEEN" in proc.stdout
+    assert cli("audit", "toy_kernels:scale", cache=tmp_path, check=2).returncode == 2
+    assert cli("audit", "toy_kernels:scale", "--example-args", "q32[4]", cache=tmp_path, check=2).returncode == 2
