@@ -1,0 +1,196 @@
+"""Flash attention: the reference against float64 NumPy, Pallas against the reference (values and
+gradients) under every mask kind, padding safety, labels, tuning; cuDNN and real sizes on the GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejlabel import BwdParams, FwdParams, Invocation
+from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, cu_seqlens_to_segment_ids, flash_attention
+
+from kernel_checks import assert_close, assert_labelled, assert_tunes, gpu, needs_gpu
+
+XLA = AttentionConfig("xla")
+# 16-row tiles over 40 tokens: the last block of every sequence is partial.
+PALLAS = AttentionConfig("pallas", FwdParams(16, 16, 4, 1), BwdParams(16, 16, 4, 1))
+SEGMENTS = jnp.array([[1] * 15 + [2] * 20 + [0] * 5, [3] * 40], jnp.int32)
+CU_SEQLENS = jnp.array([0, 7, 25, 36], jnp.int32)  # three sequences, 4 padding tokens of 40
+
+
+def qkv(batch: int, seq: int, heads: int, kv_heads: int, dim: int, dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
+    keys = jax.random.split(jax.random.key(0), 3)
+    shapes = [(batch, seq, heads, dim), (batch, seq, kv_heads, dim), (batch, seq, kv_heads, dim)]
+    return tuple(jax.random.normal(key, shape).astype(dtype) for key, shape in zip(keys, shapes))
+
+
+def attention64(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False, segment_ids: Any = None,
+                sliding_window: Any = None) -> np.ndarray:
+    """The textbook formula, one query at a time, in float64."""
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    batch, seq, heads, dim = q.shape
+    group = heads // k.shape[2]
+    out = np.zeros_like(q)
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(seq):
+                visible = np.ones(seq, bool)
+                j = np.arange(seq)
+                if causal:
+                    visible &= j <= i
+                if sliding_window is not None:
+                    visible &= (j >= i - sliding_window[0]) & (j <= i + sliding_window[1])
+                if segment_ids is not None:
+                    ids = np.asarray(segment_ids[b])
+                    visible &= (ids == ids[i]) & (ids[i] > 0)
+                if not visible.any():
+                    continue
+                scores = k[b, visible, h // group] @ q[b, i, h] / np.sqrt(dim)
+                weights = np.exp(scores - scores.max())
+                out[b, i, h] = weights @ v[b, visible, h // group] / weights.sum()
+    return out
+
+
+CASES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "segments": {"causal": True, "segment_ids": SEGMENTS},
+    "window": {"sliding_window": (6, 3)},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("group", [1, 2])
+def test_reference_matches_float64(case: str, group: int) -> None:
+    q, k, v = qkv(2, 40, 4, 4 // group, 16)
+    assert_close(flash_attention(q, k, v, cfg=XLA, **CASES[case]), attention64(q, k, v, **CASES[case]), jnp.float32)
+
+
+def test_cu_seqlens_are_segments() -> None:
+    ids = cu_seqlens_to_segment_ids(CU_SEQLENS, 40)
+    assert ids.tolist() == [[1] * 7 + [2] * 18 + [3] * 11 + [0] * 4]
+    q, k, v = qkv(1, 40, 4, 2, 16)
+    got = flash_attention(q, k, v, causal=True, cu_seqlens=CU_SEQLENS, cfg=XLA)
+    assert_close(got, attention64(q, k, v, causal=True, segment_ids=ids), jnp.float32)
+
+
+def values_and_grads(cfg: AttentionConfig, q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> tuple[Any, Any]:
+    """``(output, (dq, dk, dv))`` of a random projection of the output, in one jitted call."""
+    probe = jax.random.normal(jax.random.key(7), q.shape)
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out = flash_attention(q, k, v, cfg=cfg, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * probe), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+@pytest.mark.parametrize(
+    "group, kwargs",
+    [
+        (2, {}),
+        (1, {"causal": True}),
+        (2, {"causal": True}),
+        (2, {"causal": True, "segment_ids": SEGMENTS}),
+        (2, {"causal": True, "cu_seqlens": CU_SEQLENS}),
+        (2, {"sliding_window": (6, 3)}),
+    ],
+    ids=["plain-gqa2", "causal-mha", "causal-gqa2", "segments", "cu_seqlens", "window"],
+)
+def test_pallas_values_and_gradients(group: int, kwargs: dict[str, Any]) -> None:
+    batch = 1 if "cu_seqlens" in kwargs else 2
+    q, k, v = qkv(batch, 40, 4, 4 // group, 12)  # head dim 12: padded to 16 inside
+    out, grads = values_and_grads(PALLAS, q, k, v, **kwargs)
+    ref, ref_grads = values_and_grads(XLA, q, k, v, **kwargs)
+    assert_close(out, ref, jnp.float32)
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, jnp.float32, factor=5)
+
+
+def test_pallas_bfloat16() -> None:
+    q, k, v = qkv(2, 40, 4, 2, 16, jnp.bfloat16)
+    out = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, cfg=PALLAS))(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, attention64(q, k, v, causal=True), jnp.bfloat16)
+
+
+def test_padding_gives_zero_output_and_gradient_without_nan() -> None:
+    q, k, v = qkv(2, 40, 4, 2, 12)
+    padding = np.asarray(SEGMENTS) <= 0
+    # Through both paths: fully masked rows must give 0 and no NaN in the reference's autodiff too.
+    for cfg in (PALLAS, XLA):
+        out, grads = values_and_grads(cfg, q, k, v, segment_ids=SEGMENTS)
+        assert np.all(np.asarray(out)[padding] == 0.0)
+        assert np.all(np.asarray(grads[0])[padding] == 0.0)  # dq of padding queries
+        assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+
+
+def test_rejects_bad_arguments() -> None:
+    q, k, v = qkv(2, 40, 4, 3, 16)
+    with pytest.raises(ValueError, match="kv heads divide"):
+        flash_attention(q, k, v)
+    q, k, v = qkv(2, 40, 4, 2, 16)
+    with pytest.raises(ValueError, match="not both"):
+        flash_attention(q, k, v, segment_ids=SEGMENTS, cu_seqlens=CU_SEQLENS)
+    with pytest.raises(ValueError, match=r"\[1, total"):
+        flash_attention(q, k, v, cu_seqlens=CU_SEQLENS)
+
+
+def test_labels_forward_and_backward() -> None:
+    q, k, v = qkv(1, 16, 2, 1, 8)
+    assert_labelled(lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True) ** 2), (q, k, v), "flash_attention")
+
+
+def test_tunes_on_small_space_with_segments() -> None:
+    q, k, v = qkv(1, 40, 2, 1, 16)
+    result = assert_tunes(AttentionKernel(), (q, k, v), {"causal": True, "segment_ids": SEGMENTS[:1]})
+    got = flash_attention(q, k, v, causal=True, segment_ids=SEGMENTS[:1], cfg=result.best_cfg)
+    assert_close(got, attention64(q, k, v, causal=True, segment_ids=SEGMENTS[:1]), jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("impl", ["pallas", "cudnn"])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_gpu_real_size(impl: str, kv_heads: int) -> None:
+    q, k, v = qkv(2, 1000, 8, kv_heads, 128, jnp.bfloat16)
+    kernel = AttentionKernel()
+    cfg = AttentionConfig(impl) if impl == "cudnn" else kernel.heuristic_cfg(Invocation(kernel, (q, k, v), {"causal": True}))
+    probe = jax.random.normal(jax.random.key(7), q.shape)
+
+    def grads(cfg: AttentionConfig) -> tuple[Any, Any]:
+        loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, cfg=cfg).astype(jnp.float32) * probe)
+        return flash_attention(q, k, v, causal=True, cfg=cfg), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    (out, got), (ref, want) = grads(cfg), grads(XLA)
+    assert_close(out, ref, jnp.bfloat16)
+    for g, w in zip(got, want):
+        assert_close(g, w, jnp.bfloat16)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("kwargs", [{"segment_ids": "segments"}, {"sliding_window": (128, 0)}, {"cu_seqlens": "packed"}])
+def test_gpu_pallas_masks_real_size(kwargs: dict[str, Any]) -> None:
+    batch = 1 if "cu_seqlens" in kwargs else 2
+    q, k, v = qkv(batch, 1000, 8, 2, 64, jnp.bfloat16)
+    if "segment_ids" in kwargs:
+        kwargs = {"segment_ids": jnp.broadcast_to(jnp.where(jnp.arange(1000) < 900, 1 + jnp.arange(1000) // 300, 0), (2, 1000))}
+    if "cu_seqlens" in kwargs:
+        kwargs = {"cu_seqlens": jnp.array([0, 100, 450, 451, 980], jnp.int32)}
+    cfg = AttentionConfig("pallas", FwdParams(128, 64, 4, 3), BwdParams(64, 64, 4, 2))
+    for kw in (kwargs, {**kwargs, "causal": True}):
+        out = flash_attention(q, k, v, cfg=cfg, **kw)
+        assert_close(out, flash_attention(q, k, v, cfg=XLA, **kw), jnp.bfloat16)
+        got = jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, cfg=cfg, **kw).astype(jnp.float32) ** 2))(q)
+        want = jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, cfg=XLA, **kw).astype(jnp.float32) ** 2))(q)
+        assert_close(got, want, jnp.bfloat16)
