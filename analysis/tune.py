@@ -13,7 +13,7 @@ import dataclasses
 import time
 from typing import Any
 
-from ejlabel.calls import CallDecodeError, call_descriptions, decode_call, invocation_from_description
+from ejlabel.calls import CallDecodeError, call_descriptions, invocation_from_description
 from ejlabel.config import AutotunePolicy
 from ejlabel.fingerprint import device_fingerprint
 from ejlabel.kernel import Invocation
@@ -92,7 +92,7 @@ def tune_unseen(
             report.errors[lab] = "the program carries no call description for this label"
             continue
         try:
-            inv = invocation_from_description(lab, decode_call(text))
+            inv = invocation_from_description(lab, text)
         except CallDecodeError as err:
             report.errors[lab] = str(err)
             continue

@@ -16,7 +16,6 @@ import base64
 import dataclasses
 import json
 import re
-import zlib
 from typing import Any
 
 import jax
@@ -67,25 +66,28 @@ def _abstract_leaf(x: Any) -> Any:
 
 
 def encode_call(inv: Invocation[Any, Any]) -> str:
-    """The ``ejcall`` text of ``inv``; memoised per (op, call key) since it runs at every trace."""
+    """The ``ejcall`` text of ``inv``; memoised per (op, call key) since it runs at every trace.
+
+    Only what the label does not say: the kernel class, the abstract arguments, the static
+    keyword arguments, the batch axes and (when any is sharded) the shardings, as a positional
+    JSON list, base64url-encoded. It is written on every op of the call, so it is kept short.
+    """
     memo_key = (inv.op_id, inv.call_key)
     cached = _cache.get(memo_key)
     if cached is not None:
         return cached
     leaves = jax.tree_util.tree_leaves((inv.args, inv.kwargs))
-    data = {
-        "f": _FORMAT,
-        "kernel": _kernel_path(inv.kernel),
-        "op": inv.kernel.op_id,
-        "v": inv.kernel.version,
-        "key": inv.call_key,
-        "args": _encode_tree(inv.args),
-        "kwargs": _encode_tree(inv.kwargs),
-        "batch_axes": to_jsonable(inv.batch_axes),
-        "shardings": [sharding_fingerprint(x) for x in leaves if hasattr(x, "shape")],
-    }
-    raw = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-    text = base64.urlsafe_b64encode(zlib.compress(raw, 9)).decode("ascii").rstrip("=")
+    shardings = [sharding_fingerprint(x) for x in leaves if hasattr(x, "shape")]
+    data = [
+        _FORMAT,
+        _kernel_path(inv.kernel),
+        [_encode_tree(arg) for arg in inv.args],
+        _encode_tree(inv.kwargs),
+        to_jsonable(inv.batch_axes),
+        shardings if any(shardings) else None,
+    ]
+    raw = json.dumps(data, separators=(",", ":")).encode()
+    text = base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
     _cache[memo_key] = text
     return text
 
@@ -98,22 +100,27 @@ def _kernel_path(kernel: Kernel[Any, Any]) -> str | None:
         return None
 
 
-def decode_call(text: str) -> CallDescription:
-    """Invert :func:`encode_call` (without importing the kernel)."""
+def decode_call(text: str, label: str) -> CallDescription:
+    """Invert :func:`encode_call`, given the label the description sits next to.
+
+    A backward label (``<op>.bwd@vN``) describes its forward call. The kernel is not imported.
+    """
+    op_id, call_key = parse_label(label)
+    name, _, version = op_id.rpartition("@v")
     try:
-        raw = zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
-        data = json.loads(raw)
-        if data.get("f") != _FORMAT:
-            raise CallDecodeError(f"call description format {data.get('f')!r} is not {_FORMAT}")
+        data = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+        if not isinstance(data, list) or not data or data[0] != _FORMAT:
+            raise CallDecodeError(f"call description format {data[0] if isinstance(data, list) and data else data!r} is not {_FORMAT}")
+        _, kernel, args, kwargs, batch_axes, shardings = data
         return CallDescription(
-            kernel=data["kernel"],
-            op_id=data["op"],
-            version=str(data["v"]),
-            call_key=data["key"],
-            args=tuple(from_jsonable(data["args"])),
-            kwargs=from_jsonable(data["kwargs"]),
-            batch_axes=from_jsonable(data["batch_axes"]),
-            shardings=tuple(data.get("shardings", ())),
+            kernel=kernel,
+            op_id=name.removesuffix(BACKWARD_SUFFIX),
+            version=version,
+            call_key=call_key,
+            args=tuple(from_jsonable(arg) for arg in args),
+            kwargs=from_jsonable(kwargs),
+            batch_axes=from_jsonable(batch_axes),
+            shardings=tuple(shardings or ()),
         )
     except CallDecodeError:
         raise
@@ -122,9 +129,14 @@ def decode_call(text: str) -> CallDescription:
 
 
 def call_descriptions(x: Any) -> dict[str, str]:
-    """Map each label in ``x`` to its encoded call description (first one seen wins)."""
+    """Map each label in ``x`` to its encoded call description (first one seen wins).
+
+    Backward regions carry only their label; they map to their forward call's description.
+    """
     found: dict[str, str] = {}
+    labels: dict[str, None] = {}
     for text in program_texts(x):
+        labels.update(dict.fromkeys(m.group(0) for m in LABEL_RE.finditer(text)))
         for match in _CALL_RE.finditer(text):
             # Both attributes sit in the same braces; the label may come before or after.
             start = text.rfind("{", 0, match.start())
@@ -132,6 +144,11 @@ def call_descriptions(x: Any) -> dict[str, str]:
             label_match = LABEL_RE.search(text, start if start >= 0 else 0, end if end >= 0 else len(text))
             if label_match is not None:
                 found.setdefault(label_match.group(0), match.group("call"))
+    for lab in labels:
+        if lab not in found and BACKWARD_SUFFIX + "@v" in lab:
+            forward = lab.replace(BACKWARD_SUFFIX + "@v", "@v", 1)
+            if forward in found:
+                found[lab] = found[forward]
     return found
 
 
@@ -172,20 +189,14 @@ def invocations_from_program(x: Any) -> dict[str, Invocation[Any, Any]]:
     Arguments come back as ``jax.ShapeDtypeStruct``; the call key is the one in the label, so
     configs tuned for the rebuilt invocation land exactly where the program will look.
     Raises :class:`CallDecodeError` for the first call that cannot be rebuilt; use
-    :func:`call_descriptions` and :func:`decode_call` to handle calls one by one.
+    :func:`call_descriptions` and :func:`invocation_from_description` to handle calls one by one.
     """
-    out: dict[str, Invocation[Any, Any]] = {}
-    for lab, text in call_descriptions(x).items():
-        out[lab] = invocation_from_description(lab, decode_call(text))
-    return out
+    return {lab: invocation_from_description(lab, text) for lab, text in call_descriptions(x).items()}
 
 
-def invocation_from_description(lab: str, desc: CallDescription) -> Invocation[Any, Any]:
-    """The Invocation a label's description describes; a backward label gives its forward call."""
-    op_id, call_key = parse_label(lab)
-    name, _, version = op_id.rpartition("@v")
-    if name.removesuffix(BACKWARD_SUFFIX) != desc.op_id or version != desc.version:
-        raise CallDecodeError(f"label {lab} carries a description of {desc.label_op}")
+def invocation_from_description(lab: str, text: str) -> Invocation[Any, Any]:
+    """The Invocation that the description ``text`` next to label ``lab`` describes."""
+    desc = decode_call(text, lab)
     return Invocation(
-        rebuild_kernel(desc), desc.args, desc.kwargs, batch_axes=desc.batch_axes, known_call_key=call_key
+        rebuild_kernel(desc), desc.args, desc.kwargs, batch_axes=desc.batch_axes, known_call_key=desc.call_key
     )

@@ -68,7 +68,7 @@ def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
 
     def call_bwd(saved: tuple[Any, Any], cotangent: Any) -> tuple[Any, Any]:
         args, array_kwargs = saved
-        with label_scope(backward_label, description):
+        with label_scope(backward_label):  # the forward's description covers it: same call key
             grads = kernel.custom_vjp(args, cfg, {**array_kwargs, **static_kwargs}, tuple(jax.tree_util.tree_leaves(cotangent)))
         grads = tuple(grads)
         if len(grads) != len(args):

@@ -20,7 +20,9 @@ fingerprint. The config is never part of the key; it is what the key looks up.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -139,6 +141,63 @@ class Kernel(Generic[Cfg, Out]):
         return f"{type(self).__qualname__}({self.versioned_id!r})"
 
 
+class _NoSignature(Exception):
+    """A value whose abstract signature is not cheap and exact to state; fingerprint it fully."""
+
+
+_IMMUTABLE_SCALARS = (type(None), bool, int, float, complex, str, bytes, np.dtype, enum.Enum)
+
+
+def _signature(value: Any) -> Any:
+    """A hashable stand-in for ``value`` that is equal exactly when its fingerprint is.
+
+    Arrays by abstract value (the sharding object itself: equal shardings fingerprint alike),
+    immutable scalars and frozen dataclasses tagged with their type (so ``1``, ``1.0`` and
+    ``True`` stay apart), tuples of those. Anything else (functions, whose closures may change;
+    lists; dicts) has no signature, and the call key is computed in full.
+    """
+    if isinstance(value, jax.core.Tracer):
+        aval = value.aval
+        return ("tracer", aval.shape, aval.dtype, aval.weak_type)
+    if isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
+        return ("array", value.shape, value.dtype, bool(getattr(value, "weak_type", False)), value.sharding)
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.shape, value.dtype)
+    if isinstance(value, _IMMUTABLE_SCALARS) or (isinstance(value, type) and issubclass(value, np.generic)):
+        return (type(value), value)
+    if type(value) is tuple:
+        return ("tuple", *map(_signature, value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and type(value).__dataclass_params__.frozen:
+        return (type(value), tuple(_signature(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    raise _NoSignature
+
+
+_KEY_MEMO: dict[Any, str] = {}
+_KEY_MEMO_LIMIT = 8192
+
+
+def _memoised_call_key(inv: Invocation[Any, Any]) -> str:
+    """``default_key_builder_with_sharding(inv)``, memoised on the call's cheap signature."""
+    try:
+        memo_key = (
+            type(inv.kernel),
+            inv.op_id,
+            os.environ.get("EJLABEL_CACHE_SALT"),
+            tuple(map(_signature, inv.args)),
+            tuple((name, _signature(value)) for name, value in inv.kwargs.items()),
+            _signature(inv.batch_axes),
+        )
+        hash(memo_key)
+    except (_NoSignature, TypeError):
+        return default_key_builder_with_sharding(inv)
+    key = _KEY_MEMO.get(memo_key)
+    if key is None:
+        if len(_KEY_MEMO) >= _KEY_MEMO_LIMIT:
+            _KEY_MEMO.clear()
+        key = _KEY_MEMO[memo_key] = default_key_builder_with_sharding(inv)
+    return key
+
+
 def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split keyword arguments into (array-valued, static)."""
     arrays, static = {}, {}
@@ -203,7 +262,7 @@ class Invocation(Generic[Cfg, Out]):
         """16-hex fingerprint of op id, version, abstract args, sharding, static kwargs, batch axes."""
         if self.known_call_key is not None:
             return self.known_call_key
-        return default_key_builder_with_sharding(self)
+        return _memoised_call_key(self)
 
     @functools.cached_property
     def device_fingerprint(self) -> str:

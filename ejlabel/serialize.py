@@ -19,7 +19,7 @@ bytes                     ``{"$bytes": "<base64>"}``
 dataclass instance        ``{"$dataclass": "module:QualName", "fields": {...}}``
 enum member               ``{"$enum": "module:QualName", "name": "MEMBER"}``
 dtype                     ``{"$dtype": "bfloat16"}``
-ShapeDtypeStruct          ``{"$array": [[shape...], "dtype", weak_type]}``
+ShapeDtypeStruct          ``{"$array": "float32[4,128]"}`` (``...]w`` when weakly typed)
 class or function         ``{"$ref": "module:QualName"}`` (must import back to itself)
 slice                     ``{"$slice": [start, stop, step]}``
 ========================  ===========================================================
@@ -105,7 +105,8 @@ def to_jsonable(obj: Any) -> Any:
         fields = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
         return {"$dataclass": import_path(type(obj)), "fields": fields}
     if isinstance(obj, jax.ShapeDtypeStruct):
-        return {"$array": [list(obj.shape), _dtype_name(obj.dtype), bool(obj.weak_type)]}
+        dims = ",".join(str(d) for d in obj.shape)
+        return {"$array": f"{_dtype_name(obj.dtype)}[{dims}]" + ("w" if obj.weak_type else "")}
     if isinstance(obj, np.dtype) or (isinstance(obj, type) and issubclass(obj, np.generic)):
         return {"$dtype": _dtype_name(obj)}
     if isinstance(obj, np.generic):
@@ -168,8 +169,10 @@ def from_jsonable(data: Any) -> Any:
     if tag == "$dtype":
         return jax.numpy.dtype(value)
     if tag == "$array":
-        shape, dtype, weak = value
-        return jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype), weak_type=bool(weak))
+        dtype, _, rest = value.partition("[")
+        dims, _, weak = rest.partition("]")
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        return jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), weak_type=weak == "w")
     if tag == "$slice":
         return slice(*(from_jsonable(v) for v in value))
     if tag == "$ref":

@@ -19,7 +19,8 @@ from toy_kernels import scale, toymatmul
 def test_encode_decode_round_trip():
     x = jnp.ones((3, 4), jnp.bfloat16)
     inv = Invocation(scale, (x,), {"offset": 0.5})
-    desc = decode_call(encode_call(inv))
+    lab = ejlabel.label(inv.op_id, inv.call_key)
+    desc = decode_call(encode_call(inv), lab)
     assert desc.kernel == "toy_kernels:ScaleKernel" and desc.op_id == "scale" and desc.version == "1"
     assert desc.args == (jax.ShapeDtypeStruct((3, 4), jnp.bfloat16),)
     assert desc.kwargs == {"offset": 0.5} and desc.call_key == inv.call_key
@@ -28,7 +29,7 @@ def test_encode_decode_round_trip():
 
 def test_decode_rejects_garbage():
     with pytest.raises(CallDecodeError):
-        decode_call("not-a-description")
+        decode_call("not-a-description", ejlabel.label("x@v1", "0" * 16))
 
 
 def test_descriptions_in_every_program_form():

@@ -265,3 +265,29 @@ def test_kernel_call_uses_default_executor():
     assert jnp.allclose(scale(X), X * 2)
     selector = ejlabel.get_default_executor().selector
     assert selector.decision(Invocation(scale, (X,)).cache_key).provenance == "heuristic"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"option": 1}, {"option": 1.0}, {"option": True}, {"option": "1"}, {"option": (1, 2.0)}, {"option": Color.RED},
+     {"option": ScaleConfig(2, "add")}, {"option": jnp.bfloat16}, {"option": [1, 2]}, {"option": {"a": 1}}, {"option": jnp.dot}],
+)
+def test_memoised_call_key_equals_full_fingerprint(kwargs):
+    from ejlabel.fingerprint import default_key_builder_with_sharding
+
+    class K(Kernel):
+        def run(self, x, *, cfg, option):
+            return x
+
+    k = K("memo")
+    for _ in range(2):  # the second round is answered by the memo
+        inv = Invocation(k, (X, jnp.ones((2,), jnp.int32), None, 3), kwargs)
+        assert inv.call_key == default_key_builder_with_sharding(inv)
+    keys = {Invocation(k, (X,), {"option": v}).call_key for v in (1, 1.0, True, "1", (1,), None)}
+    assert len(keys) == 6
+
+
+def test_memoised_call_key_follows_the_salt(monkeypatch):
+    before = Invocation(scale, (X,)).call_key
+    monkeypatch.setenv("EJLABEL_CACHE_SALT", "another")
+    assert Invocation(scale, (X,)).call_key != before

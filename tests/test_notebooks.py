@@ -1,0 +1,24 @@
+"""Every notebook runs top to bottom on the CPU (a broken notebook fails CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_notebooks_are_present():
+    assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "audit", "aot_tuning"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path, isolated_cache_dir: Path):
+    book = nbformat.read(path, as_version=4)
+    assert all(not cell.get("outputs") for cell in book.cells if cell.cell_type == "code"), "outputs must be stripped in git"
+    NotebookClient(book, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    errors = [o for cell in book.cells for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
