@@ -582,8 +582,10 @@ class _Builder:
             for operand in instr.operands:
                 if operand not in member_names and operand not in inputs:
                     source = comp.instruction(operand)
+                    if source is not None and _passes_from(source, member_names):
+                        continue
                     inputs[operand] = source.shape if source is not None else ""
-            outside = [u for u in users.get(instr.name, ()) if u not in member_names]
+            outside = [u for u in users.get(instr.name, ()) if not self.stays_inside(comp, u, member_names, users)]
             if outside or instr.is_root or not users.get(instr.name):
                 shapes.append(instr.shape)
         read = sum(_shape_bytes(s) for s in inputs.values())
@@ -616,6 +618,16 @@ class _Builder:
             members=[m.name for m in site.members],
         )
         self.add_nesting(site.node, context)
+
+    def stays_inside(self, comp: HloComputation, user: str, members: set[str], users: Mapping[str, list[str]]) -> bool:
+        """Whether a value read by ``user`` stays in the site: a member, or a transparent hop into it."""
+        if user in members:
+            return True
+        instr = comp.instruction(user)
+        if instr is None or instr.opcode not in _TRANSPARENT or _own_label(instr) is not None or instr.is_root:
+            return False
+        following = users.get(user, ())
+        return bool(following) and all(u in members for u in following)
 
     def add_nesting(self, node: str, context: tuple[HloInstruction, ...]) -> None:
         """Loop/branch nodes for the enclosing whiles/conditionals, and nesting edges down to ``node``."""
@@ -715,6 +727,16 @@ def _linked_names(
     member_labels: Mapping[str, tuple[str, ...]],
 ) -> list[str]:
     return [other for other in _nearby(name, by_name, users) if lab in member_labels.get(other, ())]
+
+
+def _passes_from(instr: HloInstruction, members: set[str]) -> bool:
+    """A transparent unlabelled op fed only by the site's members: a hop inside the site."""
+    return (
+        instr.opcode in _TRANSPARENT
+        and _own_label(instr) is None
+        and bool(instr.operands)
+        and all(o in members for o in instr.operands)
+    )
 
 
 def _pass_through(
@@ -918,12 +940,19 @@ def _jsonable_config(cfg: Any) -> Any:
         return repr(cfg)
 
 
+_CONFIG_ENCODING = "ejlabel.serialize.to_jsonable, else repr"
+
+
 def to_node_link_json(graph: nx.DiGraph) -> str:
     """The graph as node-link JSON (edges under ``"edges"``); configs in their tagged JSON form."""
+    # A graph read back from JSON holds configs in their JSON form already: encoding them again
+    # would wrap them in another layer of tags.
+    encoded = graph.graph.get("config_encoding") == _CONFIG_ENCODING
     copy = nx.DiGraph()
     copy.graph.update({k: _jsonable(v) for k, v in graph.graph.items()})
+    copy.graph["config_encoding"] = _CONFIG_ENCODING
     for node, data in graph.nodes(data=True):
-        attrs = {k: (_jsonable_config(v) if k == "config" else _jsonable(v)) for k, v in data.items()}
+        attrs = {k: (_jsonable_config(v) if k == "config" and not encoded else _jsonable(v)) for k, v in data.items()}
         copy.add_node(node, **attrs)
     for a, b, data in graph.edges(data=True):
         copy.add_edge(a, b, **{k: _jsonable(v) for k, v in data.items()})

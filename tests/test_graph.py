@@ -1,0 +1,395 @@
+"""The kernel-call graph: sites, nesting, data edges, costs, configs, inputs and exports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import networkx as nx
+import pytest
+from jax import lax
+
+import ejlabel
+from ejlabel.analysis import graph as graph_module
+from ejlabel.analysis.graph import call_graph, draw, from_node_link_json, to_dot, to_node_link_json
+from toy_kernels import scale, toymatmul
+
+from conftest import run_python
+
+
+def kernels(graph: nx.DiGraph, op: str | None = None) -> dict[str, dict[str, Any]]:
+    return {
+        n: d for n, d in graph.nodes(data=True) if d.get("kind") == "kernel" and (op is None or d["op"] == op)
+    }
+
+
+def only(graph: nx.DiGraph, op: str) -> tuple[str, dict[str, Any]]:
+    found = kernels(graph, op)
+    assert len(found) == 1, found
+    return next(iter(found.items()))
+
+
+def data_edge(graph: nx.DiGraph, a: str, b: str) -> bool:
+    return graph.has_edge(a, b) and graph.edges[a, b]["kind"] == "data"
+
+
+def chain_model(ex: ejlabel.Executor):
+    def model(x: jax.Array, w: jax.Array) -> jax.Array:
+        h = ex(scale, x)  # [4, 8]
+        h = ex(toymatmul, h, w)  # [4, 16]
+        h = ex(scale, h)  # [4, 16]: another shape, another label
+        return h.sum()
+
+    return jax.jit(jax.value_and_grad(model, argnums=(0, 1)))
+
+
+X = jnp.ones((4, 8), jnp.float32)
+W = jnp.ones((8, 16), jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def chain() -> tuple[Any, ejlabel.ConfigSelectorChain]:
+    selector = ejlabel.ConfigSelectorChain()
+    lowered = chain_model(ejlabel.Executor(selector)).lower(X, W)
+    return lowered, selector
+
+
+def test_chain_nodes_edges_and_costs(chain: tuple[Any, ejlabel.ConfigSelectorChain]) -> None:
+    lowered, selector = chain
+    graph = call_graph(lowered, selector)
+    assert graph.graph["modules"] == ["jit_model"]
+    assert graph.graph["device"] == ejlabel.device_fingerprint()
+
+    mm_node, mm = only(graph, "toymatmul")
+    assert mm["op_id"] == "toymatmul@v1" and mm["version"] == "1" and mm["direction"] == "forward"
+    assert mm["label"] == f"ejkernel_ops#toymatmul@v1:{mm['call_key']}"
+    assert mm_node.startswith("jit_model/") and mm["module"] == "jit_model"
+    assert mm["flops"] == 2 * 4 * 16 * 8
+    assert mm["opcodes"] == {"dot": 1}
+    assert mm["bytes"] == (4 * 8 + 8 * 16 + 4 * 16) * 4  # reads x·w once each, writes the product
+    assert mm["shapes"] == ["f32[4,16]{1,0}"]
+    assert sorted(mm["input_shapes"]) == ["f32[4,8]{1,0}", "f32[8,16]{1,0}"]
+    assert mm["nesting"] == () and mm["multiplicity"] == 1
+    assert mm["provenance"] == "heuristic" and mm["config"] == toymatmul.heuristic_cfg(None)
+
+    scales = kernels(graph, "scale")
+    assert len(scales) == 2 and len({d["label"] for d in scales.values()}) == 2
+    first = next(n for n, d in scales.items() if d["shapes"][0].startswith("f32[4,8]"))
+    second = next(n for n in scales if n != first)
+    # scale → toymatmul → scale, in program order.
+    assert data_edge(graph, first, mm_node)
+    assert data_edge(graph, mm_node, second)
+    assert not graph.has_edge(second, first)
+
+    backward = kernels(graph, "toymatmul.bwd")
+    assert backward and all(d["direction"] == "backward" for d in backward.values())
+    assert all(d["flops"] == 2 * 4 * 8 * 16 for d in backward.values())
+    # The backward resolves to its forward's config.
+    assert all(d["provenance"] == "heuristic" for d in backward.values())
+    for d in kernels(graph).values():
+        assert d["bytes"] > 0 and d["instructions"] >= 1 and d["kind"] == "kernel"
+
+
+def test_without_selector_configs_are_none(chain: tuple[Any, ejlabel.ConfigSelectorChain]) -> None:
+    graph = call_graph(chain[0])
+    assert all(d["config"] is None and d["provenance"] is None for d in kernels(graph).values())
+
+
+def test_compiled_program_maps_fusion_contents_to_the_fusion(chain: tuple[Any, ejlabel.ConfigSelectorChain]) -> None:
+    lowered, selector = chain
+    graph = call_graph(lowered.compile(), selector)
+    _, mm = only(graph, "toymatmul")
+    assert mm["flops"] == 2 * 4 * 16 * 8
+    assert mm["computation"].startswith("main")  # the fusion's computation, not the fused one
+    scale_nodes = kernels(graph, "scale")
+    assert scale_nodes and all(d["computation"] == mm["computation"] for d in scale_nodes.values())
+    # Same data order in the optimised program.
+    mm_node = next(iter(kernels(graph, "toymatmul")))
+    assert any(data_edge(graph, n, mm_node) for n in scale_nodes)
+    assert any(data_edge(graph, mm_node, n) for n in scale_nodes)
+
+
+def test_same_call_at_two_places_gives_two_nodes() -> None:
+    ex = ejlabel.Executor(ejlabel.ConfigSelectorChain())
+
+    def model(x: jax.Array) -> jax.Array:
+        a = ex(scale, x)
+        b = jnp.tanh(a) @ jnp.ones((8, 8))  # unlabelled work in between
+        return ex(scale, b).sum()
+
+    graph = call_graph(jax.jit(jax.value_and_grad(model)).lower(jnp.ones((4, 8))))
+    sites = kernels(graph, "scale")
+    assert len(sites) == 2
+    assert len({d["label"] for d in sites.values()}) == 1
+    a, b = sorted(sites)
+    assert data_edge(graph, a, b) or data_edge(graph, b, a)
+
+
+def scan_cond_model(ex: ejlabel.Executor):
+    def model(x: jax.Array, w: jax.Array) -> jax.Array:
+        def body(c: jax.Array, _: Any) -> tuple[jax.Array, None]:
+            return ex(toymatmul, c, w), None
+
+        c, _ = lax.scan(body, x, None, length=3)
+        c = lax.cond(c.sum() > 0, lambda c: ex(scale, c), lambda c: c, c)
+        return c.sum()
+
+    return jax.jit(jax.value_and_grad(model)).lower(jnp.ones((8, 8)), jnp.ones((8, 8)))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["lowered", "compiled"])
+def test_loops_and_branches_nest_their_sites(compiled: bool) -> None:
+    lowered = scan_cond_model(ejlabel.Executor(ejlabel.ConfigSelectorChain()))
+    program = lowered.compile() if compiled else lowered
+    graph = call_graph(program)
+
+    mm_node, mm = only(graph, "toymatmul")
+    assert mm["nesting"] and mm["nesting"][0].startswith("while")
+    loop = next(p for p in graph.predecessors(mm_node) if graph.edges[p, mm_node]["kind"] == "nesting")
+    assert graph.nodes[loop]["kind"] == "loop" and graph.nodes[loop]["label"] is None
+    assert loop.endswith("/" + mm["nesting"][0]) or loop.rsplit("/", 1)[-1] in mm["nesting"]
+    # Lowered HLO carries no trip counts; XLA's optimised HLO records known_trip_count.
+    expected = 3 if compiled else None
+    assert mm["multiplicity"] == expected and graph.nodes[loop]["multiplicity"] == expected
+
+    branch_sites = [d for d in kernels(graph, "scale").values() if d["nesting"]]
+    assert branch_sites
+    for d in branch_sites:
+        assert d["nesting"][0].startswith("cond") and d["multiplicity"] == 1
+    branches = [n for n, d in graph.nodes(data=True) if d.get("kind") == "branch"]
+    assert branches
+    # The loop's result flows into the branch's kernel (across the while and conditional bodies).
+    assert any(data_edge(graph, mm_node, n) for n, d in kernels(graph, "scale").items() if d["nesting"])
+
+
+def test_selector_provenance_through_executor() -> None:
+    selector = ejlabel.ConfigSelectorChain()
+    ex = ejlabel.Executor(selector)
+    lowered = jax.jit(lambda x: ex(scale, x).sum()).lower(jnp.ones((3, 5)))
+    graph = call_graph(lowered, selector)
+    _, node = only(graph, "scale")
+    assert node["provenance"] == "heuristic" and node["config"] == scale.heuristic_cfg(None)
+    override = ejlabel.Executor(selector)
+    lowered = jax.jit(lambda x: override(scale, x, cfg=type(node["config"])(2, "add")).sum()).lower(jnp.ones((3, 6)))
+    _, node = only(call_graph(lowered, selector), "scale")
+    assert node["provenance"] == "override"
+
+
+LABEL_FWD = "ejkernel_ops#flash_attention@v2:0123456789abcdef"
+LABEL_MM = "ejkernel_ops#matmul@v1:fedcba9876543210"
+
+# What XLA's GPU pipeline leaves: attributes on instructions inside fusions, and a cuDNN
+# attention custom-call with no attributes between labelled ops.
+GPU_HLO = textwrap.dedent(
+    f"""\
+    HloModule jit_attn, is_scheduled=true, entry_computation_layout={{(bf16[2,128,64]{{2,1,0}})->bf16[2,128,64]{{2,1,0}}}}
+
+    %fused_transpose (param_0: bf16[2,128,64]) -> bf16[2,64,128] {{
+      %param_0 = bf16[2,128,64]{{2,1,0}} parameter(0)
+      ROOT %transpose.3 = bf16[2,64,128]{{2,1,0}} transpose(%param_0), dimensions={{0,2,1}}, frontend_attributes={{ejlabel="{LABEL_FWD}"}}
+    }}
+
+    %fused_scale (param_0.1: bf16[2,128,64]) -> bf16[2,128,64] {{
+      %param_0.1 = bf16[2,128,64]{{2,1,0}} parameter(0)
+      %constant.1 = bf16[] constant(0.125)
+      %broadcast.1 = bf16[2,128,64]{{2,1,0}} broadcast(%constant.1), dimensions={{}}
+      ROOT %multiply.1 = bf16[2,128,64]{{2,1,0}} multiply(%param_0.1, %broadcast.1), frontend_attributes={{ejlabel="{LABEL_FWD}"}}
+    }}
+
+    %fused_dot (p0: bf16[2,128,64], p1: bf16[64,32]) -> f32[2,128,32] {{
+      %p0 = bf16[2,128,64]{{2,1,0}} parameter(0)
+      %p1 = bf16[64,32]{{1,0}} parameter(1)
+      ROOT %dot.7 = f32[2,128,32]{{2,1,0}} dot(%p0, %p1), lhs_contracting_dims={{2}}, rhs_contracting_dims={{0}}, frontend_attributes={{ejlabel="{LABEL_MM}"}}
+    }}
+
+    ENTRY %main (q: bf16[2,128,64], w: bf16[64,32]) -> f32[2,128,32] {{
+      %q = bf16[2,128,64]{{2,1,0}} parameter(0)
+      %w = bf16[64,32]{{1,0}} parameter(1)
+      %scale_fusion = bf16[2,128,64]{{2,1,0}} fusion(%q), kind=kLoop, calls=%fused_scale
+      %transpose_fusion = bf16[2,64,128]{{2,1,0}} fusion(%q), kind=kLoop, calls=%fused_transpose
+      %fmha = (bf16[2,128,64]{{2,1,0}}, u8[0]{{0}}) custom-call(%scale_fusion, %transpose_fusion, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={{"operation_queue_id":"0"}}
+      %gte.0 = bf16[2,128,64]{{2,1,0}} get-tuple-element(%fmha), index=0
+      %out = bf16[2,128,64]{{2,1,0}} copy(%gte.0), frontend_attributes={{ejlabel="{LABEL_FWD}"}}
+      %unlabelled = bf16[2,128,64]{{2,1,0}} negate(%out)
+      ROOT %proj = f32[2,128,32]{{2,1,0}} fusion(%unlabelled, %w), kind=kCustom, calls=%fused_dot
+    }}
+    """
+)
+
+
+def test_gpu_like_fusions_and_unlabelled_cudnn_custom_call() -> None:
+    graph = call_graph(GPU_HLO)
+    attn_node, attn = only(graph, "flash_attention")
+    assert attn_node == "jit_attn/main/scale_fusion"
+    assert attn["attributed_custom_calls"] == ["__cudnn$fmhaSoftmax"]
+    assert attn["version"] == "2" and attn["op_id"] == "flash_attention@v2"
+    # Two fusions (+ their labelled insides), the custom-call and the copy.
+    assert attn["opcodes"] == {"fusion": 2, "multiply": 1, "transpose": 1, "custom-call": 1, "copy": 1}
+    assert attn["instructions"] == 6
+    assert attn["flops"] == 2 * 128 * 64  # the labelled multiply; the custom-call's work is unknown
+    assert attn["shapes"] == ["bf16[2,128,64]{2,1,0}"]
+    assert attn["input_shapes"] == ["bf16[2,128,64]{2,1,0}"]
+    # q read once (2·128·64 bf16), outputs of the fusions, the (tuple) custom-call and the copy.
+    q = 2 * 128 * 64 * 2
+    assert attn["bytes"] == q + q + q + q + q
+
+    mm_node, mm = only(graph, "matmul")
+    assert mm_node == "jit_attn/main/proj"
+    assert mm["flops"] == 2 * (2 * 128 * 32) * 64
+    assert mm["opcodes"] == {"fusion": 1, "dot": 1}
+    assert data_edge(graph, attn_node, mm_node)  # through the unlabelled negate
+
+
+def test_multi_label_fusion_belongs_to_both_sites() -> None:
+    text = textwrap.dedent(
+        f"""\
+        HloModule m
+        %fused (p: f32[8]) -> f32[8] {{
+          %p = f32[8]{{0}} parameter(0)
+          %a = f32[8]{{0}} exponential(%p), frontend_attributes={{ejlabel="{LABEL_FWD}"}}
+          ROOT %b = f32[8]{{0}} negate(%a), frontend_attributes={{ejlabel="{LABEL_MM}"}}
+        }}
+        ENTRY %main (x: f32[8]) -> f32[8] {{
+          %x = f32[8]{{0}} parameter(0)
+          ROOT %f = f32[8]{{0}} fusion(%x), kind=kLoop, calls=%fused
+        }}
+        """
+    )
+    graph = call_graph(text)
+    nodes = kernels(graph)
+    assert len(nodes) == 2 and {d["op"] for d in nodes.values()} == {"flash_attention", "matmul"}
+    assert all(d["flops"] == 8 and d["instructions"] == 2 for d in nodes.values())
+
+
+def test_dump_directory(tmp_path: Path) -> None:
+    dump = tmp_path / "dump"
+    run_python(
+        textwrap.dedent(
+            """
+            import jax, jax.numpy as jnp, ejlabel
+            from toy_kernels import scale, toymatmul
+            ex = ejlabel.Executor(ejlabel.ConfigSelectorChain())
+            f = jax.jit(jax.grad(lambda x, w: ex(scale, ex(toymatmul, x, w)).sum()))
+            f(jnp.ones((4, 8)), jnp.ones((8, 16)))
+            """
+        ),
+        XLA_FLAGS=f"--xla_dump_to={dump}",
+    )
+    assert list(dump.glob("*after_optimizations.txt"))
+    graph = call_graph(str(dump))
+    mm_nodes = kernels(graph, "toymatmul")
+    assert len(mm_nodes) == 1
+    node, data = next(iter(mm_nodes.items()))
+    assert data["module"] in graph.graph["modules"] and node.startswith(data["module"] + "/")
+    assert data["flops"] == 2 * 4 * 16 * 8
+    assert kernels(graph, "toymatmul.bwd") and kernels(graph, "scale")
+    assert len(graph.graph["modules"]) == len(list(dump.glob("*after_optimizations.txt")))
+
+
+def test_stablehlo_degraded_mode(chain: tuple[Any, ejlabel.ConfigSelectorChain]) -> None:
+    lowered, selector = chain
+    text = lowered.as_text()
+    assert "stablehlo." in text
+    graph = call_graph(text, selector)
+    assert graph.graph["degraded"] is True and graph.number_of_edges() == 0
+    full = call_graph(lowered)
+    assert {d["label"] for d in kernels(graph).values()} == {d["label"] for d in kernels(full).values()}
+    assert len(kernels(graph)) == len({d["label"] for d in kernels(graph).values()})
+    for d in kernels(graph).values():
+        assert d["instructions"] > 0 and d["provenance"] == "heuristic"
+
+
+def test_json_round_trip(chain: tuple[Any, ejlabel.ConfigSelectorChain]) -> None:
+    lowered, selector = chain
+    graph = call_graph(lowered, selector)
+
+    class Opaque:  # no importable name: falls back to repr
+        def __repr__(self) -> str:
+            return "Opaque()"
+
+    first = next(iter(kernels(graph)))
+    graph.nodes[first]["config"] = Opaque()
+    text = to_node_link_json(graph)
+    data = json.loads(text)
+    assert "edges" in data
+    back = from_node_link_json(text)
+    assert set(back.nodes) == set(graph.nodes)
+    assert set(back.edges) == set(graph.edges)
+    assert back.graph["modules"] == graph.graph["modules"]
+    assert back.nodes[first]["config"] == "Opaque()"
+    for node, attrs in graph.nodes(data=True):
+        restored = back.nodes[node]
+        assert restored["nesting"] == attrs["nesting"] and isinstance(restored["nesting"], tuple)
+        for key in ("label", "op", "flops", "bytes", "multiplicity", "provenance", "opcodes"):
+            assert restored[key] == attrs[key]
+    other = next(n for n in kernels(graph) if n != first)
+    assert back.nodes[other]["config"]["$dataclass"].endswith("Config")
+    assert back.graph["config_encoding"]
+    assert to_node_link_json(back) == to_node_link_json(from_node_link_json(to_node_link_json(back)))
+
+
+def test_dot_text(chain: tuple[Any, ejlabel.ConfigSelectorChain]) -> None:
+    lowered, selector = chain
+    graph = call_graph(lowered, selector)
+    real = kernels(graph)
+    graph.add_node('odd"name\\x', kind="kernel", op='we"ird', version="1", call_key="0" * 16, config=None, direction="forward")
+    dot = to_dot(graph)
+    assert dot.startswith("digraph ") and dot.rstrip().endswith("}")
+    assert dot.count("{") == dot.count("}")
+    for d in real.values():
+        assert f"{d['op']}@v{d['version']}" in dot
+    assert '"odd\\"name\\\\x"' in dot and 'we\\"ird@v1' in dot
+    assert "lightsalmon" in dot  # backward kernels are coloured
+    assert "dashed" in dot and "color=red" in dot  # the config-less node
+    assert "->" in dot
+
+
+def test_dot_loop_nodes_are_ellipses() -> None:
+    graph = call_graph(scan_cond_model(ejlabel.Executor(ejlabel.ConfigSelectorChain())).compile())
+    dot = to_dot(graph)
+    assert "shape=ellipse" in dot and "shape=box" in dot and "style=dotted" in dot
+
+
+def test_draw_writes_svg_or_says_what_is_missing(tmp_path: Path, chain: tuple[Any, ejlabel.ConfigSelectorChain]) -> None:
+    graph = call_graph(chain[0], chain[1])
+    target = tmp_path / "graph.svg"
+    if shutil.which("dot") is None:
+        with pytest.raises(RuntimeError, match="Graphviz's `dot` program"):
+            draw(graph, target)
+    else:
+        assert draw(graph, target) == target
+        assert "<svg" in target.read_text()
+        png = draw(graph, tmp_path / "graph.png")
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_draw_without_graphviz_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(graph_module.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"apt install graphviz.*to_dot\(\)"):
+        draw(nx.DiGraph(), tmp_path / "g.svg")
+    assert not (tmp_path / "g.svg").exists()
+
+
+def test_parsed_module_input_and_scale() -> None:
+    """A large synthetic program: linear passes, one site per labelled chain."""
+    from ejlabel.analysis.hlo import parse_hlo
+
+    lines = ["HloModule big", "ENTRY %main (p: f32[16]) -> f32[16] {", "  %v.0 = f32[16]{0} parameter(0)"]
+    n = 20_000
+    for i in range(1, n):
+        attrs = ""
+        if i % 10 in (3, 4):  # pairs of labelled ops: one site each
+            attrs = f', frontend_attributes={{ejlabel="ejkernel_ops#k{(i // 10) % 50}@v1:{(i // 10) % 50:016x}"}}'
+        lines.append(f"  %v.{i} = f32[16]{{0}} add(%v.{i - 1}, %v.{max(0, i - 7)}){attrs}")
+    lines += [f"  ROOT %r = f32[16]{{0}} copy(%v.{n - 1})", "}"]
+    module = parse_hlo("\n".join(lines))
+    graph = call_graph(module)
+    sites = kernels(graph)
+    assert len(sites) == n // 10
+    assert all(d["instructions"] == 2 and d["flops"] == 32 for d in sites.values())
+    assert graph.number_of_edges() >= len(sites) - 1
