@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import statistics
 import sys
@@ -127,6 +128,8 @@ def random_inputs(inv: Invocation[Any, Any], key: jax.Array) -> tuple[tuple[Any,
     spec = abstract_invocation(inv)
     return jax.tree_util.tree_map(make, spec.args), jax.tree_util.tree_map(make, spec.kwargs)
 
+
+_CLEAR_LOSS = 1.5  # a candidate this many times slower than the best is dropped at once
 
 _TOLERANCE = {"float64": 1e-9, "float32": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
 
@@ -389,39 +392,50 @@ class Autotuner:
     def _race(self, job: _Job, alive: list[int], args: Any, array_kwargs: Any, progress: _Progress) -> int | None:
         """Successive halving over the correct candidates; returns the winner's index.
 
-        Every survivor is timed with ``iters`` runs, the slower half is dropped, ``iters``
-        doubles, until a round at the full ``num_iters`` ranks the last ones. Past the time
-        budget, candidates not yet timed are skipped and the ranking so far decides.
+        Round one times every survivor ``num_iters // 8`` times (at least 2); each round drops
+        the slower half and anything over ``_CLEAR_LOSS`` times the best median, and doubles the
+        runs. Samples accumulate across rounds, so no measurement is wasted, and the last two
+        candidates are topped up to ``num_iters`` samples each before the final ranking. Past
+        the time budget, candidates not yet timed are skipped and the ranking so far decides.
         """
         policy = self.policy
         if not alive:
             return None
+        samples: dict[int, list[float]] = {i: [] for i in alive}
         halving = policy.early_stop and len(alive) > 2
-        iters = max(2, policy.num_iters // 4) if halving else policy.num_iters
+        runs = max(2, policy.num_iters // 8) if halving else policy.num_iters
         deadline = job.start + policy.time_budget_s if policy.time_budget_s else math.inf
+
+        def measure(i: int, count: int) -> None:
+            call = functools.partial(job.executables[i], args, array_kwargs)
+            _timed_runs(call, max(1, policy.num_warmup) if not samples[i] else 1)  # warm-up / re-warm caches
+            samples[i].extend(_timed_runs(call, count))
+            job.candidates[i].timing = Timing(samples[i])
+
+        def drop(i: int, status: str, reason: str) -> None:
+            job.candidates[i].status, job.candidates[i].reason = status, reason
+            alive.remove(i)
+            progress.advance()
+
         while True:
             for i in list(alive):
-                candidate = job.candidates[i]
-                over_budget = time.perf_counter() > deadline
-                if over_budget and candidate.timing is None and len(alive) > 1:
-                    candidate.status, candidate.reason = "skipped", "time budget spent"
-                    alive.remove(i)
-                    progress.advance()
-                elif not over_budget or candidate.timing is None:
-                    executable = job.executables[i]
-                    candidate.timing = benchmark(
-                        executable, args, array_kwargs, num_warmup=policy.num_warmup, num_iters=iters
-                    )
+                if time.perf_counter() > deadline and not samples[i] and len(alive) > 1:
+                    drop(i, "skipped", "time budget spent")
+                elif len(samples[i]) < runs and (time.perf_counter() <= deadline or not samples[i]):
+                    measure(i, runs - len(samples[i]))
             alive.sort(key=lambda i: job.candidates[i].timing)
-            if iters >= policy.num_iters or len(alive) <= 1 or time.perf_counter() > deadline:
+            if len(alive) <= 2 or runs >= policy.num_iters or time.perf_counter() > deadline:
                 break
-            keep = math.ceil(len(alive) / 2)
-            for i in alive[keep:]:
-                job.candidates[i].status = "pruned"
-                job.candidates[i].reason = f"in the slower half after {iters} timed runs"
-            progress.advance(len(alive) - keep)
-            alive = alive[:keep]
-            iters = min(policy.num_iters, iters * 2)
+            best = job.candidates[alive[0]].timing
+            for i in alive[math.ceil(len(alive) / 2):]:
+                drop(i, "pruned", f"in the slower half after {len(samples[i])} timed runs")
+            for i in [i for i in alive if job.candidates[i].timing > _CLEAR_LOSS * best]:
+                drop(i, "pruned", f"over {_CLEAR_LOSS}x the best median after {len(samples[i])} timed runs")
+            runs = min(policy.num_iters, runs * 2)
+        for i in alive:
+            if len(samples[i]) < policy.num_iters and time.perf_counter() <= deadline:
+                measure(i, policy.num_iters - len(samples[i]))
+        alive.sort(key=lambda i: job.candidates[i].timing)
         for i in alive:
             job.candidates[i].status = "ok"
         progress.advance(len(alive))

@@ -61,7 +61,7 @@ def test_autotune_picks_cheapest_and_rejects_wrong():
     result = Autotuner(FAST).tune(Invocation(loopsum, (X,)))
     statuses = {c.cfg: c.status for c in result.candidates}
     assert statuses[LoopConfig(block=512, wrong=True)] == "wrong"
-    assert result.best_cfg.block >= 128 and not result.best_cfg.wrong
+    assert result.best_cfg.block >= 256 and not result.best_cfg.wrong  # 1 or 2 loop steps of 512
     assert statuses[LoopConfig(block=1)] in ("pruned", "ok")
     timed = [c for c in result.candidates if c.timing is not None]
     assert max(c.timing for c in timed) > 3 * result.best.timing  # configs really differ in cost

@@ -89,7 +89,7 @@ class LoopSumKernel(Kernel[LoopConfig, jax.Array]):
         steps = m // cfg.block
         chunks = x.reshape(n, steps, cfg.block)
 
-        probe = x[:, : min(m, 64)]
+        probe = x[:, : min(m, 128)]
 
         def body(i: int, acc: jax.Array) -> jax.Array:
             chunk = lax.dynamic_index_in_dim(chunks, i, axis=1, keepdims=False)
