@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: install, GPU tests, then the benchmarks named in $@ (logs under $OUT).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 EJLABEL_CACHE_DIR=/tmp/ejlabel-cache
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+for step in "$@"; do
+  case "$step" in
+    gputests) timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 40 ;;
+    labeltests) timeout 300 python3 -m pytest -q tests/test_labels.py tests/test_graph.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_labels_gpu.log" | tail -n 15 ;;
+    kernelsquick) timeout 420 python3 bench/bench_kernels.py --quick --out "$OUT/kernels_quick.md" 2>&1 | tee "$OUT/kernels_quick.log" | tail -n 40 ;;
+    kernels) timeout 560 python3 bench/bench_kernels.py --out "$OUT/kernels.md" 2>&1 | tee "$OUT/kernels.log" | tail -n 50 ;;
+    model) timeout 560 python3 bench/bench_model.py --out "$OUT/model.md" 2>&1 | tee "$OUT/model.log" | tail -n 40 ;;
+    modelquick) timeout 400 python3 bench/bench_model.py --quick --out "$OUT/model_quick.md" 2>&1 | tee "$OUT/model_quick.log" | tail -n 40 ;;
+  esac
+done
