@@ -64,6 +64,7 @@ label with its op count in ``instructions``, no edges and no costs (``graph.grap
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import math
 import re
@@ -71,6 +72,7 @@ import shutil
 import subprocess
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from itertools import repeat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -83,7 +85,7 @@ from .hlo import HloComputation, HloInstruction, HloModule, parse_hlo, stablehlo
 
 __all__ = ["MAX_UPSTREAM", "call_graph", "draw", "from_node_link_json", "to_dot", "to_node_link_json"]
 
-MAX_UPSTREAM = 64
+MAX_UPSTREAM = 16
 """Most upstream sites remembered per unlabelled value (the most recent ones are kept)."""
 
 _NESTING_KIND = {"while": "loop", "conditional": "branch", "call": "call"}
@@ -278,6 +280,7 @@ class _Builder:
         self.flowed: dict[str, Value] = {}
         self.in_flow: set[str] = set()
         self.user_maps: dict[str, dict[str, list[str]]] = {}
+        self.data_edges: set[tuple[int, int]] = set()  # (upstream site uid, site uid)
 
     def users(self, comp: HloComputation) -> dict[str, list[str]]:
         """Users of each instruction of ``comp``; built only for computations that hold sites."""
@@ -355,8 +358,13 @@ class _Builder:
 
     def labels_of(self, instr: HloInstruction, absorbed: frozenset[str]) -> tuple[str, ...]:
         """Labels an instruction of a site computation is a member of."""
+        if not instr.called_computations:
+            if not instr.frontend_attributes:
+                return ()  # the common case: nothing to look at
+            own = _own_label(instr)
+            return () if own is None or own in absorbed else (own,)
         own = _own_label(instr)
-        if instr.opcode in _NESTING_KIND or not instr.called_computations:
+        if instr.opcode in _NESTING_KIND:
             return () if own is None or own in absorbed else (own,)
         labels = dict.fromkeys(() if own is None else (own,))
         for callee in instr.called_computations:
@@ -474,8 +482,7 @@ class _Builder:
             return _union(seeds)
         self.in_flow.add(comp_name)
         values: dict[str, Value] = {}
-        edges = self.graph.add_edge
-        sites = self.sites
+        add_edges = self.data_edges.update
         site_sets = self.site_sets
         gte_index = self.extra.gte_index
         param_index = self.extra.param_index
@@ -487,11 +494,12 @@ class _Builder:
             mine = site_sets.get((cname, name))
             if mine is not None:
                 for operand in instr.operands:
-                    upstream = _flatten(values.get(operand, _EMPTY))
-                    for u in upstream:
+                    upstream = values.get(operand, _EMPTY)
+                    if isinstance(upstream, tuple):
+                        upstream = _flatten(upstream)
+                    if upstream and upstream is not mine:
                         for s in mine:
-                            if u != s:
-                                edges(sites[u].node, sites[s].node, kind="data")
+                            add_edges(zip(upstream, repeat(s)))
                 if opcode in _NESTING_KIND:
                     self.flow_nested(instr, values)
                 value: Value = mine
@@ -518,6 +526,16 @@ class _Builder:
                 value = values.get(instr.operands[0], _EMPTY)
                 if opcode not in ("copy", "opt-barrier", "bitcast") and isinstance(value, tuple):
                     value = _flatten(value)
+            elif len(instr.operands) == 2:
+                a = values.get(instr.operands[0], _EMPTY)
+                b = values.get(instr.operands[1], _EMPTY)
+                # Inline fast path of _union for the common binary op.
+                if a is b or not b:
+                    value = a if isinstance(a, frozenset) else _flatten(a)
+                elif not a:
+                    value = b if isinstance(b, frozenset) else _flatten(b)
+                else:
+                    value = _union((a, b))
             else:
                 value = _union([values.get(o, _EMPTY) for o in instr.operands])
             values[name] = value
@@ -677,6 +695,8 @@ class _Builder:
         for comp_name in order:
             if not self.is_inlined(comp_name):
                 self.flow(comp_name, [])
+        nodes = [site.node for site in self.sites]
+        self.graph.add_edges_from(((nodes[u], nodes[s]) for u, s in self.data_edges if u != s), kind="data")
 
 
 def _neighbour_labels(
@@ -775,6 +795,13 @@ def _union(values: Iterable[Value]) -> frozenset:
         return _EMPTY
     if len(distinct) == 1:
         return distinct[0]
+    if len(distinct) == 2:
+        # Accumulating chains mostly re-merge what they already hold: share the larger set.
+        a, b = distinct
+        if a >= b:
+            return a
+        if b >= a:
+            return b
     merged = frozenset().union(*distinct)
     if len(merged) > MAX_UPSTREAM:
         merged = frozenset(sorted(merged)[-MAX_UPSTREAM:])
@@ -857,7 +884,20 @@ def call_graph(x: Any, selector: Any = None, device: str | None = None) -> nx.Di
         return resolved[key]
 
     names: Counter = Counter()
-    for _, source in _sources(x):
+    # The passes allocate many small acyclic objects; the cycle collector walking them again and
+    # again as they grow would cost more than the passes themselves.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        _add_modules(graph, _sources(x), names, resolve)
+    finally:
+        if collecting:
+            gc.enable()
+    return graph
+
+
+def _add_modules(graph: nx.DiGraph, sources: list[tuple[str | None, HloModule | str]], names: Counter, resolve: Any) -> None:
+    for _, source in sources:
         if isinstance(source, str) and _is_stablehlo(source):
             found = _MLIR_MODULE.search(source)
             name = _unique(found.group(1) if found else "module", names)
@@ -870,7 +910,6 @@ def call_graph(x: Any, selector: Any = None, device: str | None = None) -> nx.Di
         graph.graph["modules"].append(name)
         extra = _read_extra(source if isinstance(source, str) else None)
         _Builder(module, name, extra, graph, resolve).build()
-    return graph
 
 
 def _unique(name: str, taken: Counter) -> str:
