@@ -103,6 +103,8 @@ class AutotunePolicy:
       num_warmup, num_iters: runs per candidate before and during timing.
       early_stop: drop candidates clearly slower than the best so far (successive halving).
       compile_workers: threads that compile candidates ahead of time.
+      tune_backward: for kernels with a custom VJP, time and check forward and backward
+        together (what a training step runs); turn off to tune for serving.
     """
 
     enabled: bool = True
@@ -113,6 +115,7 @@ class AutotunePolicy:
     num_iters: int = 10
     early_stop: bool = True
     compile_workers: int = 4
+    tune_backward: bool = True
 
     def __post_init__(self) -> None:
         if self.on_miss not in ("heuristic", "autotune", "error"):

@@ -137,6 +137,8 @@ _TOLERANCE = {"float64": 1e-9, "float32": 2e-3, "bfloat16": 3e-2, "float16": 5e-
 def _relative_error(out: Any, ref: Any) -> float:
     errors = []
     for o, r in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref), strict=True):
+        if getattr(o, "dtype", None) == jax.dtypes.float0:  # cotangent of an integer input
+            continue
         o64, r64 = np.asarray(o, dtype=np.float64), np.asarray(r, dtype=np.float64)
         if o64.shape != r64.shape:
             return math.inf
@@ -149,7 +151,7 @@ def _relative_error(out: Any, ref: Any) -> float:
 
 def _tolerance(out: Any) -> float:
     leaves = [leaf for leaf in jax.tree_util.tree_leaves(out) if hasattr(leaf, "dtype")]
-    floats = [np.dtype(leaf.dtype).name for leaf in leaves if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    floats = [np.dtype(leaf.dtype).name for leaf in leaves if leaf.dtype != jax.dtypes.float0 and jnp.issubdtype(leaf.dtype, jnp.inexact)]
     return max((_TOLERANCE.get(name, 3e-2) for name in floats), default=0.0)
 
 
@@ -241,6 +243,7 @@ class _Job:
 
     inv: Invocation[Any, Any]
     candidates: list[CandidateResult]
+    cotangent: Any = None  # output spec when the backward pass is timed too, else None
     executables: dict[int, Any] = dataclasses.field(default_factory=dict)
     start: float = dataclasses.field(default_factory=time.perf_counter)
 
@@ -316,12 +319,15 @@ class Autotuner:
             unique = unique[: self.policy.max_configs]
         if not unique:
             raise AutotuneError(f"{inv.op_id} call {inv.call_key}: no valid candidate configs")
-        return _Job(inv, [CandidateResult(cfg) for cfg in unique])
+        job = _Job(inv, [CandidateResult(cfg) for cfg in unique])
+        if self.policy.tune_backward and kernel.has_custom_vjp:
+            job.cotangent = _output_spec(inv, unique)
+        return job
 
     def _compile_all(self, jobs: list[_Job], progress: _Progress) -> None:
         work = [(job, i) for job in jobs for i in range(len(job.candidates))]
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.policy.compile_workers) as pool:
-            futures = {pool.submit(self._compile, job.inv, job.candidates[i]): (job, i) for job, i in work}
+            futures = {pool.submit(self._compile, job, job.candidates[i]): (job, i) for job, i in work}
             for future in concurrent.futures.as_completed(futures):
                 job, i = futures[future]
                 executable = future.result()
@@ -330,16 +336,12 @@ class Autotuner:
                 progress.advance()
 
     @staticmethod
-    def _compile(inv: Invocation[Any, Any], candidate: CandidateResult) -> Any:
-        impl = inv.kernel.implementation(_platform())
-        static = inv.static_kwargs
-
-        def call(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> Any:
-            return impl(*args, cfg=candidate.cfg, **array_kwargs, **static)
-
+    def _compile(job: _Job, candidate: CandidateResult) -> Any:
+        inv = job.inv
+        operands = (inv.args, inv.array_kwargs) + ((job.cotangent,) if job.cotangent is not None else ())
         start = time.perf_counter()
         try:
-            executable = jax.jit(call).lower(inv.args, inv.array_kwargs).compile()
+            executable = jax.jit(_candidate_function(inv, candidate.cfg, job.cotangent is not None)).lower(*operands).compile()
         except Exception as err:  # any failure of one candidate is recorded, not raised
             candidate.status, candidate.reason = "compile_error", _describe_error(err)[1]
             return None
@@ -351,12 +353,15 @@ class Autotuner:
         inv, policy = job.inv, self.policy
         args, kwargs = inv.kernel.make_inputs(inv, jax.random.key(self.seed))
         array_kwargs = {k: v for k, v in kwargs.items() if k in inv.array_kwargs}
-        reference = self._reference(job, args, kwargs, array_kwargs)
+        operands: tuple[Any, ...] = (args, array_kwargs)
+        if job.cotangent is not None:
+            operands += (random_inputs(Invocation(inv.kernel, (job.cotangent,)), jax.random.key(self.seed + 1))[0][0],)
+        reference = self._reference(job, operands, kwargs)
         alive: list[int] = []
         for i, executable in job.executables.items():
             candidate = job.candidates[i]
             try:
-                out = jax.block_until_ready(executable(args, array_kwargs))
+                out = jax.block_until_ready(executable(*operands))
             except Exception as err:
                 candidate.status, candidate.reason = _describe_error(err)
                 continue
@@ -370,26 +375,30 @@ class Autotuner:
             else:
                 alive.append(i)
         progress.advance(len(job.candidates) - len(alive))
-        winner = self._race(job, alive, args, array_kwargs, progress)
+        winner = self._race(job, alive, operands, progress)
         if winner is None:
             reasons = "; ".join(f"{c.cfg!r}: {c.status} ({c.reason})" for c in job.candidates)
             raise AutotuneError(f"every candidate of {inv.op_id} call {inv.call_key} failed: {reasons}")
         best = job.candidates[winner]
         return TuneResult(inv.op_id, inv.call_key, best.cfg, best, job.candidates, time.perf_counter() - job.start)
 
-    def _reference(self, job: _Job, args: tuple[Any, ...], kwargs: dict[str, Any], array_kwargs: dict[str, Any]) -> Any:
-        kernel = job.inv.kernel
-        reference = getattr(kernel, "reference", None)
+    def _reference(self, job: _Job, operands: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The kernel's reference output (and gradients), else the first working candidate's."""
+        reference = getattr(job.inv.kernel, "reference", None)
         if callable(reference):
-            return jax.block_until_ready(reference(*args, **kwargs))
-        for i, executable in job.executables.items():  # the heuristic config is candidate 0 when valid
+            args = operands[0]
+            if job.cotangent is None:
+                return jax.block_until_ready(reference(*args, **kwargs))
+            out, pullback = jax.vjp(lambda *a: reference(*a, **kwargs), *args)
+            return jax.block_until_ready((out, pullback(operands[2])))
+        for executable in job.executables.values():  # the heuristic config is candidate 0 when valid
             try:
-                return jax.block_until_ready(executable(args, array_kwargs))
+                return jax.block_until_ready(executable(*operands))
             except Exception:
                 continue
         return None
 
-    def _race(self, job: _Job, alive: list[int], args: Any, array_kwargs: Any, progress: _Progress) -> int | None:
+    def _race(self, job: _Job, alive: list[int], operands: tuple[Any, ...], progress: _Progress) -> int | None:
         """Successive halving over the correct candidates; returns the winner's index.
 
         Round one times every survivor ``num_iters // 8`` times (at least 2); each round drops
@@ -407,7 +416,7 @@ class Autotuner:
         deadline = job.start + policy.time_budget_s if policy.time_budget_s else math.inf
 
         def measure(i: int, count: int) -> None:
-            call = functools.partial(job.executables[i], args, array_kwargs)
+            call = functools.partial(job.executables[i], *operands)
             _timed_runs(call, max(1, policy.num_warmup) if not samples[i] else 1)  # warm-up / re-warm caches
             samples[i].extend(_timed_runs(call, count))
             job.candidates[i].timing = Timing(samples[i])
@@ -440,6 +449,39 @@ class Autotuner:
             job.candidates[i].status = "ok"
         progress.advance(len(alive))
         return alive[0]
+
+
+def _candidate_function(inv: Invocation[Any, Any], cfg: Any, backward: bool) -> Callable[..., Any]:
+    """What one candidate compiles to: the forward call, or forward and backward together."""
+    impl = inv.kernel.implementation(_platform())
+    static = inv.static_kwargs
+
+    def forward(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> Any:
+        return impl(*args, cfg=cfg, **array_kwargs, **static)
+
+    if not backward:
+        return forward
+    from .executor import run_labelled
+
+    def forward_and_backward(args: tuple[Any, ...], array_kwargs: dict[str, Any], cotangent: Any) -> Any:
+        def labelled(*primals: Any) -> Any:
+            call = Invocation(inv.kernel, primals, {**array_kwargs, **static}, known_call_key=inv.call_key)
+            return run_labelled(call, cfg)
+
+        out, pullback = jax.vjp(labelled, *args)
+        return out, pullback(cotangent)
+
+    return forward_and_backward
+
+
+def _output_spec(inv: Invocation[Any, Any], configs: list[Any]) -> Any:
+    """The abstract output of ``inv`` (the same for every config), or None if none traces."""
+    for cfg in configs:
+        try:
+            return jax.eval_shape(_candidate_function(inv, cfg, backward=False), inv.args, inv.array_kwargs)
+        except Exception:
+            continue
+    return None
 
 
 def _platform() -> str:

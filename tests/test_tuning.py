@@ -175,3 +175,16 @@ def test_autotune_recorded_tunes_each_distinct_call_once(tmp_path):
     assert len(traced) == spaces  # each candidate of each distinct call compiled exactly once
     for inv in invs:
         assert selector.persistent.get(*inv.cache_key) == winners[(inv.op_id, inv.call_key)]
+
+
+def test_backward_is_checked_and_timed_for_custom_vjp_kernels():
+    from toy_kernels import BackwardConfig, double
+
+    x = jax.random.normal(jax.random.key(3), (256, 256))
+    result = Autotuner(FAST).tune(Invocation(double, (x,)))
+    statuses = {c.cfg: c.status for c in result.candidates}
+    assert statuses[BackwardConfig(broken=True)] == "wrong"  # its forward is right: only the backward shows it
+    assert result.best_cfg == BackwardConfig()  # the slow backward loses
+
+    forward_only = Autotuner(dataclasses.replace(FAST, tune_backward=False)).tune(Invocation(double, (x,)))
+    assert {c.cfg: c.status for c in forward_only.candidates}[BackwardConfig(broken=True)] != "wrong"

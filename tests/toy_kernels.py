@@ -114,3 +114,40 @@ class LoopSumKernel(Kernel[LoopConfig, jax.Array]):
 scale = ScaleKernel()
 toymatmul = MatmulKernel()
 loopsum = LoopSumKernel()
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Forward passes are identical; ``broken`` gives a wrong gradient, ``slow`` a costly one."""
+
+    broken: bool = False
+    slow: bool = False
+
+
+class DoubleKernel(Kernel[BackwardConfig, jax.Array]):
+    """2 * x with a hand-written backward whose quality the config sets."""
+
+    def __init__(self) -> None:
+        super().__init__("double")
+
+    def run(self, x: jax.Array, *, cfg: BackwardConfig) -> jax.Array:
+        return 2.0 * x
+
+    def custom_vjp(self, primals: tuple[Any, ...], cfg: BackwardConfig, kwargs: dict[str, Any], cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
+        (g,) = cotangents
+        grad = 2.0 * g
+        if cfg.slow:
+            grad = lax.fori_loop(0, 200, lambda i, acc: acc + jnp.tanh(acc) * 0.0, grad)
+        return (-grad if cfg.broken else grad,)
+
+    def reference(self, x: jax.Array) -> jax.Array:
+        return 2.0 * x
+
+    def heuristic_cfg(self, inv: Invocation) -> BackwardConfig:
+        return BackwardConfig(slow=True)
+
+    def config_space(self, inv: Invocation) -> list[BackwardConfig]:
+        return [BackwardConfig(slow=True), BackwardConfig(broken=True), BackwardConfig()]
+
+
+double = DoubleKernel()
