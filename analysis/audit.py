@@ -12,14 +12,16 @@ import dataclasses
 import json
 from typing import Any
 
+import jax
 import networkx as nx
 
+from ejlabel.fingerprint import device_fingerprint
 from ejlabel.serialize import to_jsonable
 from ejlabel.selection import ConfigSelectorChain
 
 from .graph import call_graph
 
-__all__ = ["CallRow", "Report", "audit", "TUNED_PROVENANCES"]
+__all__ = ["CallRow", "CallSummary", "Report", "audit", "TUNED_PROVENANCES"]
 
 TUNED_PROVENANCES = frozenset({"override", "memory", "persistent", "autotuned"})
 """Provenances that count as seen; ``heuristic`` and None are unseen."""
@@ -57,6 +59,48 @@ class CallRow:
         return data
 
 
+@dataclasses.dataclass(frozen=True)
+class CallSummary:
+    """All call sites of one label: what a reader of the report wants first."""
+
+    label: str
+    op: str
+    version: str
+    call_key: str
+    arguments: str
+    sites: int
+    config: Any
+    provenance: str | None
+    flops: int
+    bytes: int
+
+    @property
+    def seen(self) -> bool:
+        return self.provenance in TUNED_PROVENANCES
+
+
+def _describe_arguments(label: str, descriptions: dict[str, str]) -> str:
+    """``f32[64,64] f32[64] eps=1e-06`` from the call description next to ``label``."""
+    from ejlabel.calls import CallDecodeError, decode_call
+
+    text = descriptions.get(label)
+    if text is None:
+        return "?"
+    try:
+        desc = decode_call(text, label)
+    except CallDecodeError:
+        return "?"
+    parts = []
+    for leaf in jax.tree_util.tree_leaves((desc.args, {k: v for k, v in desc.kwargs.items()}), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            parts.append(f"{_DTYPE_SHORT.get(leaf.dtype.name, leaf.dtype.name)}[{','.join(map(str, leaf.shape))}]")
+    parts += [f"{k}={v!r}" for k, v in desc.kwargs.items() if not isinstance(v, jax.ShapeDtypeStruct) and v is not None]
+    return " ".join(parts)
+
+
+_DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64", "int32": "s32", "int64": "s64", "bool": "pred", "int8": "s8", "uint8": "u8"}
+
+
 def _jsonable_config(cfg: Any) -> Any:
     try:
         return to_jsonable(cfg)
@@ -86,6 +130,29 @@ class Report:
     calls: tuple[CallRow, ...]
     device: str
     graph: nx.DiGraph = dataclasses.field(repr=False, compare=False)
+    arguments: dict[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def summaries(self) -> tuple[CallSummary, ...]:
+        """One entry per distinct label (in order of first appearance), its sites summed."""
+        grouped: dict[str, list[CallRow]] = {}
+        for row in self.calls:
+            grouped.setdefault(row.label, []).append(row)
+        return tuple(
+            CallSummary(
+                label=label,
+                op=rows[0].op,
+                version=rows[0].version,
+                call_key=rows[0].call_key,
+                arguments=self.arguments.get(label, "?"),
+                sites=len(rows),
+                config=rows[0].config,
+                provenance=rows[0].provenance,
+                flops=sum(r.flops * (r.multiplicity or 1) for r in rows),
+                bytes=sum(r.bytes * (r.multiplicity or 1) for r in rows),
+            )
+            for label, rows in grouped.items()
+        )
 
     @property
     def unseen(self) -> tuple[CallRow, ...]:
@@ -123,33 +190,33 @@ class Report:
             "device": self.device,
             "summary": self.summary(),
             "calls": [row.to_dict() for row in self.calls],
+            "arguments": self.arguments,
             "by_op": self.by_op,
             "unseen": [row.label for row in self.unseen],
         }
         return json.dumps(data, indent=indent, default=repr)
 
     def _table_rows(self) -> list[list[str]]:
-        rows = []
-        for row in self.calls:
-            times = "?" if row.multiplicity is None else str(row.multiplicity)
-            rows.append([
-                f"{row.op}@v{row.version}",
-                row.call_key[:8],
-                " ".join(row.input_shapes[:3]) + (" …" if len(row.input_shapes) > 3 else ""),
-                _short(row.config),
-                row.provenance or "UNSEEN",
-                times,
-                _human(row.flops),
-                _human(row.bytes) + "B",
-            ])
-        return rows
+        return [
+            [
+                f"{c.op}@v{c.version}",
+                c.call_key[:8],
+                c.arguments,
+                str(c.sites),
+                _short(c.config),
+                c.provenance or "UNSEEN",
+                _human(c.flops),
+                _human(c.bytes) + "B",
+            ]
+            for c in self.summaries
+        ]
 
-    _HEADERS = ["op", "key", "inputs", "config", "provenance", "×", "flops", "bytes"]
+    _HEADERS = ["op", "key", "arguments", "sites", "config", "provenance", "flops", "bytes"]
 
     def to_markdown(self) -> str:
         lines = [f"**{self.summary()}**", "", "| " + " | ".join(self._HEADERS) + " |", "|" + "---|" * len(self._HEADERS)]
         lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in self._table_rows()]
-        lines += ["", "| op | sites | distinct | unseen | flops | bytes |", "|---|---|---|---|---|---|"]
+        lines += ["", "| op | sites | distinct calls | unseen | flops | bytes |", "|---|---|---|---|---|---|"]
         lines += [
             f"| {op} | {t['sites']} | {t['labels']} | {t['unseen']} | {_human(t['flops'])} | {_human(t['bytes'])}B |"
             for op, t in self.by_op.items()
@@ -165,7 +232,7 @@ class Report:
         for header in self._HEADERS:
             table.add_column(header, no_wrap=header in ("op", "key", "provenance"))
         for cells in self._table_rows():
-            style = "red" if cells[4] in ("UNSEEN", "heuristic") else None
+            style = "red" if cells[5] in ("UNSEEN", "heuristic") else None
             table.add_row(*cells, style=style)
         console = Console(width=width, record=True, file=open("/dev/null", "w"), color_system=None)  # noqa: SIM115
         console.print(table)
@@ -210,4 +277,8 @@ def audit(x: Any, selector: ConfigSelectorChain | None = None, device: str | Non
                 attributed_custom_calls=tuple(data.get("attributed_custom_calls", ())),
             )
         )
-    return Report(tuple(rows), graph.graph.get("device", device or ""), graph)
+    from ejlabel.calls import call_descriptions
+
+    descriptions = call_descriptions(x)
+    arguments = {row.label: _describe_arguments(row.label, descriptions) for row in rows}
+    return Report(tuple(rows), graph.graph.get("device") or device or device_fingerprint(), graph, arguments)

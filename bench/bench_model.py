@@ -86,7 +86,7 @@ def main() -> int:
     selector = ejlabel.get_default_executor().selector
     lowered = jax.jit(examples.make_train_step(cfg)).lower(params, batch)
     before = audit(lowered, selector=ejlabel.ConfigSelectorChain(persistent=selector.persistent))
-    policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=args.tune_iters, max_configs=args.max_configs, time_budget_s=60.0)
+    policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=args.tune_iters, max_configs=args.max_configs, time_budget_s=60.0, compile_workers=12)
     start = time.perf_counter()
     report = tune_unseen(lowered, selector=ejlabel.ConfigSelectorChain(persistent=selector.persistent), policy=policy, progress=False)
     tune_s = time.perf_counter() - start

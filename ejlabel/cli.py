@@ -95,8 +95,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         max_configs=args.max_configs,
     )
     report = tune_unseen(_program(args.path, args.example_args), selector=selector, policy=policy)
-    for lab, cfg in report.tuned.items():
-        print(f"tuned  {lab}  {cfg!r}")
+    for (op_id, call_key), result in report.results.items():
+        print(f"tuned  {op_id}:{call_key}  {result.best.timing.median_ms:.4g} ms  {result.best_cfg!r}")
     for lab, error in report.errors.items():
         print(f"error  {lab}  {error}", file=sys.stderr)
     print(report.summary())
