@@ -72,7 +72,6 @@ import shutil
 import subprocess
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from itertools import repeat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -262,8 +261,20 @@ class _Site:
     node: str = ""
 
 
+_NO_SITES: dict[str, frozenset] = {}
+# Opcodes the data-flow pass treats specially; everything else unions its operands' sets.
+_FLOW_SPECIAL = frozenset({"parameter", "tuple", "get-tuple-element", *_NESTING_KIND})
+_TUPLE_KEEPING = frozenset({"copy", "opt-barrier", "bitcast"})
+
+
 class _Builder:
-    """Builds the graph of one module; state shared by its passes."""
+    """Builds the graph of one module; state shared by its passes.
+
+    The passes run once over every instruction of a large program, so their loops avoid
+    per-instruction function calls and allocations on the common path (an unlabelled
+    instruction with one or two operands); work per site (costs, attributes) is done once per
+    site, and the graph is filled in bulk at the end.
+    """
 
     def __init__(self, module: HloModule, module_name: str, extra: _Extra, graph: nx.DiGraph, resolve: Any) -> None:
         self.module = module
@@ -276,14 +287,22 @@ class _Builder:
         self.contexts: dict[str, tuple[HloInstruction, ...]] = {}
         self.absorbed_labels: dict[str, frozenset[str]] = {}
         self.sites: list[_Site] = []
-        self.site_sets: dict[tuple[str, str], frozenset] = {}  # (computation, instruction) -> site uids
+        # computation -> instruction -> uids of the sites it is a member of. Members of one site
+        # share one frozenset, so the data-flow pass can tell "same site" by identity.
+        self.site_sets: dict[str, dict[str, frozenset]] = {}
+        self.by_name: dict[str, dict[str, HloInstruction]] = {}
+        self.members_of: dict[str, set[str]] = {}  # computation -> names of its site members
         self.flowed: dict[str, Value] = {}
         self.in_flow: set[str] = set()
         self.user_maps: dict[str, dict[str, list[str]]] = {}
-        self.data_edges: set[tuple[int, int]] = set()  # (upstream site uid, site uid)
+        # Per site uid: the upstream sets its instructions read (shared objects, merged at the end).
+        self.incoming: list[list[frozenset]] = []
+        self.merged: dict[tuple[frozenset, frozenset], frozenset] = {}
+        self.flat: dict[tuple, frozenset] = {}
+        self.split_labels: dict[str, tuple[str, str, str, str]] = {}
 
     def users(self, comp: HloComputation) -> dict[str, list[str]]:
-        """Users of each instruction of ``comp``; built only for computations that hold sites."""
+        """Users of each instruction of ``comp``; built only where an unlabelled custom-call needs it."""
         found = self.user_maps.get(comp.name)
         if found is None:
             found = {}
@@ -291,6 +310,38 @@ class _Builder:
                 for operand in instr.operands:
                     found.setdefault(operand, []).append(instr.name)
             self.user_maps[comp.name] = found
+        return found
+
+    def member_users(self, comp: HloComputation, members: set[str]) -> dict[str, list[str]]:
+        """Users of the site members of ``comp`` and of the transparent hops right after them.
+
+        That is all the node attributes need (which outputs leave their site), and far less than
+        the users of every instruction of a large computation.
+        """
+        full = self.user_maps.get(comp.name)
+        if full is not None:
+            return full
+        found: dict[str, list[str]] = {}
+        for instr in comp.instructions:
+            for operand in instr.operands:
+                if operand in members:
+                    users = found.get(operand)
+                    if users is None:
+                        found[operand] = [instr.name]
+                    else:
+                        users.append(instr.name)
+        by_name = self.by_name[comp.name]
+        hops: set[str] = set()
+        for users in found.values():
+            for user in users:
+                instr = by_name.get(user)
+                if instr is not None and instr.opcode in _TRANSPARENT and user not in members:
+                    hops.add(user)
+        if hops:
+            for instr in comp.instructions:
+                for operand in instr.operands:
+                    if operand in hops:
+                        found.setdefault(operand, []).append(instr.name)
         return found
 
     # -- computation roles ---------------------------------------------------
@@ -344,7 +395,7 @@ class _Builder:
         result: dict[str, _Inner] = {}
         if comp is not None:
             for instr in comp.instructions:
-                own = _own_label(instr)
+                own = _own_label(instr) if instr.frontend_attributes else None
                 if own is not None:
                     inner = result.setdefault(own, _Inner())
                     inner.instructions += 1
@@ -358,28 +409,24 @@ class _Builder:
 
     def labels_of(self, instr: HloInstruction, absorbed: frozenset[str]) -> tuple[str, ...]:
         """Labels an instruction of a site computation is a member of."""
-        if not instr.called_computations:
-            if not instr.frontend_attributes:
-                return ()  # the common case: nothing to look at
-            own = _own_label(instr)
-            return () if own is None or own in absorbed else (own,)
-        own = _own_label(instr)
-        if instr.opcode in _NESTING_KIND:
+        own = _own_label(instr) if instr.frontend_attributes else None
+        if instr.opcode in _NESTING_KIND or not instr.called_computations:
             return () if own is None or own in absorbed else (own,)
         labels = dict.fromkeys(() if own is None else (own,))
         for callee in instr.called_computations:
             labels.update(dict.fromkeys(self.summary(callee)))
         return tuple(lab for lab in labels if lab not in absorbed)
 
-    def inner_of(self, instr: HloInstruction, lab: str) -> _Inner:
+    def inner_of(self, instr: HloInstruction, lab: str) -> _Inner | None:
         """The part of ``lab`` that sits in computations ``instr`` calls (and that it absorbs)."""
-        total = _Inner()
         if instr.opcode in _NESTING_KIND and _own_label(instr) != lab:
-            return total
-        for callee in instr.called_computations:
-            inner = self.summary(callee).get(lab)
-            if inner is not None:
-                total.add(inner)
+            return None
+        found = [inner for callee in instr.called_computations if (inner := self.summary(callee).get(lab)) is not None]
+        if len(found) <= 1:
+            return found[0] if found else None
+        total = _Inner()
+        for inner in found:
+            total.add(inner)
         return total
 
     # -- sites -----------------------------------------------------------------
@@ -389,16 +436,19 @@ class _Builder:
         absorbed = self.absorbed(comp.name)
         member_labels: dict[str, tuple[str, ...]] = {}
         for instr in comp.instructions:
-            labels = self.labels_of(instr, absorbed)
-            if labels:
-                member_labels[instr.name] = labels
+            # Most instructions carry no attributes and call nothing: skip them without a call.
+            if instr.called_computations or instr.frontend_attributes:
+                labels = self.labels_of(instr, absorbed)
+                if labels:
+                    member_labels[instr.name] = labels
         if not member_labels:
             return
-        users = self.users(comp)
         index: dict[tuple[str, str], int] = {}
         owners: list[HloInstruction] = []
         parent: list[int] = []
         by_name = {instr.name: instr for instr in comp.instructions}
+        self.by_name[comp.name] = by_name
+        self.members_of[comp.name] = set(member_labels)
 
         def find(i: int) -> int:
             while parent[i] != i:
@@ -417,18 +467,24 @@ class _Builder:
         through: dict[str, dict[str, list[int]]] = {}
         for instr in comp.instructions:
             labels = member_labels.get(instr.name)
-            if labels is None and instr.opcode == "custom-call" and instr.custom_call_target not in _BOOKKEEPING_TARGETS:
-                neighbours = _neighbour_labels(instr, by_name, users, member_labels)
-                if len(neighbours) == 1:
-                    labels = (next(iter(neighbours)),)
-                    member_labels[instr.name] = labels
-                    attributed[instr.name] = [neighbours[labels[0]]]
             if labels is None:
-                if instr.opcode in _TRANSPARENT:
-                    passed = _pass_through(instr.operands, member_labels, index, through)
-                    if passed:
-                        through[instr.name] = passed
-                continue
+                opcode = instr.opcode
+                if opcode in _TRANSPARENT:
+                    for operand in instr.operands:
+                        if operand in member_labels or operand in through:
+                            passed = _pass_through(instr.operands, member_labels, index, through)
+                            if passed:
+                                through[instr.name] = passed
+                            break
+                    continue
+                if opcode != "custom-call" or instr.custom_call_target in _BOOKKEEPING_TARGETS:
+                    continue
+                neighbours = _neighbour_labels(instr, by_name, self.users(comp), member_labels)
+                if len(neighbours) != 1:
+                    continue
+                labels = (next(iter(neighbours)),)
+                member_labels[instr.name] = labels
+                attributed[instr.name] = [neighbours[labels[0]]]
             for lab in labels:
                 me = len(parent)
                 index[(instr.name, lab)] = me
@@ -439,39 +495,95 @@ class _Builder:
                     if other is not None:
                         union(me, other)
                     else:
-                        for other in through.get(operand, {}).get(lab, ()):
-                            union(me, other)
+                        passed = through.get(operand)
+                        if passed is not None:
+                            for other in passed.get(lab, ()):
+                                union(me, other)
         # Attributed custom-calls also join the same-label sites of their users (after them in text).
-        for name, _ in attributed.items():
+        for name in attributed:
             lab = member_labels[name][0]
             me = index[(name, lab)]
-            for linked in _linked_names(name, by_name, users, lab, member_labels):
+            for linked in _linked_names(name, by_name, self.users(comp), lab, member_labels):
                 other = index.get((linked, lab))
                 if other is not None:
                     union(me, other)
 
+        roots = [find(i) for i in range(len(parent))]
         groups: dict[int, list[int]] = {}
-        for i in range(len(parent)):
-            groups.setdefault(find(i), []).append(i)
+        for i, root in enumerate(roots):
+            found = groups.get(root)
+            if found is None:
+                groups[root] = [i]
+            else:
+                found.append(i)
         keys = list(index)
+        root_uid: dict[int, int] = {}
         for root in sorted(groups):
             members = [owners[i] for i in groups[root]]
-            lab = keys[root][1]
-            site = _Site(len(self.sites), lab, comp, members, [])
+            site = _Site(len(self.sites), keys[root][1], comp, members, [])
             for instr in members:
                 if instr.name in attributed:
                     site.attributed.append(instr.custom_call_target or "")
+            root_uid[root] = site.uid
             self.sites.append(site)
-        # Map each member instruction to the uids of its sites.
-        first_uid = len(self.sites) - len(groups)
-        root_uid = {root: first_uid + k for k, root in enumerate(sorted(groups))}
+            self.incoming.append([])
+        # Map each member instruction to the uids of its sites; one shared set per single site.
+        single = {uid: frozenset((uid,)) for uid in root_uid.values()}
         per_name: dict[str, list[int]] = {}
         for (name, _lab), i in index.items():
-            per_name.setdefault(name, []).append(root_uid[find(i)])
-        for name, uids in per_name.items():
-            self.site_sets[(comp.name, name)] = frozenset(uids)
+            per_name.setdefault(name, []).append(root_uid[roots[i]])
+        self.site_sets[comp.name] = {
+            name: single[uids[0]] if len(uids) == 1 else frozenset(uids) for name, uids in per_name.items()
+        }
 
     # -- data flow ---------------------------------------------------------------
+
+    def flatten(self, value: tuple) -> frozenset:
+        """All upstream sites of a tuple value (memoised: a tuple is often read many times)."""
+        found = self.flat.get(value)
+        if found is None:
+            found = self.union(value)
+            self.flat[value] = found
+        return found
+
+    def union(self, values: Iterable[Value]) -> frozenset:
+        """Union of upstream sets (tuples flattened), capped at ``MAX_UPSTREAM``.
+
+        Keeping the most recent sites is associative, so merging pairwise gives the same set as
+        merging all at once; an operand's set is shared when it already holds the result.
+        """
+        result: frozenset = _EMPTY
+        for value in values:
+            if value.__class__ is tuple:
+                value = self.flatten(value)  # type: ignore[arg-type]
+            if value and value is not result:
+                result = value if not result else self.merge(result, value)  # type: ignore[assignment,arg-type]
+        return result
+
+    def merge(self, a: frozenset, b: frozenset) -> frozenset:
+        """Union of two distinct non-empty upstream sets, capped, sharing an operand's set if equal.
+
+        Memoised: the same pairs meet again and again along chains of unlabelled instructions.
+        """
+        key = (a, b)
+        found = self.merged.get(key)
+        if found is not None:
+            return found
+        if a >= b:
+            found = a
+        elif b >= a:
+            found = b
+        else:
+            found = a | b
+            if len(found) > MAX_UPSTREAM:
+                found = frozenset(sorted(found)[-MAX_UPSTREAM:])
+                # Keeping the most recent sites often gives back one of the operands' sets.
+                if found == a:
+                    found = a
+                elif found == b:
+                    found = b
+        self.merged[key] = found
+        return found
 
     def flow(self, comp_name: str, seeds: list[Value]) -> Value:
         """Propagate upstream sites through one computation; returns its root's value."""
@@ -479,70 +591,95 @@ class _Builder:
             return self.flowed[comp_name]
         comp = self.module.computations.get(comp_name)
         if comp is None or comp_name in self.in_flow:
-            return _union(seeds)
+            return self.union(seeds)
         self.in_flow.add(comp_name)
         values: dict[str, Value] = {}
-        add_edges = self.data_edges.update
-        site_sets = self.site_sets
+        get = values.get
+        incoming = self.incoming
+        comp_sites = self.site_sets.get(comp_name, _NO_SITES)
         gte_index = self.extra.gte_index
         param_index = self.extra.param_index
-        cname = comp.name
-        root_value: Value = _EMPTY
+        merge = self.merge
+        flatten = self.flatten
+        union = self.union
+        value: Value
         for instr in comp.instructions:
             name = instr.name
-            opcode = instr.opcode
-            mine = site_sets.get((cname, name))
+            operands = instr.operands
+            mine = comp_sites.get(name)
             if mine is not None:
-                for operand in instr.operands:
-                    upstream = values.get(operand, _EMPTY)
-                    if isinstance(upstream, tuple):
-                        upstream = _flatten(upstream)
+                # A site member: what its operands carry flows into its site(s).
+                for operand in operands:
+                    upstream = get(operand, _EMPTY)
+                    if upstream.__class__ is tuple:
+                        upstream = flatten(upstream)  # type: ignore[arg-type]
                     if upstream and upstream is not mine:
                         for s in mine:
-                            add_edges(zip(upstream, repeat(s)))
-                if opcode in _NESTING_KIND:
+                            incoming[s].append(upstream)  # type: ignore[arg-type]
+                if instr.opcode in _NESTING_KIND:
                     self.flow_nested(instr, values)
-                value: Value = mine
-            elif opcode == "parameter":
-                if not seeds:
-                    value = _EMPTY
-                elif len(seeds) == 1:
-                    value = seeds[0]
+                values[name] = mine
+                continue
+            opcode = instr.opcode
+            if opcode in _FLOW_SPECIAL:
+                if opcode == "parameter":
+                    if not seeds:
+                        value = _EMPTY
+                    elif len(seeds) == 1:
+                        value = seeds[0]
+                    else:
+                        position = param_index.get(name)
+                        if position is not None and position < len(seeds):
+                            value = seeds[position]
+                        else:
+                            value = union(seeds)
+                elif opcode == "tuple":
+                    value = tuple([get(o, _EMPTY) for o in operands])
+                elif opcode == "get-tuple-element":
+                    source = get(operands[0], _EMPTY) if operands else _EMPTY
+                    position = gte_index.get(name)
+                    if source.__class__ is tuple:
+                        if position is not None and position < len(source):
+                            value = source[position]  # type: ignore[index]
+                        else:
+                            value = flatten(source)  # type: ignore[arg-type]
+                    else:
+                        value = source
                 else:
-                    position = param_index.get(name)
-                    value = seeds[position] if position is not None and position < len(seeds) else _union(seeds)
-            elif opcode == "tuple":
-                value = tuple(values.get(o, _EMPTY) for o in instr.operands)
-            elif opcode == "get-tuple-element":
-                source = values.get(instr.operands[0], _EMPTY) if instr.operands else _EMPTY
-                position = gte_index.get(name)
-                if isinstance(source, tuple) and position is not None and position < len(source):
-                    value = source[position]
-                else:
-                    value = _flatten(source)
-            elif opcode in _NESTING_KIND:
-                value = self.flow_nested(instr, values)
-            elif len(instr.operands) == 1:
-                value = values.get(instr.operands[0], _EMPTY)
-                if opcode not in ("copy", "opt-barrier", "bitcast") and isinstance(value, tuple):
-                    value = _flatten(value)
-            elif len(instr.operands) == 2:
-                a = values.get(instr.operands[0], _EMPTY)
-                b = values.get(instr.operands[1], _EMPTY)
-                # Inline fast path of _union for the common binary op.
+                    value = self.flow_nested(instr, values)
+            elif len(operands) == 2:
+                a = get(operands[0], _EMPTY)
+                b = get(operands[1], _EMPTY)
+                if a.__class__ is tuple:
+                    a = flatten(a)  # type: ignore[arg-type]
+                if b.__class__ is tuple:
+                    b = flatten(b)  # type: ignore[arg-type]
                 if a is b or not b:
-                    value = a if isinstance(a, frozenset) else _flatten(a)
+                    value = a
                 elif not a:
-                    value = b if isinstance(b, frozenset) else _flatten(b)
+                    value = b
                 else:
-                    value = _union((a, b))
+                    value = merge(a, b)  # type: ignore[arg-type]
+            elif len(operands) == 1:
+                value = get(operands[0], _EMPTY)
+                if value.__class__ is tuple and opcode not in _TUPLE_KEEPING:
+                    value = flatten(value)  # type: ignore[arg-type]
+            elif operands:
+                value = union([get(o, _EMPTY) for o in operands])
             else:
-                value = _union([values.get(o, _EMPTY) for o in instr.operands])
+                value = _EMPTY
             values[name] = value
-            if instr.is_root:
-                root_value = value
+        if not self.in_flow - {comp_name}:
+            # Back at a computation nobody calls: the memos' sets belong to walked computations.
+            self.merged.clear()
+            self.flat.clear()
+        root_value: Value = _EMPTY
         if comp.root is not None and comp.root in values:
             root_value = values[comp.root]
+        else:
+            for instr in comp.instructions:
+                if instr.is_root:
+                    root_value = values.get(instr.name, _EMPTY)
         self.in_flow.discard(comp_name)
         self.flowed[comp_name] = root_value
         return root_value
@@ -553,17 +690,22 @@ class _Builder:
         called = instr.called_computations
         if instr.opcode == "conditional":
             branches = [self.flow(c, [operands[k + 1]] if k + 1 < len(operands) else []) for k, c in enumerate(called)]
-            return _union_elementwise(branches)
+            return self.union_elementwise(branches)
         if instr.opcode == "while":
             result: Value = _EMPTY
             for comp_name in called:
                 root = self.flow(comp_name, operands[:1])
                 # The body's root (a tuple like the loop state) is the loop's result; the condition returns a predicate.
                 if isinstance(root, tuple) or result is _EMPTY:
-                    result = root if isinstance(root, tuple) else _union([result, root])
-            return result if result is not _EMPTY else _union(operands)
+                    result = root if isinstance(root, tuple) else self.union([result, root])
+            return result if result is not _EMPTY else self.union(operands)
         roots = [self.flow(c, operands) for c in called]
-        return roots[0] if len(roots) == 1 else _union(roots)
+        return roots[0] if len(roots) == 1 else self.union(roots)
+
+    def union_elementwise(self, values: list[Value]) -> Value:
+        if values and all(isinstance(v, tuple) and len(v) == len(values[0]) for v in values):  # type: ignore[arg-type]
+            return tuple(self.union(parts) for parts in zip(*values))  # type: ignore[misc]
+        return self.union(values)
 
     # -- nodes ---------------------------------------------------------------
 
@@ -577,77 +719,80 @@ class _Builder:
         taken.add(node)
         site.node = node
 
-    def add_site_node(self, site: _Site) -> None:
+    def label_parts(self, lab: str) -> tuple[str, str, str, str]:
+        """``(op, version, op_id, call_key)`` of a label; each distinct label is split once."""
+        found = self.split_labels.get(lab)
+        if found is None:
+            op_id, call_key = _split_label(lab)
+            op, _, version = op_id.rpartition("@v")
+            found = self.split_labels[lab] = (op, version, op_id, call_key)
+        return found
+
+    def site_attributes(self, site: _Site, users: Mapping[str, list[str]], context: tuple[HloInstruction, ...]) -> dict[str, Any]:
+        """The node attributes of one kernel site (see the module docstring for the costs)."""
         comp = site.comp
         lab = site.label
-        member_names = {m.name for m in site.members}
-        users = self.users(comp)
-        opcodes: Counter = Counter()
+        by_name = self.by_name[comp.name]
+        members = site.members
+        member_names = {m.name for m in members}
+        opcodes: dict[str, int] = {}
         flops = 0
         instructions = 0
         written = 0
         inputs: dict[str, str] = {}
         shapes: list[str] = []
-        for instr in site.members:
+        extra = self.extra
+        for instr in members:
             instructions += 1
-            opcodes[instr.opcode] += 1
-            flops += _flops(instr, comp, self.extra)
-            inner = self.inner_of(instr, lab)
-            instructions += inner.instructions
-            opcodes.update(inner.opcodes)
-            flops += inner.flops
-            written += _shape_bytes(instr.shape)
+            opcode = instr.opcode
+            opcodes[opcode] = opcodes.get(opcode, 0) + 1
+            if opcode in _ELEMENTWISE or opcode == "dot" or opcode == "convolution":
+                flops += _flops(instr, comp, extra)
+            if instr.called_computations:
+                inner = self.inner_of(instr, lab)
+                if inner is not None:
+                    instructions += inner.instructions
+                    for key, count in inner.opcodes.items():
+                        opcodes[key] = opcodes.get(key, 0) + count
+                    flops += inner.flops
+            written += _shape_info(instr.shape)[0]
             for operand in instr.operands:
                 if operand not in member_names and operand not in inputs:
-                    source = comp.instruction(operand)
+                    source = by_name.get(operand)
                     if source is not None and _passes_from(source, member_names):
                         continue
                     inputs[operand] = source.shape if source is not None else ""
-            outside = [u for u in users.get(instr.name, ()) if not self.stays_inside(comp, u, member_names, users)]
-            if outside or instr.is_root or not users.get(instr.name):
+            following = users.get(instr.name)
+            if not following or instr.is_root or any(not _stays_inside(by_name, u, member_names, users) for u in following):
                 shapes.append(instr.shape)
-        read = sum(_shape_bytes(s) for s in inputs.values())
-        context = self.context(comp.name)
-        op_id, call_key = _split_label(lab)
-        op, _, version = op_id.rpartition("@v")
+        read = sum(_shape_info(s)[0] for s in inputs.values())
+        op, version, op_id, call_key = self.label_parts(lab)
         found = self.resolve(op_id, call_key)
-        self.graph.add_node(
-            site.node,
-            kind="kernel",
-            label=lab,
-            op=op,
-            version=version,
-            op_id=op_id,
-            call_key=call_key,
-            config=None if found is None else found.cfg,
-            provenance=None if found is None else found.provenance,
-            instructions=instructions,
-            opcodes=dict(opcodes),
-            flops=flops,
-            bytes=written + read,
-            nesting=tuple(c.name for c in context),
-            multiplicity=_multiplicity(context),
-            direction="backward" if op.endswith(_BACKWARD_SUFFIX) else "forward",
-            computation=comp.name,
-            module=self.name,
-            shapes=shapes,
-            input_shapes=[s for s in inputs.values() if s],
-            attributed_custom_calls=list(site.attributed),
-            members=[m.name for m in site.members],
-        )
-        self.add_nesting(site.node, context)
+        return {
+            "kind": "kernel",
+            "label": lab,
+            "op": op,
+            "version": version,
+            "op_id": op_id,
+            "call_key": call_key,
+            "config": None if found is None else found.cfg,
+            "provenance": None if found is None else found.provenance,
+            "instructions": instructions,
+            "opcodes": opcodes,
+            "flops": flops,
+            "bytes": written + read,
+            "nesting": tuple(c.name for c in context),
+            "multiplicity": _multiplicity(context),
+            "direction": "backward" if op.endswith(_BACKWARD_SUFFIX) else "forward",
+            "computation": comp.name,
+            "module": self.name,
+            "shapes": shapes,
+            "input_shapes": [s for s in inputs.values() if s],
+            "attributed_custom_calls": list(site.attributed),
+            "members": [m.name for m in members],
+        }
 
-    def stays_inside(self, comp: HloComputation, user: str, members: set[str], users: Mapping[str, list[str]]) -> bool:
-        """Whether a value read by ``user`` stays in the site: a member, or a transparent hop into it."""
-        if user in members:
-            return True
-        instr = comp.instruction(user)
-        if instr is None or instr.opcode not in _TRANSPARENT or _own_label(instr) is not None or instr.is_root:
-            return False
-        following = users.get(user, ())
-        return bool(following) and all(u in members for u in following)
-
-    def add_nesting(self, node: str, context: tuple[HloInstruction, ...]) -> None:
+    def nesting_nodes(self, node: str, context: tuple[HloInstruction, ...], nodes: list, seen: set[str], edges: list) -> None:
         """Loop/branch nodes for the enclosing whiles/conditionals, and nesting edges down to ``node``."""
         parent: str | None = None
         for depth, instr in enumerate(context):
@@ -655,24 +800,29 @@ class _Builder:
             if kind == "call":
                 continue
             loop = f"{self.name}/{instr.computation}/{instr.name}"
-            if loop not in self.graph:
+            if loop not in seen and loop not in self.graph:  # a labelled loop can be a kernel node too
+                seen.add(loop)
                 outer = context[:depth]
                 times = _multiplicity(outer + (instr,)) if kind == "loop" else _multiplicity(outer)
-                self.graph.add_node(
-                    loop,
-                    kind=kind,
-                    label=None,
-                    multiplicity=times,
-                    trip_count=instr.known_trip_count,
-                    nesting=tuple(c.name for c in outer),
-                    computation=instr.computation,
-                    module=self.name,
+                nodes.append(
+                    (
+                        loop,
+                        {
+                            "kind": kind,
+                            "label": None,
+                            "multiplicity": times,
+                            "trip_count": instr.known_trip_count,
+                            "nesting": tuple(c.name for c in outer),
+                            "computation": instr.computation,
+                            "module": self.name,
+                        },
+                    )
                 )
             if parent is not None:
-                self.graph.add_edge(parent, loop, kind="nesting")
+                edges.append((parent, loop))
             parent = loop
         if parent is not None:
-            self.graph.add_edge(parent, node, kind="nesting")
+            edges.append((parent, node))
 
     # -- driver ----------------------------------------------------------------
 
@@ -680,13 +830,29 @@ class _Builder:
         for comp in self.module.computations.values():
             if not self.is_inlined(comp.name):
                 self.find_sites(comp)
+        if not self.sites:
+            return
         taken: set[str] = set(self.graph.nodes)
         for site in self.sites:
             self.node_of(site, taken)
+        # Node attributes, computation by computation (sites of one computation are consecutive).
+        nodes: list[tuple[str, dict[str, Any]]] = []
+        nesting_edges: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        current: HloComputation | None = None
+        users: Mapping[str, list[str]] = {}
+        context: tuple[HloInstruction, ...] = ()
         for site in self.sites:
-            self.add_site_node(site)
-        if not self.sites:
-            return
+            if site.comp is not current:
+                current = site.comp
+                users = self.member_users(current, self.members_of[current.name])
+                context = self.context(current.name)
+            nodes.append((site.node, self.site_attributes(site, users, context)))
+            seen.add(site.node)
+            if context:
+                self.nesting_nodes(site.node, context, nodes, seen, nesting_edges)
+        self.graph.add_nodes_from(nodes)
+        self.graph.add_edges_from(nesting_edges, kind="nesting")
         # Data flow from the computations nobody calls (the entry first), then any left unwalked.
         order = [self.module.entry] + [c for c in self.module.computations if c != self.module.entry]
         for comp_name in order:
@@ -695,8 +861,20 @@ class _Builder:
         for comp_name in order:
             if not self.is_inlined(comp_name):
                 self.flow(comp_name, [])
-        nodes = [site.node for site in self.sites]
-        self.graph.add_edges_from(((nodes[u], nodes[s]) for u, s in self.data_edges if u != s), kind="data")
+        self.merged.clear()
+        self.flat.clear()
+        # One edge per (upstream site, site), grouped by site: inserting in that order keeps the
+        # adjacency dicts being filled close together in memory, several times faster than
+        # inserting in hash order.
+        names = [site.node for site in self.sites]
+        edges: list[tuple[str, str]] = []
+        for uid, reads in enumerate(self.incoming):
+            if not reads:
+                continue
+            upstream = reads[0] if len(reads) == 1 else frozenset().union(*reads)
+            node = names[uid]
+            edges.extend((names[u], node) for u in sorted(upstream) if u != uid)
+        self.graph.add_edges_from(edges, kind="data")
 
 
 def _neighbour_labels(
@@ -778,40 +956,17 @@ def _pass_through(
     return passed
 
 
-def _flatten(value: Value) -> frozenset:
-    if isinstance(value, frozenset):
-        return value
-    return _union([_flatten(v) for v in value])
-
-
-def _union(values: Iterable[Value]) -> frozenset:
-    """Union of upstream sets, sharing the operand's set when only one is non-empty."""
-    distinct: list[frozenset] = []
-    for value in values:
-        flat = _flatten(value) if isinstance(value, tuple) else value
-        if flat and not any(flat is d for d in distinct):
-            distinct.append(flat)
-    if not distinct:
-        return _EMPTY
-    if len(distinct) == 1:
-        return distinct[0]
-    if len(distinct) == 2:
-        # Accumulating chains mostly re-merge what they already hold: share the larger set.
-        a, b = distinct
-        if a >= b:
-            return a
-        if b >= a:
-            return b
-    merged = frozenset().union(*distinct)
-    if len(merged) > MAX_UPSTREAM:
-        merged = frozenset(sorted(merged)[-MAX_UPSTREAM:])
-    return merged
-
-
-def _union_elementwise(values: list[Value]) -> Value:
-    if values and all(isinstance(v, tuple) and len(v) == len(values[0]) for v in values):  # type: ignore[arg-type]
-        return tuple(_union(parts) for parts in zip(*values))  # type: ignore[misc]
-    return _union(values)
+def _stays_inside(
+    by_name: Mapping[str, HloInstruction], user: str, members: set[str], users: Mapping[str, list[str]]
+) -> bool:
+    """Whether a value read by ``user`` stays in the site: a member, or a transparent hop into it."""
+    if user in members:
+        return True
+    instr = by_name.get(user)
+    if instr is None or instr.opcode not in _TRANSPARENT or _own_label(instr) is not None or instr.is_root:
+        return False
+    following = users.get(user, ())
+    return bool(following) and all(u in members for u in following)
 
 
 def _multiplicity(context: Iterable[HloInstruction]) -> int | None:
