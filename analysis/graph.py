@@ -49,10 +49,15 @@ shared frozensets (an unlabelled chain reuses its operand's set) and are capped 
 Tuples keep one set per element and get-tuple-element picks its element, and values flow into
 ``while`` bodies, ``conditional`` branches and ``call`` targets through their parameters and out
 through their roots (each called computation is walked once, from its first caller; values
-carried from one loop iteration to the next are not followed).
+carried from one loop iteration to the next are not followed). A fusion holding several labels
+also links their sites by the order inside it: site of label A → site of label B when an op of A
+feeds an op of B in the fused computation (nearest labels, through unlabelled ops). On GPU one
+gemm fusion can hold a producer's elementwise ops, the dot and an epilogue of three kernels, and
+that order is the only data order left between them.
 
-*Costs.* ``flops`` counts the site's labelled instructions (inside fusions too): a dot is
-2 × result elements × contracted elements, a convolution 2 × result elements × kernel elements
+*Costs.* ``flops`` counts the site's labelled instructions (inside fusions too): a dot, or a
+library gemm custom-call (``__cublas$gemm`` and the like, contracting dims from its backend
+config), is 2 × result elements × contracted elements, a convolution 2 × result elements × kernel elements
 per output feature, elementwise ops one per result element, others nothing. ``bytes`` is the
 size of every value the site's top-level instructions (not the ones inside fusions) write plus
 every value they read from outside the site, each counted once: the memory traffic of the call.
@@ -120,6 +125,9 @@ _EXTRA_ATTRS = re.compile(
 _LINE_NAME = re.compile(r"[ \t]*(?:ROOT[ \t]+)?%?([^\s=(){}\[\],\"%]+)[ \t]*=")
 _ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _DIGITS = re.compile(r"\d+")
+# Library gemm custom-calls (GPU): a dot the compiler handed to a vendor library, same flops.
+_GEMM_TARGETS = frozenset({"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__rocblas$gemm", "__hipblas$lt$matmul"})
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _MLIR_MODULE = re.compile(r"module\s+@\"?([\w.$\-]+)")
 
 Value = Union[frozenset, tuple]  # upstream sites of a value; tuples hold one Value per element
@@ -204,9 +212,16 @@ def _flops(instr: HloInstruction, comp: HloComputation, extra: _Extra) -> int:
     opcode = instr.opcode
     if opcode in _ELEMENTWISE:
         return _elements(instr.shape)
-    if opcode not in ("dot", "convolution") or len(instr.operands) < 2:
+    if opcode == "custom-call":
+        if instr.custom_call_target not in _GEMM_TARGETS or len(instr.operands) < 2:
+            return 0
+    elif opcode not in ("dot", "convolution") or len(instr.operands) < 2:
         return 0
     out = _dims(instr.shape)
+    if opcode == "custom-call":
+        # A library gemm returns (result, workspace): the result is the first array.
+        arrays = _shape_info(instr.shape)[1]
+        out = arrays[0] if arrays else None
     lhs_instr = comp.instruction(instr.operands[0])
     rhs_instr = comp.instruction(instr.operands[1])
     if out is None or lhs_instr is None or rhs_instr is None:
@@ -214,8 +229,12 @@ def _flops(instr: HloInstruction, comp: HloComputation, extra: _Extra) -> int:
     lhs, rhs = _dims(lhs_instr.shape), _dims(rhs_instr.shape)
     if lhs is None or rhs is None:
         return 0
-    if opcode == "dot":
-        contracting = extra.lhs_contracting.get(instr.name)
+    if opcode != "convolution":
+        if opcode == "dot":
+            contracting = extra.lhs_contracting.get(instr.name)
+        else:
+            found = _GEMM_CONTRACTING.search(instr.backend_config or "")
+            contracting = tuple(int(d) for d in _DIGITS.findall(found.group(1))) if found else None
         if contracting is not None and all(d < len(lhs) for d in contracting):
             contracted = math.prod(lhs[d] for d in contracting)
         else:
@@ -829,7 +848,7 @@ class _Builder:
             opcodes[opcode] = opcodes.get(opcode, 0) + 1
             if opcode in _ELEMENTWISE:
                 flops += _elements(instr.shape)
-            elif opcode == "dot" or opcode == "convolution":
+            elif opcode == "dot" or opcode == "convolution" or opcode == "custom-call":
                 flops += _flops(instr, comp, extra)
             if instr.called_computations:
                 inner = self.inner_of(instr, lab)

@@ -108,7 +108,8 @@ def test_compiled_program_maps_fusion_contents_to_the_fusion(chain: tuple[Any, e
     assert mm["computation"].startswith("main")  # the fusion's computation, not the fused one
     scale_nodes = kernels(graph, "scale")
     assert scale_nodes and all(d["computation"] == mm["computation"] for d in scale_nodes.values())
-    # Same data order in the optimised program.
+    # Same data order in the optimised program. On GPU the matmul, the scale before it and the
+    # scale after it can sit in one gemm fusion: the order inside the fusion gives the edges.
     mm_node = next(iter(kernels(graph, "toymatmul")))
     assert any(data_edge(graph, n, mm_node) for n in scale_nodes)
     assert any(data_edge(graph, mm_node, n) for n in scale_nodes)
@@ -147,6 +148,7 @@ def test_loops_and_branches_nest_their_sites(compiled: bool) -> None:
     lowered = scan_cond_model(ejlabel.Executor(ejlabel.ConfigSelectorChain()))
     program = lowered.compile() if compiled else lowered
     graph = call_graph(program)
+    text = program.as_text() if compiled else lowered.compiler_ir("hlo").as_hlo_text()
 
     mm_node, mm = only(graph, "toymatmul")
     assert mm["nesting"] and mm["nesting"][0].startswith("while")
@@ -157,14 +159,22 @@ def test_loops_and_branches_nest_their_sites(compiled: bool) -> None:
     expected = 3 if compiled else None
     assert mm["multiplicity"] == expected and graph.nodes[loop]["multiplicity"] == expected
 
-    branch_sites = [d for d in kernels(graph, "scale").values() if d["nesting"]]
+    scale_sites = kernels(graph, "scale")
+    assert scale_sites
+    branches = [n for n, d in graph.nodes(data=True) if d.get("kind") == "branch"]
+    if " conditional(" not in text:
+        # The compiler turned the tiny conditional into a select (XLA on GPU does): no branch is
+        # left, so the scale's sites are not nested, yet the loop's result still flows into them.
+        assert not branches and all(d["nesting"] == () and d["multiplicity"] == 1 for d in scale_sites.values())
+        assert any(data_edge(graph, mm_node, n) for n in scale_sites)
+        return
+    branch_sites = [d for d in scale_sites.values() if d["nesting"]]
     assert branch_sites
     for d in branch_sites:
         assert d["nesting"][0].startswith("cond") and d["multiplicity"] == 1
-    branches = [n for n, d in graph.nodes(data=True) if d.get("kind") == "branch"]
     assert branches
     # The loop's result flows into the branch's kernel (across the while and conditional bodies).
-    assert any(data_edge(graph, mm_node, n) for n, d in kernels(graph, "scale").items() if d["nesting"])
+    assert any(data_edge(graph, mm_node, n) for n, d in scale_sites.items() if d["nesting"])
 
 
 def test_selector_provenance_through_executor() -> None:
@@ -243,6 +253,115 @@ def test_gpu_like_fusions_and_unlabelled_cudnn_custom_call() -> None:
     assert mm["flops"] == 2 * (2 * 128 * 32) * 64
     assert mm["opcodes"] == {"fusion": 1, "dot": 1}
     assert data_edge(graph, attn_node, mm_node)  # through the unlabelled negate
+
+
+LABEL_SCALE_A = "ejkernel_ops#scale@v1:f56b82415ab332af"
+LABEL_SCALE_B = "ejkernel_ops#scale@v1:147a5bd491760d9b"
+LABEL_TOYMM = "ejkernel_ops#toymatmul@v1:0c2ebf947f62121f"
+
+# scale -> toymatmul -> scale as XLA on an H100 compiles it (trimmed): one gemm fusion holds the
+# first scale's ops, the dot and the second scale's first multiply; the fusion itself carries the
+# second scale's label, and a loop fusion finishes that scale.
+GPU_GEMM_FUSION_HLO = textwrap.dedent(
+    f"""\
+    HloModule jit_model, is_scheduled=true
+
+    %gemm_fusion_computation (parameter_0: f32[4,8], parameter_1: f32[8,16]) -> f32[4,16] {{
+      %parameter_0 = f32[4,8]{{1,0}} parameter(0)
+      %constant_0 = f32[] constant(2)
+      %broadcast.0 = f32[4,8]{{1,0}} broadcast(%constant_0), dimensions={{}}
+      %scale.0 = f32[4,8]{{1,0}} multiply(%parameter_0, %broadcast.0), frontend_attributes={{ejlabel="{LABEL_SCALE_A}"}}
+      %scale.1 = f32[4,8]{{1,0}} sine(%scale.0), frontend_attributes={{ejlabel="{LABEL_SCALE_A}"}}
+      %scale.3 = f32[4,8]{{1,0}} add(%scale.1, %scale.0), frontend_attributes={{ejlabel="{LABEL_SCALE_A}"}}
+      %parameter_1 = f32[8,16]{{1,0}} parameter(1)
+      %mm.0 = f32[4,16]{{1,0}} dot(%scale.3, %parameter_1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, frontend_attributes={{ejlabel="{LABEL_TOYMM}"}}
+      %broadcast.2 = f32[4,16]{{1,0}} broadcast(%constant_0), dimensions={{}}
+      ROOT %scale.4 = f32[4,16]{{1,0}} multiply(%mm.0, %broadcast.2), frontend_attributes={{ejlabel="{LABEL_SCALE_B}"}}
+    }}
+
+    %fused_sine (param_0: f32[4,16]) -> f32[4,16] {{
+      %param_0 = f32[4,16]{{1,0}} parameter(0)
+      ROOT %scale.5 = f32[4,16]{{1,0}} sine(%param_0), frontend_attributes={{ejlabel="{LABEL_SCALE_B}"}}
+    }}
+
+    ENTRY %main.2 (x.1: f32[4,8], w.1: f32[8,16]) -> f32[4,16] {{
+      %w.1 = f32[8,16]{{1,0}} parameter(1)
+      %x.1 = f32[4,8]{{1,0}} parameter(0)
+      %gemm_fusion = f32[4,16]{{1,0}} fusion(%x.1, %w.1), kind=kCustom, calls=%gemm_fusion_computation, frontend_attributes={{ejlabel="{LABEL_SCALE_B}",xla.pdl_launch="true"}}, backend_config={{"fusion_backend_config":{{"kind":"__triton_gemm"}}}}
+      ROOT %loop_sine_fusion = f32[4,16]{{1,0}} fusion(%gemm_fusion), kind=kLoop, calls=%fused_sine
+    }}
+    """
+)
+
+# The same program where the compiler handed the dot to the vendor library: a gemm custom-call
+# carrying the matmul's label, between fusions whose labels sit on the ops inside them.
+GPU_CUBLAS_HLO = textwrap.dedent(
+    f"""\
+    HloModule jit_cublas, is_scheduled=true
+
+    %fused_scale (param_0: f32[4,8]) -> f32[4,8] {{
+      %param_0 = f32[4,8]{{1,0}} parameter(0)
+      %constant.2 = f32[] constant(2)
+      %broadcast.2 = f32[4,8]{{1,0}} broadcast(%constant.2), dimensions={{}}
+      ROOT %multiply.2 = f32[4,8]{{1,0}} multiply(%param_0, %broadcast.2), frontend_attributes={{ejlabel="{LABEL_SCALE_A}"}}
+    }}
+
+    %fused_scale.1 (param_0.1: f32[4,16]) -> f32[4,16] {{
+      %param_0.1 = f32[4,16]{{1,0}} parameter(0)
+      %constant.3 = f32[] constant(2)
+      %broadcast.3 = f32[4,16]{{1,0}} broadcast(%constant.3), dimensions={{}}
+      ROOT %multiply.3 = f32[4,16]{{1,0}} multiply(%param_0.1, %broadcast.3), frontend_attributes={{ejlabel="{LABEL_SCALE_B}"}}
+    }}
+
+    ENTRY %main (x: f32[4,8], w: f32[8,16]) -> f32[4,16] {{
+      %x = f32[4,8]{{1,0}} parameter(0)
+      %w = f32[8,16]{{1,0}} parameter(1)
+      %loop_multiply_fusion = f32[4,8]{{1,0}} fusion(%x), kind=kLoop, calls=%fused_scale
+      %custom-call.1 = (f32[4,16]{{1,0}}, s8[4194304]{{0}}) custom-call(%loop_multiply_fusion, %w), custom_call_target="__cublas$gemm", frontend_attributes={{ejlabel="{LABEL_TOYMM}"}}, backend_config={{"operation_queue_id":"0","wait_on_operation_queues":[],"gemm_backend_config":{{"alpha_real":1,"beta":0,"dot_dimension_numbers":{{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}},"alpha_imag":0,"epilogue":"DEFAULT"}},"force_earliest_schedule":false}}
+      %get-tuple-element.1 = f32[4,16]{{1,0}} get-tuple-element(%custom-call.1), index=0
+      ROOT %loop_multiply_fusion.1 = f32[4,16]{{1,0}} fusion(%get-tuple-element.1), kind=kLoop, calls=%fused_scale.1
+    }}
+    """
+)
+
+
+def by_label(graph: nx.DiGraph, label: str) -> tuple[str, dict[str, Any]]:
+    found = {n: d for n, d in kernels(graph).items() if d["label"] == label}
+    assert len(found) == 1, found
+    return next(iter(found.items()))
+
+
+def test_gpu_gemm_fusion_holding_three_kernels_keeps_their_order() -> None:
+    graph = call_graph(GPU_GEMM_FUSION_HLO)
+    a_node, a = by_label(graph, LABEL_SCALE_A)
+    mm_node, mm = by_label(graph, LABEL_TOYMM)
+    b_node, b = by_label(graph, LABEL_SCALE_B)
+    # One fusion starts all three sites; the second scale's site also holds the loop fusion.
+    assert {a["members"][0], mm["members"][0], b["members"][0]} == {"gemm_fusion"}
+    assert len({a_node, mm_node, b_node}) == 3
+    assert b["members"] == ["gemm_fusion", "loop_sine_fusion"]
+    assert mm["opcodes"] == {"fusion": 1, "dot": 1} and mm["flops"] == 2 * 4 * 16 * 8
+    assert a["opcodes"] == {"fusion": 1, "multiply": 1, "sine": 1, "add": 1} and a["flops"] == 3 * 4 * 8
+    assert b["opcodes"] == {"fusion": 2, "multiply": 1, "sine": 1}
+    # scale -> toymatmul -> scale, from the order of the ops inside the gemm fusion.
+    assert data_edge(graph, a_node, mm_node) and data_edge(graph, mm_node, b_node)
+    assert not graph.has_edge(mm_node, a_node) and not graph.has_edge(b_node, mm_node)
+
+
+def test_gpu_cublas_gemm_custom_call_between_fusions() -> None:
+    graph = call_graph(GPU_CUBLAS_HLO)
+    a_node, _ = by_label(graph, LABEL_SCALE_A)
+    mm_node, mm = by_label(graph, LABEL_TOYMM)
+    b_node, b = by_label(graph, LABEL_SCALE_B)
+    assert a_node == "jit_cublas/main/loop_multiply_fusion" and mm_node == "jit_cublas/main/custom-call.1"
+    assert mm["opcodes"] == {"custom-call": 1} and mm["attributed_custom_calls"] == []
+    # The library gemm counts as the dot it replaces (contracting dims from its backend config).
+    assert mm["flops"] == 2 * 4 * 16 * 8
+    assert sorted(mm["input_shapes"]) == ["f32[4,8]{1,0}", "f32[8,16]{1,0}"]
+    assert b["opcodes"] == {"fusion": 1, "multiply": 1} and b["input_shapes"] == ["f32[4,16]{1,0}"]
+    # Through the custom-call and its unlabelled get-tuple-element.
+    assert data_edge(graph, a_node, mm_node) and data_edge(graph, mm_node, b_node)
+    assert not graph.has_edge(b_node, mm_node) and not graph.has_edge(a_node, b_node)
 
 
 def test_multi_label_fusion_belongs_to_both_sites() -> None:
