@@ -6,11 +6,19 @@ parses once more under tracemalloc to measure the parser's peak allocation on
 top of the input text (tracemalloc slows allocation, so it is not timed).
 
     python bench/bench_analysis.py [--sizes 10000 100000 1000000]
-                                   [--graph-callable module:function] [--repeat 3] [--write]
+                                   [--graph-callable module:function] [--repeat 3]
+                                   [--operands recent|uniform] [--write]
 
 ``--graph-callable`` names a function taking the parsed ``HloModule``; its time
-is reported as one more stage.  ``--write`` stores the table in
-``bench/RESULTS_analysis.md``.
+is reported as one more stage, and ``total`` (parse + that stage, best run) with
+it.  ``--write`` stores the table in ``bench/RESULTS_analysis.md``.
+
+``--operands`` picks where an instruction's second operand comes from (the first
+is always the previous instruction).  ``recent`` (the default) follows compiled
+programs, which mostly read values computed a few lines earlier: one of the
+last 4 values 80% of the time, a parameter of the computation (weights, inputs:
+defined at its top, read all along) 15%, and a value up to 50 back (a residual)
+5%.  ``uniform`` is the earlier model: any of the last 50 values, equally often.
 """
 
 from __future__ import annotations
@@ -33,16 +41,32 @@ DEFAULT_SIZES = (10_000, 100_000, 1_000_000)
 DISTINCT_LABELS = 1_000
 LABELLED_EVERY = 10  # 10% of instructions carry a label
 RESULTS = Path(__file__).with_name("RESULTS_analysis.md")
+OPERAND_MODELS = ("recent", "uniform")
 
 
-def synthetic_hlo(n_instructions: int, n_computations: int = 8) -> str:
+def _second_operand(i: int, names: list[str], operands: str) -> str:
+    """The second operand of instruction ``i`` (see ``--operands`` in the module docstring)."""
+    if operands == "uniform":
+        return names[-1 - (i * 7919) % min(len(names), 50)]
+    pick = (i * 7919) % 100
+    if pick < 80:
+        return names[-1 - (i * 104729) % min(len(names), 4)]
+    if pick < 95:
+        return names[i % 2]  # the computation's parameters come first
+    return names[-1 - (i * 104729) % min(len(names), 50)]
+
+
+def synthetic_hlo(n_instructions: int, n_computations: int = 8, operands: str = "recent") -> str:
     """HLO text with ``n_instructions`` instruction lines that look like compiled XLA output.
 
     The entry and a few while bodies hold the instructions; one small fused
     computation is shared by all fusions.  Operands reference earlier
-    instructions of the same computation; every tenth instruction carries one of
+    instructions of the same computation (``operands`` says which: see the
+    module docstring); every tenth instruction carries one of
     ``DISTINCT_LABELS`` labels.
     """
+    if operands not in OPERAND_MODELS:
+        raise ValueError(f"operands must be one of {OPERAND_MODELS}, not {operands!r}")
     lines = [
         "HloModule jit_synthetic, is_scheduled=true, "
         "entry_computation_layout={(f32[128,256]{1,0}, f32[256,256]{1,0})->f32[128,256]{1,0}}",
@@ -73,7 +97,7 @@ def synthetic_hlo(n_instructions: int, n_computations: int = 8) -> str:
                 text = f"{shape} parameter({k}), {meta}"
             else:
                 a = names[-1]
-                b = names[-1 - (i * 7919) % min(len(names), 50)]
+                b = _second_operand(i, names, operands)
                 kind = i % 5
                 if kind == 0:
                     text = f"{shape} add({a}, {b}), {meta}"
@@ -142,11 +166,11 @@ def _load_callable(spec: str) -> Callable[[Any], Any]:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def child(size: int, graph_callable: str | None, repeat: int) -> dict[str, Any]:
+def child(size: int, graph_callable: str | None, repeat: int, operands: str = "recent") -> dict[str, Any]:
     """Measure one size in this process (run via ``--child``)."""
     from ejlabel.analysis.hlo import parse_hlo
 
-    text = synthetic_hlo(size)
+    text = synthetic_hlo(size, operands=operands)
     graph = _load_callable(graph_callable) if graph_callable else None
     times: dict[str, float] = {}
     # Best of `repeat` runs: the machine may be shared, and the minimum is the least disturbed.
@@ -156,9 +180,15 @@ def child(size: int, graph_callable: str | None, repeat: int) -> dict[str, Any]:
         run: dict[str, float] = {}
         module = time_stage("parse", lambda: parse_hlo(text), run)
         if graph is not None:
-            time_stage("graph", lambda: graph(module), run)
+            built = time_stage("graph", lambda: graph(module), run)
+            edges = getattr(built, "number_of_edges", lambda: None)()
+            del built
+            run["total"] = run["parse"] + run["graph"]
+            run["total cpu"] = run["parse cpu"] + run["graph cpu"]
         times = {key: min(value, times.get(key, value)) for key, value in run.items()}
     count = module.instruction_count()
+    if graph is None:
+        edges = None
     labelled = sum(1 for _ in module.with_attribute("ejlabel"))
     rss_after_parse = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     del module
@@ -174,6 +204,7 @@ def child(size: int, graph_callable: str | None, repeat: int) -> dict[str, Any]:
         "labelled": labelled,
         "text_mib": len(text) / 2**20,
         "times": times,
+        "edges": edges,
         "peak_parse_mib": peak / 2**20,
         "maxrss_mib": rss_after_parse,
     }
@@ -204,18 +235,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
     parser.add_argument("--graph-callable", default=None, help="module:function taking the parsed HloModule")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per size; the best is kept")
+    parser.add_argument("--operands", choices=OPERAND_MODELS, default="recent", help="operand model (see above)")
     parser.add_argument("--write", action="store_true", help=f"write the table to {RESULTS.name}")
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.child is not None:
-        print(json.dumps(child(args.child, args.graph_callable, args.repeat)))
+        print(json.dumps(child(args.child, args.graph_callable, args.repeat, args.operands)))
         return
 
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
-        command = [sys.executable, __file__, "--child", str(size), "--repeat", str(args.repeat)]
+        command = [sys.executable, __file__, "--child", str(size), "--repeat", str(args.repeat), "--operands", args.operands]
         if args.graph_callable:
             command += ["--graph-callable", args.graph_callable]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -224,12 +256,18 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"measured {size}", file=sys.stderr)
 
-    stages = list(rows[0]["times"])
-    header = ["instructions", "text MiB"] + [f"{s} s" for s in stages] + ["parse µs/instr", "parse peak MiB", "max RSS MiB"]
+    stages = [s for s in rows[0]["times"] if not s.endswith(" cpu")]
+    header = ["instructions", "text MiB"] + [f"{s} s" for s in stages] + [f"{stages[-1]} cpu s"]
+    if rows[0]["edges"] is not None:
+        header.append("graph edges")
+    header += ["parse µs/instr", "parse peak MiB", "max RSS MiB"]
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [f"{row['instructions']:,}", f"{row['text_mib']:.1f}"]
         cells += [f"{row['times'][s]:.3f}" for s in stages]
+        cells.append(f"{row['times'][stages[-1] + ' cpu']:.3f}")
+        if row["edges"] is not None:
+            cells.append(f"{row['edges']:,}")
         cells += [
             f"{row['times']['parse'] / row['instructions'] * 1e6:.2f}",
             f"{row['peak_parse_mib']:.1f}",
@@ -237,27 +275,37 @@ def main(argv: list[str] | None = None) -> None:
         ]
         table.append("| " + " | ".join(cells) + " |")
     by_size = {row["size"]: row for row in rows}
-    ratio_line = ""
+    ratio_lines: list[str] = []
     if 1_000_000 in by_size and 100_000 in by_size:
-        ratio = by_size[1_000_000]["times"]["parse"] / by_size[100_000]["times"]["parse"]
-        cpu_ratio = by_size[1_000_000]["times"]["parse cpu"] / by_size[100_000]["times"]["parse cpu"]
-        ratio_line = f"Parse time ratio 10^6 / 10^5 instructions: {ratio:.2f} wall, {cpu_ratio:.2f} CPU (linear is 10)."
-    report = "\n".join(table + ([""] + [ratio_line] if ratio_line else []))
+        big, small = by_size[1_000_000]["times"], by_size[100_000]["times"]
+        for stage in stages:
+            ratio_lines.append(
+                f"{stage} time ratio 10^6 / 10^5 instructions: {big[stage] / small[stage]:.2f} wall, "
+                f"{big[stage + ' cpu'] / small[stage + ' cpu']:.2f} CPU (linear is 10)."
+            )
+    report = "\n".join(table + ([""] + ratio_lines if ratio_lines else []))
     print(report)
 
     if args.write:
         info = _versions()
+        command = "python bench/bench_analysis.py --write"
+        if args.graph_callable:
+            command += f" --graph-callable {args.graph_callable}"
+        if args.operands != "recent":
+            command += f" --operands {args.operands}"
         RESULTS.write_text(
-            "# Analysis benchmark: HLO parsing\n\n"
+            "# Analysis benchmark: HLO parsing and the call graph\n\n"
             f"Date: {args.date}. Machine: {info['cpu']}. Python {info['python']}, jax {info['jax']}.\n\n"
-            "Synthetic compiled-style HLO (8 computations, operands referencing earlier instructions,\n"
-            f"metadata on most lines, {100 // LABELLED_EVERY}% of instructions labelled with "
-            f"{DISTINCT_LABELS} distinct labels), one fresh process per size, best of {args.repeat} runs.\n"
+            "Synthetic compiled-style HLO (8 computations, operands referencing earlier instructions\n"
+            f"({args.operands!r} operand model, see the bench's docstring), metadata on most lines, "
+            f"{100 // LABELLED_EVERY}% of instructions labelled with\n"
+            f"{DISTINCT_LABELS} distinct labels), one fresh process per size, best of {args.repeat} runs "
+            "(each stage's best; `total` is the best run's parse + graph).\n"
             "`parse peak MiB` is tracemalloc's peak during a second parse, above the input text;\n"
-            "`max RSS MiB` is the process's peak resident size (text generation included).\n"
+            "`max RSS MiB` is the process's peak resident size (text generation, parse and graph included).\n"
             "Metadata texts repeat every 48,500 instructions here and the parser parses each distinct\n"
-            "text once, so per-instruction cost falls with size; the ratio below is under 10 for that reason.\n\n"
-            f"Command: `python bench/bench_analysis.py --write`\n\n{report}\n",
+            "text once, so per-instruction parse cost falls with size.\n\n"
+            f"Command: `{command}`\n\n{report}\n",
             encoding="utf-8",
         )
 

@@ -163,7 +163,7 @@ def test_loops_and_branches_nest_their_sites(compiled: bool) -> None:
     assert scale_sites
     branches = [n for n, d in graph.nodes(data=True) if d.get("kind") == "branch"]
     if " conditional(" not in text:
-        # The compiler turned the tiny conditional into a select (XLA on GPU does): no branch is
+        # The compiler turned the tiny conditional into a select (as on GPU): no branch is
         # left, so the scale's sites are not nested, yet the loop's result still flows into them.
         assert not branches and all(d["nesting"] == () and d["multiplicity"] == 1 for d in scale_sites.values())
         assert any(data_edge(graph, mm_node, n) for n in scale_sites)
@@ -259,7 +259,7 @@ LABEL_SCALE_A = "ejkernel_ops#scale@v1:f56b82415ab332af"
 LABEL_SCALE_B = "ejkernel_ops#scale@v1:147a5bd491760d9b"
 LABEL_TOYMM = "ejkernel_ops#toymatmul@v1:0c2ebf947f62121f"
 
-# scale -> toymatmul -> scale as XLA on an H100 compiles it (trimmed): one gemm fusion holds the
+# scale -> toymatmul -> scale as compiled for a GPU (trimmed from a real dump): one gemm fusion holds the
 # first scale's ops, the dot and the second scale's first multiply; the fusion itself carries the
 # second scale's label, and a loop fusion finishes that scale.
 GPU_GEMM_FUSION_HLO = textwrap.dedent(
