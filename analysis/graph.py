@@ -325,7 +325,7 @@ class _Builder:
         self.incoming: list[list[frozenset]] = []
         self.merged: dict[tuple[frozenset, frozenset], frozenset] = {}
         self.flat: dict[tuple, frozenset] = {}
-        self.split_labels: dict[str, tuple[str, str, str, str]] = {}
+        self.split_labels: dict[str, tuple[str, str, str, str, Any]] = {}
         self.label_sites: dict[str, dict[str, dict[str, int]]] = {}  # computation -> member -> label -> uid
         self.singles: dict[int, frozenset] = {}  # uid -> the shared one-site set
         self.pairs: dict[str, frozenset[tuple[str, str]]] = {}
@@ -817,13 +817,13 @@ class _Builder:
         taken.add(node)
         site.node = node
 
-    def label_parts(self, lab: str) -> tuple[str, str, str, str]:
-        """``(op, version, op_id, call_key)`` of a label; each distinct label is split once."""
+    def label_parts(self, lab: str) -> tuple[str, str, str, str, Any]:
+        """``(op, version, op_id, call_key, resolved config)`` of a label; each label is looked at once."""
         found = self.split_labels.get(lab)
         if found is None:
             op_id, call_key = _split_label(lab)
             op, _, version = op_id.rpartition("@v")
-            found = self.split_labels[lab] = (op, version, op_id, call_key)
+            found = self.split_labels[lab] = (op, version, op_id, call_key, self.resolve(op_id, call_key))
         return found
 
     def site_attributes(
@@ -834,7 +834,7 @@ class _Builder:
         lab = site.label
         by_name = self.by_name[comp.name]
         members = site.members
-        member_names = {m.name for m in members}
+        member_names = {members[0].name} if len(members) == 1 else {m.name for m in members}
         opcodes: dict[str, int] = {}
         flops = 0
         instructions = 0
@@ -866,15 +866,17 @@ class _Builder:
                     elif source.opcode not in _TRANSPARENT or not _passes_from(source, member_names):
                         inputs[operand] = source.shape
             following = users.get(instr.name)
-            if (
-                not following
-                or instr.is_root
-                or any(u not in member_names and not _stays_inside(by_name, u, member_names, users) for u in following)
-            ):
+            if not following or instr.is_root:
                 shapes.append(instr.shape)
-        read = sum(_shape_info(s)[0] for s in inputs.values())
-        op, version, op_id, call_key = self.label_parts(lab)
-        found = self.resolve(op_id, call_key)
+            else:
+                for user in following:
+                    if user not in member_names and not _stays_inside(by_name, user, member_names, users):
+                        shapes.append(instr.shape)  # read outside the site: an output of the call
+                        break
+        read = 0
+        for shape in inputs.values():
+            read += _shape_info(shape)[0]
+        op, version, op_id, call_key, found = self.label_parts(lab)
         return {
             "kind": "kernel",
             "label": lab,
@@ -974,37 +976,39 @@ class _Builder:
                 self.flow(comp_name, [])
         self.merged.clear()
         self.flat.clear()
-        names = [site.node for site in self.sites]
-        grouped: list[tuple[str, list[str]]] = []
-        for uid, reads in enumerate(self.incoming):
-            if reads:
-                upstream = reads[0] if len(reads) == 1 else frozenset().union(*reads)
-                grouped.append((names[uid], [names[u] for u in sorted(upstream) if u != uid]))
-        _add_data_edges(self.graph, grouped)
+        _add_data_edges(self.graph, [site.node for site in self.sites], self.incoming)
 
 
-def _add_data_edges(graph: nx.DiGraph, grouped: list[tuple[str, list[str]]]) -> None:
-    """Add ``kind="data"`` edges ``u -> v`` for each ``(v, [u, ...])``; every node exists already.
+def _add_data_edges(graph: nx.DiGraph, names: list[str], incoming: list[list[frozenset]]) -> None:
+    """Add a ``kind="data"`` edge to each site from every site in the upstream sets it read.
 
-    A large program has millions of data edges, and this is the graph's biggest cost. Edges come
-    grouped by their head, so the adjacency dicts being filled stay close together in memory
-    (several times faster than inserting in hash order), and for a plain ``DiGraph`` they are
-    written straight into its adjacency dicts, as ``add_edges_from`` itself does, without its
-    per-edge checks (about twice as fast). Each edge still gets its own attribute dict.
+    ``incoming[uid]`` holds the (shared, repeated) upstream sets read by the instructions of site
+    ``uid``, named ``names[uid]``. A large program has millions of data edges, and this is the
+    graph's biggest cost. Edges are added grouped by their head, tails in uid order, so the
+    adjacency dicts being filled stay close together in memory (several times faster than
+    inserting in hash order); for a plain ``DiGraph`` they are written straight into its
+    adjacency dicts, as ``add_edges_from`` itself does, without its per-edge checks (about twice
+    as fast). Each edge still gets its own attribute dict.
     """
     succ = getattr(graph, "_succ", None)
     pred = getattr(graph, "_pred", None)
-    if type(graph) is not nx.DiGraph or not isinstance(succ, dict) or not isinstance(pred, dict):
-        graph.add_edges_from(((u, v) for v, tails in grouped for u in tails), kind="data")
-        return
-    for v, tails in grouped:
-        into = pred[v]
-        for u in tails:
+    direct = type(graph) is nx.DiGraph and isinstance(succ, dict) and isinstance(pred, dict)
+    for uid, reads in enumerate(incoming):
+        if not reads:
+            continue
+        upstream = reads[0] if len(reads) == 1 else frozenset().union(*reads)
+        head = names[uid]
+        tails = [names[u] for u in sorted(upstream) if u != uid]
+        if not direct:
+            graph.add_edges_from(((tail, head) for tail in tails), kind="data")
+            continue
+        into = pred[head]  # type: ignore[index]
+        for tail in tails:
             data = {"kind": "data"}
-            succ[u][v] = data
-            into[u] = data
+            succ[tail][head] = data  # type: ignore[index]
+            into[tail] = data
     clear = getattr(nx, "_clear_cache", None)
-    if clear is not None:
+    if direct and clear is not None:
         clear(graph)  # what add_edges_from does after changing the graph
 
 
