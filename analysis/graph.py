@@ -159,10 +159,6 @@ def _shape_info(shape: str) -> tuple[int, tuple[tuple[int, ...], ...]]:
     return (bits + 7) // 8, tuple(arrays)
 
 
-def _shape_bytes(shape: str) -> int:
-    return _shape_info(shape)[0]
-
-
 @functools.lru_cache(maxsize=65536)
 def _elements(shape: str) -> int:
     """Elements of an array shape (an elementwise op's flops); 0 for a tuple."""
