@@ -23,10 +23,12 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
   causal or not, no segments or windows.
 - ``"pallas"``: a flash-attention-2 forward on the Triton backend. Each program owns one
   ``q`` block of one head and walks the key/value blocks with an online softmax in base 2,
-  skipping the blocks that causal masks or windows leave empty. Backward kernels follow the
-  same recipe: one computes ``dq`` per ``q`` block; the other computes ``dk`` and ``dv`` per
-  key/value block and head, summing over the query heads of its group inside the program, so
-  grouped-query attention writes no per-query-head partials. The custom VJP receives only the
+  skipping the blocks that causal masks or windows leave empty and building a mask only for
+  the blocks on an edge (the diagonal, a window's border, padded keys; every block when there
+  are segment ids). Backward kernels follow the same recipe: one computes ``dq`` per ``q``
+  block; the other computes ``dk`` and ``dv`` per key/value block and head, summing over the
+  query heads of its group inside the program, so grouped-query attention writes no
+  per-query-head partials. The custom VJP receives only the
   inputs, so the backward reruns the forward for the output and the log-sum-exp: one extra
   forward instead of keeping them alive, the usual flash-attention trade.
 
@@ -166,6 +168,7 @@ class _Geometry:
     block_k: int
     kv_len: int | None  # the true key length when the keys are padded without segment ids
     group: int
+    segmented: bool  # segment ids decide visibility, so every block needs the mask
 
     def kv_blocks(self, q_block: jax.Array, num_kv_blocks: int) -> tuple[jax.Array, jax.Array]:
         """Key/value blocks ``[lo, hi)`` that query block ``q_block`` can see."""
@@ -185,6 +188,41 @@ class _Geometry:
         last = (kv_block + 1) * self.block_k + left
         return lo, jnp.minimum(lax.div(last + self.block_q - 1, self.block_q), num_q_blocks)
 
+    def unmasked_kv_blocks(self, q_block: jax.Array, lo: jax.Array, hi: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The blocks ``[a, b)`` within ``[lo, hi)`` that every query of ``q_block`` sees whole.
+
+        Those blocks skip the mask entirely; on long causal sequences that is nearly all of them.
+        """
+        hi = jnp.maximum(hi, lo)  # an empty range may come as lo > hi
+        if self.segmented:
+            return lo, lo
+        left, right = self.bounds
+        first, last = lo, hi
+        if left is not None:  # the block's first key is within reach of the block's last query
+            first = jnp.maximum(first, lax.div(jnp.maximum((q_block + 1) * self.block_q - 1 - left, 0) + self.block_k - 1, self.block_k))
+        if right is not None:  # the block's last key is visible to the block's first query
+            last = jnp.minimum(last, lax.div(jnp.maximum(q_block * self.block_q + right + 1, 0), self.block_k))
+        if self.kv_len is not None:
+            last = jnp.minimum(last, self.kv_len // self.block_k)
+        first = jnp.minimum(first, hi)
+        return first, jnp.maximum(last, first)
+
+    def unmasked_q_blocks(self, kv_block: jax.Array, lo: jax.Array, hi: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The query blocks ``[a, b)`` within ``[lo, hi)`` that see all of ``kv_block``."""
+        hi = jnp.maximum(hi, lo)  # an empty range may come as lo > hi
+        if self.segmented:
+            return lo, lo
+        left, right = self.bounds
+        first, last = lo, hi
+        if self.kv_len is not None:  # a block holding padded keys is masked for every query
+            last = jnp.where((kv_block + 1) * self.block_k > self.kv_len, lo, last)
+        if right is not None:
+            first = jnp.maximum(first, lax.div(jnp.maximum((kv_block + 1) * self.block_k - 1 - right, 0) + self.block_q - 1, self.block_q))
+        if left is not None:
+            last = jnp.minimum(last, lax.div(jnp.maximum(kv_block * self.block_k + 1 + left, 0), self.block_q))
+        first = jnp.minimum(first, hi)
+        return first, jnp.maximum(last, first)
+
     def mask(self, q_start: jax.Array, k_start: jax.Array, q_seg: jax.Array | None, k_seg: jax.Array | None) -> jax.Array | None:
         q_pos = q_start + jnp.arange(self.block_q, dtype=jnp.int32)
         k_pos = k_start + jnp.arange(self.block_k, dtype=jnp.int32)
@@ -195,6 +233,18 @@ def _split_segments(refs: tuple[Any, ...], has_segments: bool) -> tuple[Any, Any
     return (refs[0], refs[1], refs[2:]) if has_segments else (None, None, refs)
 
 
+def _blocks_loop(lo: jax.Array, hi: jax.Array, unmasked: tuple[jax.Array, jax.Array], step: Any, carry: Any) -> Any:
+    """``step(j, carry, masked=...)`` over blocks ``[lo, hi)``: masked only outside ``unmasked``.
+
+    Three loops instead of one so the blocks in the middle run without building or applying a
+    mask, which is most of the work of a long causal sequence.
+    """
+    first, last = unmasked
+    carry = lax.fori_loop(lo, first, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(first, last, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(last, hi, functools.partial(step, masked=True), carry)
+
+
 def _forward_kernel(q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, geo: _Geometry, has_segments: bool) -> None:
     q_seg_ref, kv_seg_ref, (o_ref, lse_ref) = _split_segments(refs, has_segments)
     bq, bk = geo.block_q, geo.block_k
@@ -202,12 +252,12 @@ def _forward_kernel(q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, geo: _Geomet
     q = q_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
 
-    def step(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def step(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
         acc, running_max, running_sum = carry
         start = pl.multiple_of(j * bk, bk)
         keys = pl.ds(start, bk)
         scores = dot(q, k_ref[keys, :], trans_b=True) * geo.scale
-        mask = geo.mask(i * bq, start, q_seg, None if kv_seg_ref is None else kv_seg_ref[keys])
+        mask = geo.mask(i * bq, start, q_seg, None if kv_seg_ref is None else kv_seg_ref[keys]) if masked else None
         if mask is not None:
             scores = jnp.where(mask, scores, MASK_VALUE)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))
@@ -222,7 +272,7 @@ def _forward_kernel(q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, geo: _Geomet
 
     lo, hi = geo.kv_blocks(i, k_ref.shape[0] // bk)
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, running_max, running_sum = lax.fori_loop(lo, hi, step, init)
+    acc, running_max, running_sum = _blocks_loop(lo, hi, geo.unmasked_kv_blocks(i, lo, hi), step, init)
     seen = running_sum > 0.0
     o_ref[...] = (acc / jnp.where(seen, running_sum, 1.0)[:, None]).astype(o_ref.dtype)
     # Rows that see nothing get any finite value: every use of it is masked.
@@ -238,19 +288,19 @@ def _dq_kernel(
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
 
-    def step(j: jax.Array, dq: jax.Array) -> jax.Array:
+    def step(j: jax.Array, dq: jax.Array, masked: bool) -> jax.Array:
         start = pl.multiple_of(j * bk, bk)
         keys = pl.ds(start, bk)
         k = k_ref[keys, :]
         probs = jnp.exp2(dot(q, k, trans_b=True) * geo.scale - lse[:, None])
-        mask = geo.mask(i * bq, start, q_seg, None if kv_seg_ref is None else kv_seg_ref[keys])
+        mask = geo.mask(i * bq, start, q_seg, None if kv_seg_ref is None else kv_seg_ref[keys]) if masked else None
         if mask is not None:
             probs = jnp.where(mask, probs, 0.0)
         dscores = probs * (dot(do, v_ref[keys, :], trans_b=True) - delta[:, None])
         return dq + dot(dscores.astype(k.dtype), k)
 
     lo, hi = geo.kv_blocks(i, k_ref.shape[0] // bk)
-    dq = lax.fori_loop(lo, hi, step, jnp.zeros(q.shape, jnp.float32))
+    dq = _blocks_loop(lo, hi, geo.unmasked_kv_blocks(i, lo, hi), step, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * (geo.scale / _LOG2E)).astype(dq_ref.dtype)
 
 
@@ -263,24 +313,25 @@ def _dkv_kernel(
     k, v = k_ref[...], v_ref[...]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
     lo, hi = geo.q_blocks(j, q_ref.shape[0] // bq)
+    unmasked = geo.unmasked_q_blocks(j, lo, hi)
     dk = dv = jnp.zeros(k.shape, jnp.float32)
     # The query heads of this key/value head's group, unrolled: the group is small and static.
     for head in range(geo.group):
 
-        def step(i: jax.Array, grads: tuple[jax.Array, jax.Array], head: int = head) -> tuple[jax.Array, jax.Array]:
+        def step(i: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool, head: int = head) -> tuple[jax.Array, jax.Array]:
             dk, dv = grads
             start = pl.multiple_of(i * bq, bq)
             rows = pl.ds(start, bq)
             q, do = q_ref[rows, head, :], do_ref[rows, head, :]
             probs = jnp.exp2(dot(q, k, trans_b=True) * geo.scale - lse_ref[head, rows][:, None])
-            mask = geo.mask(start, j * bk, None if q_seg_ref is None else q_seg_ref[rows], kv_seg)
+            mask = geo.mask(start, j * bk, None if q_seg_ref is None else q_seg_ref[rows], kv_seg) if masked else None
             if mask is not None:
                 probs = jnp.where(mask, probs, 0.0)
             dv = dv + dot(probs.astype(do.dtype), do, trans_a=True)
             dscores = probs * (dot(do, v, trans_b=True) - delta_ref[head, rows][:, None])
             return dk + dot(dscores.astype(q.dtype), q, trans_a=True), dv
 
-        dk, dv = lax.fori_loop(lo, hi, step, (dk, dv))
+        dk, dv = _blocks_loop(lo, hi, unmasked, step, (dk, dv))
     dk_ref[...] = (dk * (geo.scale / _LOG2E)).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -317,7 +368,7 @@ def _pad(
         # Both roles read one array: pad it to the longer of the two padded lengths.
         segment_ids = pad_axis(segment_ids.astype(jnp.int32), 1, max(q.shape[1], k.shape[1]))
     kv_len = seq_kv if segment_ids is None and k.shape[1] != seq_kv else None
-    geo = _Geometry(scale * _LOG2E, bounds, block_q, block_k, kv_len, heads // k.shape[2])
+    geo = _Geometry(scale * _LOG2E, bounds, block_q, block_k, kv_len, heads // k.shape[2], segment_ids is not None)
     return _Padded(q, k, v, segment_ids, geo, seq_q, dim)
 
 

@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ejlabel import BwdParams, FwdParams, Invocation
-from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, cu_seqlens_to_segment_ids, flash_attention
+from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, _Geometry, cu_seqlens_to_segment_ids, flash_attention
 
 from kernel_checks import assert_close, assert_labelled, assert_tunes, gpu, needs_gpu
 
@@ -198,3 +200,40 @@ def test_configs_round_trip_through_json() -> None:
 
     for cfg in (PALLAS, MatmulConfig("pallas", 64, 128, 32), NormConfig("pallas", 2, 8), CrossEntropyConfig("pallas", 4, 1024, 4)):
         assert from_json(to_json(cfg)) == cfg
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    block_q=st.sampled_from([16, 32, 64]),
+    block_k=st.sampled_from([16, 32, 64]),
+    blocks=st.integers(1, 6),
+    left=st.one_of(st.none(), st.integers(0, 100)),
+    right=st.one_of(st.none(), st.integers(-20, 100)),
+    kv_short=st.integers(0, 15),
+)
+def test_unmasked_block_ranges_are_exactly_the_whole_blocks(
+    block_q: int, block_k: int, blocks: int, left: int | None, right: int | None, kv_short: int
+) -> None:
+    """The blocks the Pallas kernels run without a mask are exactly those every pair sees."""
+    seq_q, seq_kv = blocks * block_q, blocks * block_k
+    kv_len = seq_kv - kv_short if kv_short else None
+    geo = _Geometry(1.0, (left, right), block_q, block_k, kv_len, 1, False)
+    q_pos, k_pos = np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :]
+    visible = np.ones((seq_q, seq_kv), bool) if kv_len is None else np.broadcast_to(k_pos < kv_len, (seq_q, seq_kv))
+    if right is not None:
+        visible = visible & (k_pos <= q_pos + right)
+    if left is not None:
+        visible = visible & (k_pos >= q_pos - left)
+    whole = visible.reshape(blocks, block_q, blocks, block_k).all(axis=(1, 3))
+    for i in range(blocks):
+        lo, hi = (int(x) for x in geo.kv_blocks(jnp.int32(i), blocks))
+        hi = max(lo, hi)  # a query block past every key gets lo > hi: an empty loop
+        first, last = (int(x) for x in geo.unmasked_kv_blocks(jnp.int32(i), jnp.int32(lo), jnp.int32(hi)))
+        assert lo <= first <= last <= hi
+        assert [j for j in range(lo, hi) if whole[i, j]] == list(range(first, last))
+    for j in range(blocks):
+        lo, hi = (int(x) for x in geo.q_blocks(jnp.int32(j), blocks))
+        hi = max(lo, hi)
+        first, last = (int(x) for x in geo.unmasked_q_blocks(jnp.int32(j), jnp.int32(lo), jnp.int32(hi)))
+        assert lo <= first <= last <= hi
+        assert [i for i in range(lo, hi) if whole[i, j]] == list(range(first, last))
