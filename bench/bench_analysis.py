@@ -11,7 +11,8 @@ top of the input text (tracemalloc slows allocation, so it is not timed).
 
 ``--graph-callable`` names a function taking the parsed ``HloModule``; its time
 is reported as one more stage, and ``total`` (parse + that stage, best run) with
-it.  ``--write`` stores the table in ``bench/RESULTS_analysis.md``.
+it.  ``--write`` replaces the analysis section of ``bench/RESULTS.md`` (between its
+``<!-- analysis:begin -->`` and ``<!-- analysis:end -->`` lines) with the new table.
 
 ``--operands`` picks where an instruction's second operand comes from (the first
 is always the previous instruction).  ``recent`` (the default) follows compiled
@@ -40,7 +41,8 @@ from typing import Any
 DEFAULT_SIZES = (10_000, 100_000, 1_000_000)
 DISTINCT_LABELS = 1_000
 LABELLED_EVERY = 10  # 10% of instructions carry a label
-RESULTS = Path(__file__).with_name("RESULTS_analysis.md")
+RESULTS = Path(__file__).with_name("RESULTS.md")
+BEGIN, END = "<!-- analysis:begin -->", "<!-- analysis:end -->"
 OPERAND_MODELS = ("recent", "uniform")
 
 
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--graph-callable", default=None, help="module:function taking the parsed HloModule")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per size; the best is kept")
     parser.add_argument("--operands", choices=OPERAND_MODELS, default="recent", help="operand model (see above)")
-    parser.add_argument("--write", action="store_true", help=f"write the table to {RESULTS.name}")
+    parser.add_argument("--write", action="store_true", help=f"write the table into the analysis section of {RESULTS.name}")
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -293,8 +295,8 @@ def main(argv: list[str] | None = None) -> None:
             command += f" --graph-callable {args.graph_callable}"
         if args.operands != "recent":
             command += f" --operands {args.operands}"
-        RESULTS.write_text(
-            "# Analysis benchmark: HLO parsing and the call graph\n\n"
+        section = (
+            "## Analysis benchmark: HLO parsing and the call graph\n\n"
             f"Date: {args.date}. Machine: {info['cpu']}. Python {info['python']}, jax {info['jax']}.\n\n"
             "Synthetic compiled-style HLO (8 computations, operands referencing earlier instructions\n"
             f"({args.operands!r} operand model, see the bench's docstring), metadata on most lines, "
@@ -305,9 +307,13 @@ def main(argv: list[str] | None = None) -> None:
             "`max RSS MiB` is the process's peak resident size (text generation, parse and graph included).\n"
             "Metadata texts repeat every 48,500 instructions here and the parser parses each distinct\n"
             "text once, so per-instruction parse cost falls with size.\n\n"
-            f"Command: `{command}`\n\n{report}\n",
-            encoding="utf-8",
+            f"Command: `{command}`\n\n{report}\n"
         )
+        current = RESULTS.read_text(encoding="utf-8")
+        start, stop = current.find(BEGIN), current.find(END)
+        if start < 0 or stop < start:
+            sys.exit(f"{RESULTS}: no {BEGIN} ... {END} section to replace")
+        RESULTS.write_text(current[: start + len(BEGIN)] + "\n" + section + current[stop:], encoding="utf-8")
 
 
 if __name__ == "__main__":
