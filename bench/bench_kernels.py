@@ -7,8 +7,10 @@
 
 Rows report TFLOP/s for matmul and attention (attention backward counted as 2.5x the forward
 FLOPs) and GB/s for norms and cross-entropy (the bytes an ideal kernel must move). "tuned" rows
-use the config the autotuner picks among the Pallas candidates; the autotuner times forward
-calls only, so fwd+bwd "tuned" rows run the forward-tuned config with default backward tiles.
+use the config the autotuner picks among the Pallas candidates; "best of impls, tuned" rows
+use its pick among every implementation (XLA, cuDNN, Pallas), which is what tuning a call
+normally does. For kernels with their own backward the autotuner times forward and backward
+together, so one pick serves both rows.
 
 Timing: each sample is ``--calls`` back-to-back calls between two device syncs, rotating over
 three input sets so an input never sits in L2 from the previous call; the row shows the median
@@ -101,12 +103,14 @@ class Bench:
     def policy(self, *, early_stop: bool = True) -> ejlabel.AutotunePolicy:
         return ejlabel.AutotunePolicy(num_warmup=2, num_iters=self.tune_iters, early_stop=early_stop, compile_workers=8)
 
-    def tune_pallas(self, kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any], *, early_stop: bool = True) -> Any:
-        """The tuner's pick among the kernel's valid Pallas candidates."""
+    def tune_pallas(self, kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any], *, early_stop: bool = True, every_impl: bool = False) -> Any:
+        """The tuner's pick among the kernel's valid Pallas candidates (or all of them)."""
         inv = ejlabel.Invocation(kernel, args, kwargs)
-        candidates = [c for c in kernel.config_space(inv) if c.impl == "pallas"]
+        candidates = [c for c in kernel.config_space(inv) if every_impl or c.impl == "pallas"]
         if self.quick or self.tiny:
             candidates = candidates[:: max(1, len(candidates) // 8)]
+        if every_impl:  # thinning above must not drop the vendor paths
+            candidates += [c for c in kernel.config_space(inv) if c.impl != "pallas" and c not in candidates]
         return ejlabel.Autotuner(self.policy(early_stop=early_stop), progress=False).tune(inv, candidates)
 
 
@@ -153,6 +157,10 @@ def bench_matmul(b: Bench) -> None:
             b.fail(case, "pallas tuned", err)
             continue
         picked = b.measure(case, "pallas tuned", run(tuned.best_cfg), sets, flops, "TFLOP/s", _describe(tuned.best_cfg))
+        best_of: list[tuple[str, Any]] = []
+        with_best_of_impls(b, case, best_of, kernel, sets[0], {})
+        for impl, cfg in best_of:
+            b.measure(case, impl, run(cfg), sets, flops, "TFLOP/s", _describe(cfg))
         if n == sizes[0]:
             _check_tuner_pick(b, kernel, sets, tuned.best_cfg, picked, flops, case, run)
 
@@ -175,8 +183,18 @@ def _check_tuner_pick(b: Bench, kernel: MatmulKernel, sets: list[tuple[Any, ...]
         picked.note += f"; {gap * 100:+.1f}% vs exhaustive ({verdict})"
 
 
+def with_best_of_impls(b: Bench, case: str, configs: list[tuple[str, Any]], kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Append the tuner's pick over every implementation the kernel offers (the normal tuning)."""
+    try:
+        configs.append(("best of impls, tuned", b.tune_pallas(kernel, args, kwargs, every_impl=True).best_cfg))
+    except Exception as err:
+        b.fail(case, "best of impls, tuned", err)
+
+
 def _describe(cfg: Any) -> str:
     """A config's tuning fields on one short line (launch params as ``q x kv w<warps> s<stages>``)."""
+    if cfg.impl != "pallas":
+        return f"impl={cfg.impl}"
     parts = []
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
@@ -231,8 +249,9 @@ def bench_attention(b: Bench) -> None:
             impls.append(("pallas tuned", tuned.best_cfg))
         except Exception as err:
             b.fail(case, "pallas tuned", err)
+        with_best_of_impls(b, case, impls, kernel, sets[0], kwargs)
         for impl, cfg in impls:
-            note = _describe(cfg) if cfg.impl == "pallas" else ""
+            note = "" if impl in ("xla", "cudnn") else _describe(cfg)
             forward = jax.jit(lambda q, k, v, cfg=cfg: flash_attention(q, k, v, cfg=cfg, **kwargs))
             # value_and_grad keeps the forward output live, so XLA cannot prune it.
             both = jax.jit(jax.value_and_grad(lambda q, k, v, cfg=cfg: jnp.sum(flash_attention(q, k, v, cfg=cfg, **kwargs).astype(jnp.float32)), argnums=(0, 1, 2)))
@@ -247,6 +266,9 @@ def bench_attention(b: Bench) -> None:
 def bench_norms(b: Bench) -> None:
     rows, width = (64, 256) if b.tiny else ((4096, 4096) if b.quick else (16384, 4096))
     element_bytes = rows * width * 2
+    # The bandwidth ceiling the norms are held to: one read and one write of the same bytes.
+    sets = _inputs(lambda key: (_normal(key, (rows, width)),))
+    b.measure(f"elementwise x*2 [{rows}, {width}] bf16", "xla", jax.jit(lambda x: x * 2), sets, 2 * element_bytes, "GB/s")
     for name, kernel, fn, params in (
         ("rms_norm", RMSNormKernel(), lambda x, w, bias, cfg: rms_norm(x, w, cfg=cfg), 1),
         ("layer_norm", LayerNormKernel(), lambda x, w, bias, cfg: layer_norm(x, w, bias, cfg=cfg), 2),
@@ -264,8 +286,9 @@ def bench_norms(b: Bench) -> None:
             configs.append(("pallas tuned", b.tune_pallas(kernel, args, {"eps": 1e-6 if params == 1 else 1e-5}).best_cfg))
         except Exception as err:
             b.fail(case, "pallas tuned", err)
+        with_best_of_impls(b, case, configs, kernel, args, {"eps": 1e-6 if params == 1 else 1e-5})
         for impl, cfg in configs:
-            note = _describe(cfg) if cfg.impl == "pallas" else ""
+            note = "" if impl == "xla" else _describe(cfg)
             forward = jax.jit(lambda x, w, bias, cfg=cfg: fn(x, w, bias, cfg))
             both = jax.jit(jax.value_and_grad(lambda x, w, bias, cfg=cfg: jnp.sum(fn(x, w, bias, cfg).astype(jnp.float32)), argnums=(0, 1)))
             # Forward: read x, write y. Backward: read x and dy, write dx.
@@ -291,8 +314,9 @@ def bench_cross_entropy(b: Bench) -> None:
         configs.append(("pallas tuned", b.tune_pallas(kernel, sets[0][:1], {"labels": sets[0][1]}).best_cfg))
     except Exception as err:
         b.fail(case, "pallas tuned", err)
+    with_best_of_impls(b, case, configs, kernel, sets[0][:1], {"labels": sets[0][1]})
     for impl, cfg in configs:
-        note = _describe(cfg) if cfg.impl == "pallas" else ""
+        note = "" if impl == "xla" else _describe(cfg)
         both = jax.jit(jax.value_and_grad(lambda x, y, cfg=cfg: jnp.sum(softmax_cross_entropy(x, y, cfg=cfg))))
         # Read the logits forward, read them again and write their gradient backward.
         b.measure(case, impl, both, sets, 3 * tokens * vocab * 2, "GB/s", note)
