@@ -48,8 +48,16 @@ shared frozensets (an unlabelled chain reuses its operand's set) and are capped 
 ``MAX_UPSTREAM`` sites, keeping the most recent ones, so the pass is linear in the program.
 Tuples keep one set per element and get-tuple-element picks its element, and values flow into
 ``while`` bodies, ``conditional`` branches and ``call`` targets through their parameters and out
-through their roots (each called computation is walked once, from its first caller; values
-carried from one loop iteration to the next are not followed). A fusion holding several labels
+through their roots (values carried from one loop iteration to the next are not followed). Each
+called computation is walked once: one called from a single place with its caller's values; one
+called from several places (both layers of a model calling one ``silu`` computation) with a
+placeholder set per parameter (per tuple element), keeping what its root carries and what its
+sites read in terms of those placeholders, and each caller substitutes its own operands' sets. So
+a shared computation passes each caller's producers to that caller's consumers only, its own
+sites (one node each, whatever the caller) read from every caller, and the pass stays linear:
+a caller costs the size of its callee's root value and of the placeholders its sites read, not
+the callee's size. A set keeps up to ``MAX_UPSTREAM`` placeholders besides its ``MAX_UPSTREAM``
+sites. A fusion holding several labels
 also links their sites by the order inside it: site of label A → site of label B when an op of A
 feeds an op of B in the fused computation (nearest labels, through unlabelled ops). On GPU one
 gemm fusion can hold a producer's elementwise ops, the dot and an epilogue of three kernels, and
@@ -68,6 +76,7 @@ label with its op count in ``instructions``, no edges and no costs (``graph.grap
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gc
 import json
@@ -75,7 +84,7 @@ import math
 import re
 import shutil
 import subprocess
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +134,7 @@ _EXTRA_ATTRS = re.compile(
 _LINE_NAME = re.compile(r"[ \t]*(?:ROOT[ \t]+)?%?([^\s=(){}\[\],\"%]+)[ \t]*=")
 _ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _DIGITS = re.compile(r"\d+")
+_SHAPE_COMMENT = re.compile(r"/\*.*?\*/")
 # Library gemm custom-calls (GPU): a dot the compiler handed to a vendor library, same flops.
 _GEMM_TARGETS = frozenset({"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__rocblas$gemm", "__hipblas$lt$matmul"})
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
@@ -164,6 +174,33 @@ def _elements(shape: str) -> int:
     """Elements of an array shape (an elementwise op's flops); 0 for a tuple."""
     dims = _dims(shape)
     return math.prod(dims) if dims is not None else 0
+
+
+@functools.lru_cache(maxsize=65536)
+def _tuple_elements(shape: str) -> tuple[str, ...] | None:
+    """The element shapes of a tuple shape (``"(f32[2]{0}, (s32[], pred[]))"``); None for an array."""
+    text = shape.strip()
+    if not text.startswith("("):
+        return None
+    if "/*" in text:
+        text = _SHAPE_COMMENT.sub("", text)
+    parts: list[str] = []
+    depth = 0
+    start = 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                part = text[start:i].strip()
+                if part:
+                    parts.append(part)
+                break
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return tuple(parts)
 
 
 def _dims(shape: str) -> tuple[int, ...] | None:
@@ -282,6 +319,21 @@ class _Site:
     node: str = ""
 
 
+@dataclass(slots=True)
+class _SharedFlow:
+    """A shared computation's data flow in terms of its parameters' placeholders.
+
+    ``root``: its root's value; ``reads``: (site uid, placeholder numbers its instructions read);
+    ``splits``: each set of ``root`` as (its sites, its placeholder numbers); ``symbolic``: whether
+    anything depends on the parameters (else ``root`` holds plain sets, the same for every caller).
+    """
+
+    root: Value
+    reads: list[tuple[int, tuple[int, ...]]]
+    splits: dict[frozenset, tuple[frozenset, tuple[int, ...]]]
+    symbolic: bool
+
+
 _NO_SITES: dict[str, frozenset] = {}
 # Opcodes the data-flow pass treats specially; everything else unions its operands' sets.
 _FLOW_SPECIAL = frozenset({"parameter", "tuple", "get-tuple-element", *_NESTING_KIND})
@@ -316,9 +368,20 @@ class _Builder:
         self.members_of: dict[str, set[str]] = {}  # computation -> names of its site members
         self.flowed: dict[str, Value] = {}
         self.in_flow: set[str] = set()
+        # Computations that several while/conditional/call instructions call: walked once in terms
+        # of their parameters (placeholder ids ``-1 - n``, ``placeholders[n]`` = (parameter
+        # number, tuple index path)), the summary applied to each caller's operands.
+        self.shared: set[str] = {
+            name for name, callers in self.callers.items() if sum(c.opcode in _NESTING_KIND for c in callers) > 1
+        }
+        self.shared_flows: dict[str, _SharedFlow] = {}
+        self.placeholders: list[tuple[int | None, tuple[int, ...]]] = []
         self.user_maps: dict[str, dict[str, list[str]]] = {}
         # Per site uid: the upstream sets its instructions read (shared objects, merged at the end).
         self.incoming: list[list[frozenset]] = []
+        # Where the walk records what sites read: ``incoming``, or while a shared computation is
+        # summarised, a uid -> sets map whose placeholders are resolved per caller.
+        self.target: Any = self.incoming
         self.merged: dict[tuple[frozenset, frozenset], frozenset] = {}
         self.flat: dict[tuple, frozenset] = {}
         self.split_labels: dict[str, tuple[str, str, str, str, Any]] = {}
@@ -622,7 +685,14 @@ class _Builder:
         else:
             found = a | b
             if len(found) > MAX_UPSTREAM:
-                found = frozenset(sorted(found)[-MAX_UPSTREAM:])
+                ordered = sorted(found)
+                if ordered[0] < 0:
+                    # Placeholders of a shared computation's parameters (negative) are capped apart
+                    # from its sites: each stands for up to MAX_UPSTREAM sites of a caller.
+                    cut = bisect.bisect_left(ordered, 0)
+                    found = frozenset(ordered[: min(cut, MAX_UPSTREAM)] + ordered[max(cut, len(ordered) - MAX_UPSTREAM) :])
+                else:
+                    found = frozenset(ordered[-MAX_UPSTREAM:])
                 # Keeping the most recent sites often gives back one of the operands' sets.
                 if found == a:
                     found = a
@@ -632,16 +702,27 @@ class _Builder:
         return found
 
     def flow(self, comp_name: str, seeds: list[Value]) -> Value:
-        """Propagate upstream sites through one computation; returns its root's value."""
+        """Propagate upstream sites through one computation; returns its root's value.
+
+        A computation called from one place is walked once with its caller's operands. One
+        called from several places is walked once in terms of its parameters (its summary) and
+        each caller gets the summary with its own operands substituted (see ``flow_shared``).
+        """
+        if comp_name in self.shared:
+            return self.flow_shared(comp_name, seeds)
         if comp_name in self.flowed:
             return self.flowed[comp_name]
+        return self.walk(comp_name, seeds)
+
+    def walk(self, comp_name: str, seeds: list[Value] | None) -> Value:
+        """One pass over a computation; ``seeds=None`` gives its parameters placeholder sets."""
         comp = self.module.computations.get(comp_name)
         if comp is None or comp_name in self.in_flow:
-            return self.union(seeds)
+            return self.union(seeds or [])
         self.in_flow.add(comp_name)
         values: dict[str, Value] = {}
         get = values.get
-        incoming = self.incoming
+        incoming = self.target
         comp_sites = self.site_sets.get(comp_name, _NO_SITES)
         gte_index = self.extra.gte_index
         param_index = self.extra.param_index
@@ -672,7 +753,7 @@ class _Builder:
             if opcode in _FLOW_SPECIAL:
                 if opcode == "parameter":
                     if not seeds:
-                        value = _EMPTY
+                        value = _EMPTY if seeds is not None else self.placeholder(param_index.get(name), (), instr.shape)
                     elif len(seeds) == 1:
                         value = seeds[0]
                     else:
@@ -731,6 +812,132 @@ class _Builder:
         self.in_flow.discard(comp_name)
         self.flowed[comp_name] = root_value
         return root_value
+
+    def placeholder(self, position: int | None, path: tuple[int, ...], shape: str) -> Value:
+        """The value of a parameter (or of one element of a tuple parameter) of a shared computation."""
+        parts = _tuple_elements(shape)
+        if parts is None:
+            self.placeholders.append((position, path))
+            return frozenset((-len(self.placeholders),))
+        return tuple([self.placeholder(position, path + (i,), part) for i, part in enumerate(parts)])
+
+    def flow_shared(self, comp_name: str, seeds: list[Value]) -> Value:
+        """Flow through a computation called from several places, with this caller's operands.
+
+        The computation is walked once with placeholder sets for its parameters; what its sites
+        read and what its root carries are kept in terms of those placeholders, and each call
+        substitutes its own operands: the sites inside get data edges from every caller, and each
+        caller gets back what its own operands (and the sites inside) feed to the root.
+        """
+        summary = self.shared_flows.get(comp_name)
+        if summary is None:
+            if comp_name in self.in_flow or comp_name not in self.module.computations:
+                return self.union(seeds)
+            summary = self.summarise(comp_name)
+        if not summary.symbolic:
+            return summary.root
+        resolved: dict[int, frozenset] = {}
+        placeholders = self.placeholders
+        flatten = self.flatten
+
+        def resolve(pid: int) -> frozenset:
+            found = resolved.get(pid)
+            if found is not None:
+                return found
+            position, path = placeholders[pid]
+            value: Value
+            if not seeds:
+                value = _EMPTY
+            elif len(seeds) == 1:
+                value = seeds[0]
+            elif position is not None and position < len(seeds):
+                value = seeds[position]
+            else:
+                value = self.union(seeds)
+            for i in path:
+                if value.__class__ is not tuple:
+                    break
+                value = value[i] if i < len(value) else flatten(value)  # type: ignore[index,arg-type]
+            if value.__class__ is tuple:
+                value = flatten(value)  # type: ignore[arg-type]
+            resolved[pid] = value  # type: ignore[assignment]
+            return value  # type: ignore[return-value]
+
+        target = self.target
+        for uid, pids in summary.reads:
+            bucket = target[uid]
+            for pid in pids:
+                upstream = resolve(pid)
+                if upstream:
+                    bucket.append(upstream)
+        splits = summary.splits
+        done: dict[Any, Value] = {}
+
+        def substitute(value: Value) -> Value:
+            found = done.get(value)
+            if found is not None:
+                return found
+            if value.__class__ is tuple:
+                result: Value = tuple([substitute(v) for v in value])  # type: ignore[union-attr]
+            else:
+                concrete, pids = splits[value]
+                if not pids:
+                    result = concrete
+                elif not concrete and len(pids) == 1:
+                    result = resolve(pids[0])
+                else:
+                    result = self.union([concrete, *(resolve(pid) for pid in pids)])
+            done[value] = result
+            return result
+
+        return substitute(summary.root)
+
+    def summarise(self, comp_name: str) -> _SharedFlow:
+        """Walk a shared computation once in terms of its parameters (see ``flow_shared``)."""
+        saved = self.target
+        pending: dict[int, list[frozenset]] = defaultdict(list)
+        self.target = pending
+        try:
+            root = self.walk(comp_name, None)
+        finally:
+            self.target = saved
+        splits: dict[frozenset, tuple[frozenset, tuple[int, ...]]] = {}
+
+        def split(value: frozenset) -> tuple[frozenset, tuple[int, ...]]:
+            found = splits.get(value)
+            if found is None:
+                if value and min(value) < 0:
+                    found = (frozenset(u for u in value if u >= 0), tuple(sorted(-1 - u for u in value if u < 0)))
+                else:
+                    found = (value, ())
+                splits[value] = found
+            return found
+
+        # What the sites inside read from the sites inside is the same for every caller: record it
+        # now; what they read from the parameters is resolved per caller.
+        reads: list[tuple[int, tuple[int, ...]]] = []
+        incoming = self.incoming
+        for uid, sets in pending.items():
+            pids: set[int] = set()
+            for upstream in sets:
+                concrete, from_params = split(upstream)
+                if concrete:
+                    incoming[uid].append(concrete)
+                pids.update(from_params)
+            if pids:
+                reads.append((uid, tuple(sorted(pids))))
+        symbolic = bool(reads)
+        stack: list[Value] = [root]
+        while stack:
+            value = stack.pop()
+            if value.__class__ is tuple:
+                stack.extend(value)  # type: ignore[arg-type]
+            elif split(value)[1]:  # type: ignore[arg-type]
+                symbolic = True
+        # Not symbolic: nothing depends on the callers, the root's value is the same for all of them.
+        summary = _SharedFlow(root, reads, splits, symbolic)
+        self.shared_flows[comp_name] = summary
+        return summary
 
     def flow_inside(self, instr: HloInstruction, comp_name: str) -> None:
         """Data edges between the sites of one fusion's labels, from the flow inside it.

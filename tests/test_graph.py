@@ -512,3 +512,172 @@ def test_parsed_module_input_and_scale() -> None:
     assert len(sites) == n // 10
     assert all(d["instructions"] == 2 and d["flops"] == 32 for d in sites.values())
     assert graph.number_of_edges() >= len(sites) - 1
+
+
+LABEL_GATE = "ejkernel_ops#matmul@v1:d72331d8a0b1c2d3"
+LABEL_DOWN = "ejkernel_ops#matmul@v1:a3355011e4f5a6b7"
+LABEL_UP = "ejkernel_ops#matmul@v1:12976a18c8d9e0f1"
+LABEL_INNER = "ejkernel_ops#scale@v1:328e1597f2a3b4c5"
+
+
+def _attrs(label: str) -> str:
+    return f'frontend_attributes={{ejlabel="{label}"}}'
+
+
+# Two layers call one unlabelled `silu` computation (as `jax.nn.silu` lowers): each layer's gate
+# matmul feeds its own down projection through it.
+SHARED_SILU_HLO = textwrap.dedent(
+    f"""\
+    HloModule jit_layers, entry_computation_layout={{(f32[4,4]{{1,0}}, f32[4,4]{{1,0}})->(f32[4,4]{{1,0}}, f32[4,4]{{1,0}})}}
+
+    silu.7 {{
+      Arg_0.8 = f32[4,4]{{1,0}} parameter(0)
+      logistic.9 = f32[4,4]{{1,0}} logistic(Arg_0.8)
+      ROOT multiply.10 = f32[4,4]{{1,0}} multiply(Arg_0.8, logistic.9)
+    }}
+
+    ENTRY main.20 {{
+      x.1 = f32[4,4]{{1,0}} parameter(0)
+      w.2 = f32[4,4]{{1,0}} parameter(1)
+      gate.3 = f32[4,4]{{1,0}} dot(x.1, w.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {_attrs(LABEL_GATE)}
+      act.4 = f32[4,4]{{1,0}} call(gate.3), to_apply=silu.7
+      down.5 = f32[4,4]{{1,0}} dot(act.4, w.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {_attrs(LABEL_DOWN)}
+      gate.6 = f32[4,4]{{1,0}} dot(down.5, w.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {_attrs(LABEL_GATE)}
+      act.7 = f32[4,4]{{1,0}} call(gate.6), to_apply=silu.7
+      down.8 = f32[4,4]{{1,0}} dot(act.7, w.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {_attrs(LABEL_DOWN)}
+      ROOT tuple.9 = (f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) tuple(down.5, down.8)
+    }}
+    """
+)
+
+# One computation called from two places with a tuple operand: element 0 passes through
+# unlabelled ops, element 1 feeds a labelled site inside; the root is a tuple of both.
+SHARED_TUPLE_HLO = textwrap.dedent(
+    f"""\
+    HloModule jit_mix
+
+    mix.1 {{
+      p.2 = (f32[4,4]{{1,0}}, /*index=1*/f32[4,4]{{1,0}}) parameter(0)
+      a.3 = f32[4,4]{{1,0}} get-tuple-element(p.2), index=0
+      b.4 = f32[4,4]{{1,0}} get-tuple-element(p.2), index=1
+      inner.5 = f32[4,4]{{1,0}} multiply(b.4, b.4), {_attrs(LABEL_INNER)}
+      neg.6 = f32[4,4]{{1,0}} negate(a.3)
+      ROOT r.7 = (f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) tuple(neg.6, inner.5)
+    }}
+
+    ENTRY main.10 {{
+      x.1 = f32[4,4]{{1,0}} parameter(0)
+      w.2 = f32[4,4]{{1,0}} parameter(1)
+      gate.3 = f32[4,4]{{1,0}} dot(x.1, w.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {_attrs(LABEL_GATE)}
+      up.4 = f32[4,4]{{1,0}} dot(x.1, w.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {_attrs(LABEL_UP)}
+      t.5 = (f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) tuple(gate.3, up.4)
+      c.6 = (f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) call(t.5), to_apply=mix.1
+      e.7 = f32[4,4]{{1,0}} get-tuple-element(c.6), index=0
+      f.8 = f32[4,4]{{1,0}} get-tuple-element(c.6), index=1
+      down.9 = f32[4,4]{{1,0}} dot(e.7, w.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {_attrs(LABEL_DOWN)}
+      gate.10 = f32[4,4]{{1,0}} dot(down.9, w.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {_attrs(LABEL_GATE)}
+      up.11 = f32[4,4]{{1,0}} dot(f.8, w.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {_attrs(LABEL_UP)}
+      t.12 = (f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) tuple(gate.10, up.11)
+      c.13 = (f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) call(t.12), to_apply=mix.1
+      e.14 = f32[4,4]{{1,0}} get-tuple-element(c.13), index=0
+      f.15 = f32[4,4]{{1,0}} get-tuple-element(c.13), index=1
+      down.16 = f32[4,4]{{1,0}} dot(e.14, w.2), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {_attrs(LABEL_DOWN)}
+      ROOT sum.17 = f32[4,4]{{1,0}} add(down.16, f.15)
+    }}
+    """
+)
+
+
+def _data_edges(graph: nx.DiGraph) -> set[tuple[str, str]]:
+    return {(a, b) for a, b, d in graph.edges(data=True) if d["kind"] == "data"}
+
+
+@pytest.mark.parametrize("parsed", [False, True], ids=["text", "parsed-module"])
+def test_shared_call_target_edges_follow_each_callers_operands(parsed: bool) -> None:
+    """Each caller of a shared computation gets edges from its own operands, not the first caller's."""
+    from ejlabel.analysis.hlo import parse_hlo
+
+    graph = call_graph(parse_hlo(SHARED_SILU_HLO) if parsed else SHARED_SILU_HLO)
+    node = "jit_layers/main.20/{}".format
+    assert {n for n in kernels(graph)} == {node(n) for n in ("gate.3", "down.5", "gate.6", "down.8")}
+    assert graph.nodes[node("gate.6")]["label"] == LABEL_GATE and graph.nodes[node("down.8")]["label"] == LABEL_DOWN
+    assert _data_edges(graph) == {
+        (node("gate.3"), node("down.5")),  # layer 1's gate -> silu -> layer 1's down projection
+        (node("down.5"), node("gate.6")),
+        (node("gate.6"), node("down.8")),  # layer 2's gate -> silu -> layer 2's down projection
+    }
+
+
+def test_shared_computation_with_tuple_operand_and_inner_site() -> None:
+    """The site inside a shared computation reads from every caller; each caller's outputs follow its operands.
+
+    HLO text, not a parsed module: tuple indices are read from the text.
+    """
+    graph = call_graph(SHARED_TUPLE_HLO)
+    node = "jit_mix/main.10/{}".format
+    inner = "jit_mix/mix.1/inner.5"
+    assert set(kernels(graph)) == {node(n) for n in ("gate.3", "up.4", "down.9", "gate.10", "up.11", "down.16")} | {inner}
+    assert _data_edges(graph) == {
+        (node("up.4"), inner),  # element 1 of the first call
+        (node("up.11"), inner),  # element 1 of the second call
+        (node("gate.3"), node("down.9")),  # element 0 of the first call, through negate
+        (node("down.9"), node("gate.10")),
+        (inner, node("up.11")),
+        (node("gate.10"), node("down.16")),  # element 0 of the second call
+    }
+
+
+# A shared block calling a computation that is shared too (also called from the entry) and one
+# called only from the block, with a site inside the block reading its second parameter.
+SHARED_NESTED_HLO = textwrap.dedent(
+    f"""\
+    HloModule jit_nested
+
+    silu.1 {{
+      a.1 = f32[4]{{0}} parameter(0)
+      ROOT n.2 = f32[4]{{0}} negate(a.1)
+    }}
+
+    once.3 {{
+      b.1 = f32[4]{{0}} parameter(0)
+      c.2 = f32[4]{{0}} parameter(1)
+      ROOT m.3 = f32[4]{{0}} multiply(b.1, c.2)
+    }}
+
+    blk.4 {{
+      p.1 = f32[4]{{0}} parameter(0)
+      q.2 = f32[4]{{0}} parameter(1)
+      s.3 = f32[4]{{0}} call(p.1), to_apply=silu.1
+      site.4 = f32[4]{{0}} sine(q.2), {_attrs(LABEL_INNER)}
+      o.5 = f32[4]{{0}} call(s.3, site.4), to_apply=once.3
+      ROOT r.6 = f32[4]{{0}} add(o.5, q.2)
+    }}
+
+    ENTRY main.9 {{
+      x.1 = f32[4]{{0}} parameter(0)
+      g.2 = f32[4]{{0}} cosine(x.1), {_attrs(LABEL_GATE)}
+      u.3 = f32[4]{{0}} cosine(x.1), {_attrs(LABEL_UP)}
+      b1.4 = f32[4]{{0}} call(g.2, u.3), to_apply=blk.4
+      h.5 = f32[4]{{0}} cosine(b1.4), {_attrs(LABEL_DOWN)}
+      b2.6 = f32[4]{{0}} call(h.5, x.1), to_apply=blk.4
+      k.7 = f32[4]{{0}} cosine(b2.6), {_attrs(LABEL_GATE)}
+      z.8 = f32[4]{{0}} call(k.7), to_apply=silu.1
+      ROOT y.9 = f32[4]{{0}} cosine(z.8), {_attrs(LABEL_UP)}
+    }}
+    """
+)
+
+
+def test_shared_computation_nested_in_shared_computation() -> None:
+    graph = call_graph(SHARED_NESTED_HLO)
+    node = "jit_nested/main.9/{}".format
+    inner = "jit_nested/blk.4/site.4"
+    assert _data_edges(graph) == {
+        (node("u.3"), inner),  # the second caller passes the unlabelled x.1: nothing more
+        (node("g.2"), node("h.5")),  # through silu (shared), once and the block (shared)
+        (node("u.3"), node("h.5")),  # q.2 -> r.6
+        (inner, node("h.5")),
+        (node("h.5"), node("k.7")),  # the second call: its own first operand
+        (inner, node("k.7")),
+        (node("k.7"), node("y.9")),  # silu called from the entry too
+    }
