@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -387,13 +388,20 @@ class Autotuner:
         reference = getattr(job.inv.kernel, "reference", None)
         if callable(reference):
             args = operands[0]
-            if job.cotangent is None:
-                return jax.block_until_ready(reference(*args, **kwargs))
-            out, pullback = jax.vjp(lambda *a: reference(*a, **kwargs), *args)
-            return jax.block_until_ready((out, pullback(operands[2])))
-        for executable in job.executables.values():  # the heuristic config is candidate 0 when valid
             try:
-                return jax.block_until_ready(executable(*operands))
+                if job.cotangent is None:
+                    return jax.block_until_ready(reference(*args, **kwargs))
+                out, pullback = jax.vjp(lambda *a: reference(*a, **kwargs), *args)
+                return jax.block_until_ready((out, pullback(operands[2])))
+            except Exception as err:  # a plain reference can need memory a tiled kernel does not
+                warnings.warn(
+                    f"{job.inv.op_id} call {job.inv.call_key}: the reference failed ({_describe_error(err)[1]}); "
+                    "checking candidates against the first one that runs instead",
+                    stacklevel=2,
+                )
+        for i in sorted(job.executables):  # the heuristic config is candidate 0 when valid
+            try:
+                return jax.block_until_ready(job.executables[i](*operands))
             except Exception:
                 continue
         return None

@@ -80,6 +80,18 @@ def test_compile_failure_recorded_others_run():
     assert result.best_cfg in (LoopConfig(4), LoopConfig(8))
 
 
+def test_reference_that_fails_falls_back_to_first_working_candidate():
+    class HugeReference(LoopSumKernel):
+        def reference(self, x):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    with pytest.warns(UserWarning, match="reference failed.*out of memory"):
+        result = Autotuner(FAST).tune(Invocation(HugeReference(), (X,)), configs=[LoopConfig(256), LoopConfig(512, wrong=True)])
+    statuses = {c.cfg: c.status for c in result.candidates}
+    assert statuses[LoopConfig(512, wrong=True)] == "wrong"  # still checked, against the heuristic's output
+    assert not result.best_cfg.wrong
+
+
 def test_all_candidates_failing_lists_reasons():
     with pytest.raises(AutotuneError, match="compile_error"):
         Autotuner(FAST).tune(Invocation(loopsum, (X,)), configs=[LoopConfig(3), LoopConfig(5)])
