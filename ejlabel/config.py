@@ -101,6 +101,9 @@ class AutotunePolicy:
       max_configs: try at most this many candidates (the heuristic one always among them).
       time_budget_s: stop timing new candidates of one call after this many seconds.
       num_warmup, num_iters: runs per candidate before and during timing.
+      calls_per_sample: back-to-back calls in one timed run, rotating over two input sets, so
+        short kernels are timed amortised (not as launch plus sync) and not on inputs that sit
+        in cache from the previous call; the run's time is divided by it.
       early_stop: drop candidates clearly slower than the best so far (successive halving).
       compile_workers: threads that compile candidates ahead of time.
       tune_backward: for kernels with a custom VJP, time and check forward and backward
@@ -113,6 +116,7 @@ class AutotunePolicy:
     time_budget_s: float | None = None
     num_warmup: int = 3
     num_iters: int = 10
+    calls_per_sample: int = 4
     early_stop: bool = True
     compile_workers: int = 4
     tune_backward: bool = True
@@ -120,7 +124,7 @@ class AutotunePolicy:
     def __post_init__(self) -> None:
         if self.on_miss not in ("heuristic", "autotune", "error"):
             raise ValueError(f"on_miss: expected 'heuristic', 'autotune' or 'error', got {self.on_miss!r}")
-        for name in ("num_warmup", "num_iters", "compile_workers"):
+        for name in ("num_warmup", "num_iters", "calls_per_sample", "compile_workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name != "num_warmup" else 0):
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")

@@ -358,6 +358,9 @@ class Autotuner:
         if job.cotangent is not None:
             operands += (random_inputs(Invocation(inv.kernel, (job.cotangent,)), jax.random.key(self.seed + 1))[0][0],)
         reference = self._reference(job, operands, kwargs)
+        # A second input set to rotate through while timing (see AutotunePolicy.calls_per_sample).
+        other_args, other_kwargs = inv.kernel.make_inputs(inv, jax.random.key(self.seed + 2))
+        rotation = (operands, (other_args, {k: v for k, v in other_kwargs.items() if k in inv.array_kwargs}, *operands[2:]))
         alive: list[int] = []
         for i, executable in job.executables.items():
             candidate = job.candidates[i]
@@ -376,7 +379,7 @@ class Autotuner:
             else:
                 alive.append(i)
         progress.advance(len(job.candidates) - len(alive))
-        winner = self._race(job, alive, operands, progress)
+        winner = self._race(job, alive, rotation, progress)
         if winner is None:
             reasons = "; ".join(f"{c.cfg!r}: {c.status} ({c.reason})" for c in job.candidates)
             raise AutotuneError(f"every candidate of {inv.op_id} call {inv.call_key} failed: {reasons}")
@@ -406,7 +409,7 @@ class Autotuner:
                 continue
         return None
 
-    def _race(self, job: _Job, alive: list[int], operands: tuple[Any, ...], progress: _Progress) -> int | None:
+    def _race(self, job: _Job, alive: list[int], rotation: tuple[tuple[Any, ...], ...], progress: _Progress) -> int | None:
         """Successive halving over the correct candidates; returns the winner's index.
 
         Round one times every survivor ``num_iters // 8`` times (at least 2); each round drops
@@ -423,10 +426,13 @@ class Autotuner:
         runs = max(2, policy.num_iters // 8) if halving else policy.num_iters
         deadline = job.start + policy.time_budget_s if policy.time_budget_s else math.inf
 
+        per_sample = policy.calls_per_sample
+
         def measure(i: int, count: int) -> None:
-            call = functools.partial(job.executables[i], *operands)
-            _timed_runs(call, max(1, policy.num_warmup) if not samples[i] else 1)  # warm-up / re-warm caches
-            samples[i].extend(_timed_runs(call, count))
+            calls = [functools.partial(job.executables[i], *operands) for operands in rotation]
+            run = lambda: [calls[k % len(calls)]() for k in range(per_sample)]
+            _timed_runs(run, max(1, policy.num_warmup) if not samples[i] else 1)  # warm-up / re-warm caches
+            samples[i].extend(t / per_sample for t in _timed_runs(run, count))
             job.candidates[i].timing = Timing(samples[i])
 
         def drop(i: int, status: str, reason: str) -> None:
