@@ -280,6 +280,7 @@ def bench_norms(b: Bench) -> None:
             return _normal(kx, (rows, width)), 1 + 0.1 * _normal(kw, (width,)), 0.1 * _normal(kb, (width,))
 
         sets = _inputs(make)
+        probe = _normal(jax.random.key(99), (rows, width))
         args = sets[0][: 1 + params]
         configs: list[tuple[str, Any]] = [("xla", NormConfig("xla")), ("pallas heuristic", pallas_heuristic(kernel, args, {"eps": 1e-6}))]
         try:
@@ -290,7 +291,10 @@ def bench_norms(b: Bench) -> None:
         for impl, cfg in configs:
             note = "" if impl == "xla" else _describe(cfg)
             forward = jax.jit(lambda x, w, bias, cfg=cfg: fn(x, w, bias, cfg))
-            both = jax.jit(jax.value_and_grad(lambda x, w, bias, cfg=cfg: jnp.sum(fn(x, w, bias, cfg).astype(jnp.float32)), argnums=(0, 1)))
+            # A random cotangent, as in a model: the gradient of a plain sum is a constant that
+            # XLA can fold into the backward, which no training step allows.
+            loss = lambda x, w, bias, cfg=cfg: jnp.sum(fn(x, w, bias, cfg).astype(jnp.float32) * probe)
+            both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
             # Forward: read x, write y. Backward: read x and dy, write dx.
             b.measure(case + " fwd", impl, forward, sets, 2 * element_bytes, "GB/s", note)
             b.measure(case + " fwd+bwd", impl, both, sets, 5 * element_bytes, "GB/s", note)
