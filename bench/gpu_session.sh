@@ -11,7 +11,7 @@ for step in "$@"; do
     labeltests) timeout 300 python3 -m pytest -q tests/test_labels.py tests/test_graph.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_labels_gpu.log" | tail -n 15 ;;
     kernelsquick) timeout 420 python3 bench/bench_kernels.py --quick --out "$OUT/kernels_quick.md" 2>&1 | tee "$OUT/kernels_quick.log" | tail -n 40 ;;
     kernels) timeout 560 python3 bench/bench_kernels.py --out "$OUT/kernels.md" 2>&1 | tee "$OUT/kernels.log" | tail -n 50 ;;
-    attention|matmul|norms,cross_entropy) timeout 570 python3 bench/bench_kernels.py --only "$step" --out "$OUT/kernels_$step.md" 2>&1 | tee "$OUT/kernels_$step.log" | grep -v "^W1\|Delay kernel" | tail -n 60 ;;
+    attention|matmul|norms|cross_entropy) timeout 570 python3 bench/bench_kernels.py --only "$step" --out "$OUT/kernels_$step.md" 2>&1 | tee "$OUT/kernels_$step.log" | grep -v "^W1\|Delay kernel" | tail -n 60 ;;
     attntests) timeout 300 python3 -m pytest -q tests/test_kernels_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -n 15 ;;
     sweep) timeout 420 python3 bench/sweep_attention.py 2>&1 | tee "$OUT/sweep_attention.log" | tail -n 8 ;;
     model) timeout 560 python3 bench/bench_model.py --out "$OUT/model.md" 2>&1 | tee "$OUT/model.log" | tail -n 40 ;;
