@@ -44,6 +44,13 @@ class ConfigCache:
         self._lock = threading.Lock()
 
     def get(self, dev: str | Key, op_id: str | None = None, call_key: str | None = None) -> Any | None:
+        if type(dev) is str and type(op_id) is str and type(call_key) is str:
+            # Every stored key was validated by put(), so a hit needs no validation; a miss is
+            # validated below, so a malformed key still raises.
+            with self._lock:
+                cfg = self._entries.get((dev, op_id, call_key))
+            if cfg is not None:
+                return cfg
         key = normalize_key(dev, op_id, call_key)
         with self._lock:
             return self._entries.get(key)

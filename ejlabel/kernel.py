@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
@@ -141,6 +140,29 @@ class Kernel(Generic[Cfg, Out]):
         return f"{type(self).__qualname__}({self.versioned_id!r})"
 
 
+class _cached_property:
+    """``functools.cached_property`` without its per-access lock (Python < 3.12 takes one).
+
+    Every kernel call builds a fresh ``Invocation`` and reads ``call_key`` and
+    ``device_fingerprint`` once, so the first access is the common one. The values are pure
+    functions of the invocation; two threads computing one at once store equal values.
+    """
+
+    def __init__(self, func: Callable[[Any], Any]) -> None:
+        self.func = func
+        self.attrname = func.__name__
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attrname = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        value = instance.__dict__[self.attrname] = self.func(instance)
+        return value
+
+
 class _NoSignature(Exception):
     """A value whose abstract signature is not cheap and exact to state; fingerprint it fully."""
 
@@ -179,18 +201,18 @@ _KEY_MEMO_LIMIT = 8192
 def _memoised_call_key(inv: Invocation[Any, Any]) -> str:
     """``default_key_builder_with_sharding(inv)``, memoised on the call's cheap signature."""
     try:
+        kernel, kwargs, batch_axes = inv.kernel, inv.kwargs, inv.batch_axes
         memo_key = (
-            type(inv.kernel),
-            inv.op_id,
+            type(kernel),
+            kernel.versioned_id,
             os.environ.get("EJLABEL_CACHE_SALT"),
             tuple(map(_signature, inv.args)),
-            tuple((name, _signature(value)) for name, value in inv.kwargs.items()),
-            _signature(inv.batch_axes),
+            tuple((name, _signature(value)) for name, value in kwargs.items()) if kwargs else (),
+            None if batch_axes is None else _signature(batch_axes),  # _signature never returns None
         )
-        hash(memo_key)
+        key = _KEY_MEMO.get(memo_key)  # TypeError: an unhashable part
     except (_NoSignature, TypeError):
         return default_key_builder_with_sharding(inv)
-    key = _KEY_MEMO.get(memo_key)
     if key is None:
         if len(_KEY_MEMO) >= _KEY_MEMO_LIMIT:
             _KEY_MEMO.clear()
@@ -241,30 +263,30 @@ class Invocation(Generic[Cfg, Out]):
     def kernel_version(self) -> str:
         return self.kernel.version
 
-    @functools.cached_property
+    @_cached_property
     def abstract_args(self) -> tuple[Any, ...]:
         return abstractify(self.args)
 
-    @functools.cached_property
+    @_cached_property
     def abstract_kwargs(self) -> dict[str, Any]:
         return abstractify(self.kwargs)
 
-    @functools.cached_property
+    @_cached_property
     def array_kwargs(self) -> dict[str, Any]:
         return _split_kwargs(self.kwargs)[0]
 
-    @functools.cached_property
+    @_cached_property
     def static_kwargs(self) -> dict[str, Any]:
         return _split_kwargs(self.kwargs)[1]
 
-    @functools.cached_property
+    @_cached_property
     def call_key(self) -> str:
         """16-hex fingerprint of op id, version, abstract args, sharding, static kwargs, batch axes."""
         if self.known_call_key is not None:
             return self.known_call_key
         return _memoised_call_key(self)
 
-    @functools.cached_property
+    @_cached_property
     def device_fingerprint(self) -> str:
         return device_fingerprint()
 

@@ -17,7 +17,8 @@ import contextlib
 import functools
 import os
 import re
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -65,9 +66,16 @@ def label(op_id: str, call_hash: str | None = None, prefix: str | None = None) -
 
     The prefix defaults to ``$EJLABEL_PREFIX`` or ``ejkernel_ops#``; it must end with ``#``.
     """
+    env_prefix = os.environ.get("EJLABEL_PREFIX")
+    if call_hash is not None:
+        memo_key = (op_id, call_hash, prefix, env_prefix)
+        try:
+            return _LABEL_MEMO[memo_key]
+        except (KeyError, TypeError):  # TypeError: an unhashable argument, rejected below
+            pass
     if not isinstance(op_id, str) or not op_id:
         raise TypeError(f"op_id: expected a non-empty str, got {op_id!r}")
-    chosen = prefix or os.environ.get("EJLABEL_PREFIX") or LABEL_PREFIX
+    chosen = prefix or env_prefix or LABEL_PREFIX
     if not chosen.endswith("#"):
         raise ValueError(f"prefix: expected a string ending in '#', got {chosen!r}")
     if call_hash is None:
@@ -75,7 +83,18 @@ def label(op_id: str, call_hash: str | None = None, prefix: str | None = None) -
     if not re.fullmatch(r"[0-9a-f]{16}", call_hash):
         raise ValueError(f"call_hash: expected 16 lowercase hex characters, got {call_hash!r}")
     versioned = op_id if "@v" in op_id else f"{op_id}@v1"
-    return f"{chosen}{versioned}:{call_hash}"
+    text = f"{chosen}{versioned}:{call_hash}"
+    if type(op_id) is str and type(call_hash) is str and type(prefix) in (str, type(None)):
+        if len(_LABEL_MEMO) >= _LABEL_MEMO_LIMIT:
+            _LABEL_MEMO.clear()
+        _LABEL_MEMO[memo_key] = text
+    return text
+
+
+# Formatted labels by (op_id, call_hash, prefix, $EJLABEL_PREFIX): the executor formats the
+# same label at every call of a signature. Only validated arguments are stored.
+_LABEL_MEMO: dict[tuple[Any, ...], str] = {}
+_LABEL_MEMO_LIMIT = 8192
 
 
 def _label_decorator(name: str, prefix: str) -> Callable[[F], F]:
@@ -101,14 +120,38 @@ def parse_label(text: str) -> tuple[str, str]:
     return match.group("op"), match.group("key")
 
 
-@contextlib.contextmanager
-def label_scope(lab: str, call: str | None = None) -> Iterator[None]:
-    """Label every op traced inside the block with ``lab`` (and the encoded call, if given)."""
-    attributes = {LABEL_ATTRIBUTE: lab}
-    if call is not None:
-        attributes[CALL_ATTRIBUTE] = call
-    with set_xla_metadata(**attributes), jax.named_scope(lab):
-        yield
+class label_scope(contextlib.ContextDecorator):
+    """Label every op traced inside the block with ``lab`` (and the encoded call, if given).
+
+    ``with label_scope(lab, call): ...`` or ``@label_scope(lab)``. A class rather than a
+    generator-based context manager because the executor enters one on every kernel call.
+    """
+
+    def __init__(self, lab: str, call: str | None = None) -> None:
+        attributes = {LABEL_ATTRIBUTE: lab}
+        if call is not None:
+            attributes[CALL_ATTRIBUTE] = call
+        self._attributes = attributes
+        self._name = lab
+        self._entered: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> None:
+        metadata = set_xla_metadata(**self._attributes)
+        metadata.__enter__()
+        try:
+            scope = jax.named_scope(self._name)
+            scope.__enter__()
+        except BaseException:
+            metadata.__exit__(*sys.exc_info())
+            raise
+        self._entered.append((metadata, scope))
+
+    def __exit__(self, *exc: Any) -> None:
+        metadata, scope = self._entered.pop()
+        try:
+            scope.__exit__(*exc)
+        finally:
+            metadata.__exit__(*exc)
 
 
 def extract_labels_from_hlo_text(text: str) -> list[str]:

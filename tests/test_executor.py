@@ -291,3 +291,88 @@ def test_memoised_call_key_follows_the_salt(monkeypatch):
     before = Invocation(scale, (X,)).call_key
     monkeypatch.setenv("EJLABEL_CACHE_SALT", "another")
     assert Invocation(scale, (X,)).call_key != before
+
+
+def test_config_cache_get_still_validates_keys_that_miss():
+    cache = ConfigCache()
+    cache.put("dev", "k@v1", "0123456789abcdef", "a")
+    assert cache.get("dev", "k@v1", "0123456789abcdef") == "a"
+    assert cache.get("dev", "k@v1", "fedcba9876543210") is None
+    for bad in (("dev", "k@v1", "XYZ"), ("", "k@v1", "0123456789abcdef"), ("dev", "", "0123456789abcdef")):
+        with pytest.raises(ValueError):
+            cache.get(*bad)
+    with pytest.raises(TypeError):
+        cache.get("dev", "k@v1")
+    cache.delete("dev", "k@v1", "0123456789abcdef")
+    assert cache.get("dev", "k@v1", "0123456789abcdef") is None
+
+
+def test_memoised_label_follows_the_prefix_and_still_validates(monkeypatch):
+    from ejlabel.labels import label
+
+    key = "0123456789abcdef"
+    assert label("memo@v1", key) == label("memo@v1", key) == f"ejkernel_ops#memo@v1:{key}"
+    assert label("memo", key, "mine#") == f"mine#memo@v1:{key}"
+    monkeypatch.setenv("EJLABEL_PREFIX", "other#")
+    assert label("memo@v1", key) == f"other#memo@v1:{key}"
+    monkeypatch.setenv("EJLABEL_PREFIX", "nohash")
+    with pytest.raises(ValueError, match="prefix"):
+        label("memo@v1", key)
+    monkeypatch.delenv("EJLABEL_PREFIX")
+    assert label("memo@v1", key) == f"ejkernel_ops#memo@v1:{key}"
+    with pytest.raises(ValueError, match="call_hash"):
+        label("memo@v1", "XYZ")
+    with pytest.raises(TypeError, match="op_id"):
+        label(["memo"], key)
+
+
+def test_labelled_calls_see_cache_changes_between_traces():
+    """Nothing on the fast path caches a selection: each trace asks the caches again."""
+    selector = ConfigSelectorChain()
+    ex = Executor(selector)
+    inv = Invocation(scale, (X,))
+
+    def traced():
+        jax.make_jaxpr(lambda x: ex(scale, x))(X)  # a new function: every trace runs the executor
+        return selector.decision(inv.cache_key)
+
+    assert traced() == (ScaleConfig(), "heuristic")
+    selector.cache.put(*inv.cache_key, ScaleConfig(3, "add"))
+    assert traced() == (ScaleConfig(3, "add"), "memory")
+    overlay = ConfigCache()
+    overlay.put(*inv.cache_key, ScaleConfig(5, "mul"))
+    with overlay_cache(overlay):
+        assert traced() == (ScaleConfig(5, "mul"), "memory")
+    assert traced() == (ScaleConfig(3, "add"), "memory")
+    selector.cache.delete(*inv.cache_key)
+    assert traced() == (ScaleConfig(), "heuristic")
+    with policy_override(on_miss="error"):
+        with pytest.raises(UntunedCallError):
+            traced()
+
+
+def test_label_scope_nests_reuses_and_decorates():
+    from ejlabel.labels import find_labels_in_lowered, label, label_scope
+
+    outer, inner = label("outer@v1", "0" * 16), label("inner@v1", "1" * 16)
+    scope = label_scope(outer, "desc")
+
+    @label_scope(inner)
+    def g(x):
+        return x * 3
+
+    def f(x):
+        with scope:
+            y = x + 1
+        with scope:  # the same scope object entered twice
+            y = g(y) * 2
+        return y
+
+    text = jax.jit(f).lower(X).as_text()
+    assert set(find_labels_in_lowered(text)) == {outer, inner}
+    with pytest.raises(RuntimeError):
+        with label_scope(outer):
+            raise RuntimeError("propagates")
+    from jax._src.xla_metadata_lib import current_xla_metadata
+
+    assert current_xla_metadata() is None  # restored after the exception
