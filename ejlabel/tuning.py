@@ -195,11 +195,13 @@ class TuneResult:
     best: CandidateResult
     candidates: list[CandidateResult]
     wall_s: float
+    measure_s: float  # the part of wall_s spent checking and timing compiled candidates
+
 
     def stats(self) -> dict[str, Any]:
         """The statistics stored with the winner in the persistent cache."""
         assert self.best.timing is not None
-        return {**self.best.timing.to_dict(), "wall_s": self.wall_s, "candidates": [c.to_dict() for c in self.candidates]}
+        return {**self.best.timing.to_dict(), "wall_s": self.wall_s, "measure_s": self.measure_s, "candidates": [c.to_dict() for c in self.candidates]}
 
 
 class AutotuneError(RuntimeError):
@@ -352,6 +354,7 @@ class Autotuner:
 
     def _measure(self, job: _Job, progress: _Progress) -> TuneResult:
         inv, policy = job.inv, self.policy
+        measure_start = time.perf_counter()
         args, kwargs = inv.kernel.make_inputs(inv, jax.random.key(self.seed))
         array_kwargs = {k: v for k, v in kwargs.items() if k in inv.array_kwargs}
         operands: tuple[Any, ...] = (args, array_kwargs)
@@ -384,7 +387,8 @@ class Autotuner:
             reasons = "; ".join(f"{c.cfg!r}: {c.status} ({c.reason})" for c in job.candidates)
             raise AutotuneError(f"every candidate of {inv.op_id} call {inv.call_key} failed: {reasons}")
         best = job.candidates[winner]
-        return TuneResult(inv.op_id, inv.call_key, best.cfg, best, job.candidates, time.perf_counter() - job.start)
+        now = time.perf_counter()
+        return TuneResult(inv.op_id, inv.call_key, best.cfg, best, job.candidates, now - job.start, now - measure_start)
 
     def _reference(self, job: _Job, operands: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The kernel's reference output (and gradients), else the first working candidate's."""
