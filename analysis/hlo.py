@@ -22,9 +22,13 @@ that snippets cut out of dumps can be read; the module is then named ``""``.
 Malformed input raises :class:`HloParseError` (a ``ValueError``) with the line
 number and a snippet, and never any other exception type.
 
-The reader runs in time and memory linear in the text: each line is scanned with
-compiled regular expressions from advancing indices, repeated strings are
-interned, and instructions without attributes share one empty mapping.
+The reader runs in time and memory linear in the text.  The common instruction
+line (plain operand names, simple attributes, frontend attributes and metadata) is
+read by one regular expression applied to whole chunks of the text, one row per
+line; every other line goes through a line-by-line reader that handles the full
+syntax (and reports errors).  Metadata is kept as its raw text and read on first
+access of ``op_name``/``source_file``/``source_line``; repeated strings are
+interned or shared, and instructions without attributes share one empty mapping.
 """
 
 from __future__ import annotations
@@ -76,15 +80,72 @@ class HloParseError(ValueError):
         return f"{self.message} ({where}): {self.snippet!r}"
 
 
+class _Frames:
+    """The module's ``FileNames`` / ``FileLocations`` / ``StackFrames`` tables, shared by its instructions."""
+
+    __slots__ = ("file_names", "file_locations", "stack_frames", "cache")
+
+    def __init__(self) -> None:
+        self.file_names: dict[str, str] = {}
+        self.file_locations: dict[str, tuple[str, int | None]] = {}
+        self.stack_frames: dict[str, str] = {}
+        self.cache: dict[str, tuple[str | None, int | None]] = {}
+
+    def copy(self) -> _Frames:
+        other = _Frames()
+        other.file_names = dict(self.file_names)
+        other.file_locations = dict(self.file_locations)
+        other.stack_frames = dict(self.stack_frames)
+        return other
+
+    def adopt(self, other: _Frames) -> None:
+        """Take ``other``'s tables (for instructions read before the tables were)."""
+        self.file_names = other.file_names
+        self.file_locations = other.file_locations
+        self.stack_frames = other.stack_frames
+        self.cache = {}
+
+    def resolve(self, frame_id: str) -> tuple[str | None, int | None]:
+        """Source file and line of a stack frame's innermost location ((None, None) when unknown)."""
+        cached = self.cache.get(frame_id)
+        if cached is None:
+            location = self.file_locations.get(self.stack_frames.get(frame_id, ""))
+            if location is None:
+                cached = (None, None)
+            else:
+                file_name = self.file_names.get(location[0])
+                cached = (None if file_name is None else _intern(file_name), location[1])
+            self.cache[frame_id] = cached
+        return cached
+
+
+def _read_metadata(value: str) -> tuple[str | None, str | None, int | None, str | None]:
+    """``op_name``, ``source_file``, ``source_line`` and ``stack_frame_id`` of a metadata text (never raises)."""
+    fields = dict(_KV.findall(value))
+    op_name = fields.get("op_name")
+    source_file = fields.get("source_file")
+    return (
+        None if op_name is None else _intern(_unquote(op_name)),
+        None if source_file is None else _intern(_unquote(source_file)),
+        _small_int(fields.get("source_line", "")),
+        fields.get("stack_frame_id"),
+    )
+
+
+_NO_LOCATION = (None, None, None)
+
+
 @dataclass(slots=True, eq=False)
 class HloInstruction:
     """One instruction line.
 
     ``operands`` and ``called_computations`` are names without the ``%`` sigil;
     ``computation`` is the name of the computation the instruction belongs to.
-    ``source_file``/``source_line`` come from the instruction's metadata, either
-    directly or through the module's ``StackFrames`` tables (innermost frame).
     ``backend_config`` is the raw attribute text (JSON or a quoted string).
+    ``metadata`` is the raw text of the ``metadata={...}`` attribute; it is read on
+    first access of ``op_name``, ``source_file`` or ``source_line``, which come
+    from it either directly or through the module's ``StackFrames`` tables
+    (innermost frame).
     """
 
     name: str
@@ -96,11 +157,54 @@ class HloInstruction:
     is_root: bool = False
     custom_call_target: str | None = None
     frontend_attributes: Mapping[str, str] = field(default_factory=lambda: _EMPTY_ATTRS)
-    op_name: str | None = None
-    source_file: str | None = None
-    source_line: int | None = None
     backend_config: str | None = None
     known_trip_count: int | None = None
+    metadata: str | None = None
+    _frames: _Frames | None = field(default=None, repr=False)
+    _location: tuple[str | None, str | None, int | None] | None = field(default=None, repr=False)
+
+    def _located(self) -> tuple[str | None, str | None, int | None]:
+        location = self._location
+        if location is None:
+            if self.metadata is None:
+                location = _NO_LOCATION
+            else:
+                op_name, source_file, source_line, frame = _read_metadata(self.metadata)
+                if frame is not None and self._frames is not None:
+                    source_file, source_line = self._frames.resolve(frame)
+                location = (op_name, source_file, source_line)
+            self._location = location
+        return location
+
+    @property
+    def op_name(self) -> str | None:
+        """``op_name`` of the metadata."""
+        return self._located()[0]
+
+    @op_name.setter
+    def op_name(self, value: str | None) -> None:
+        location = self._located()
+        self._location = (value, location[1], location[2])
+
+    @property
+    def source_file(self) -> str | None:
+        """Source file of the metadata (through ``StackFrames`` when it names a frame)."""
+        return self._located()[1]
+
+    @source_file.setter
+    def source_file(self, value: str | None) -> None:
+        location = self._located()
+        self._location = (location[0], value, location[2])
+
+    @property
+    def source_line(self) -> int | None:
+        """Source line of the metadata (through ``StackFrames`` when it names a frame)."""
+        return self._located()[2]
+
+    @source_line.setter
+    def source_line(self, value: int | None) -> None:
+        location = self._located()
+        self._location = (location[0], location[1], value)
 
 
 @dataclass(slots=True, eq=False)
@@ -215,6 +319,28 @@ _FAST_LINE = re.compile(
     + _GENERIC
     + r"[ \t\r]*"
 )
+# The most common line again, narrower, for a scan of the whole text (see
+# ``_QUICK_SCAN``): operands are plain names, all with ``%`` or all without;
+# strings hold no escapes; no backend_config and nothing after the metadata.
+# Every line it matches, ``_FAST_LINE`` matches with the same groups, and no
+# character class crosses a line break.
+_Q_NAME = r"[^\s=(){}\[\],\"%]+"
+_Q_OPERAND = r"[^\s=(){}\[\],\"%/]+"
+_Q_STRING = r'"[^"\\\n]*+"'
+_Q_BRACES = r'\{[^{}"\n]*+(?:' + _Q_STRING + r'[^{}"\n]*+)*+\}'
+_Q_VALUE = _Q_STRING + r'|\{[^{}"\n]*+\}|[^\s,{}()\[\]"]++'
+_QUICK_LINE = (
+    r"[ \t]*(ROOT[ \t]+)?%?(" + _Q_NAME + r") = "
+    r"([A-Za-z][A-Za-z0-9]*(?:\[[^\[\]\n]*\])?(?:\{[^{}\n]*\})?|\((?:[^(){}\n]++|\{[^{}\n]*\})*+\))"
+    r" ([A-Za-z][\w\-]*)\("
+    r"(?:%(" + _Q_OPERAND + r"(?:, %" + _Q_OPERAND + r")*+)|(" + _Q_OPERAND + r"(?:, " + _Q_OPERAND + r")*+))?\)"
+    r"((?:, (?!frontend_attributes=|metadata=|backend_config=)[\w.\-]+=(?:" + _Q_VALUE + r"))*+)"
+    r"(?:, frontend_attributes=(" + _Q_BRACES + r"))?"
+    r"(?:, metadata=(" + _Q_BRACES + r"))?"
+    r"[ \t\r]*"
+)
+# One row per line of the text: the quick line's groups, or the whole line as the last group.
+_QUICK_SCAN = re.compile(r"^(?:" + _QUICK_LINE + r"$|(.*))$", re.MULTILINE)
 _CALL_KEY = re.compile(
     r"(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation"
     r"|called_computations|select|scatter|custom_call_target)="
@@ -308,8 +434,25 @@ def _snippet(line: str, column: int | None, width: int = 160) -> str:
 # The parser.
 
 
+class _Restart(Exception):
+    """The quick scan met a line it leaves to the line-by-line reader."""
+
+
+# Characters per chunk of the quick scan: bounds the rows held at once.
+_CHUNK_CHARS = 1 << 18
+# Distinct metadata (and other attribute) texts the quick scan keeps before it starts afresh.
+_SHARED_TEXTS = 100_000
+
+
 class _Parser:
-    """Line-by-line state machine; ``lineno``/``line`` always name the current line for errors."""
+    """Line-by-line state machine; ``lineno``/``line`` always name the current line for errors.
+
+    :meth:`run_quick` reads the common instruction line (``_QUICK_LINE``) straight
+    from chunks of the text and hands every other line to :meth:`line_step`, the
+    reader of one line; :meth:`run_lines` hands it every line.  Both build the
+    same module, and the quick scan restarts as :meth:`run_lines` where only the
+    line-by-line reader knows what to report.
+    """
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -318,94 +461,90 @@ class _Parser:
         self.module_name: str | None = None
         self.computations: dict[str, HloComputation] = {}
         self.entry: str | None = None
-        # StackFrames resolution tables, keyed by the id's digit string.
-        self.file_names: dict[str, str] = {}
-        self.file_locations: dict[str, tuple[str, int | None]] = {}
-        self.stack_frames: dict[str, str] = {}
-        self.frame_cache: dict[str, tuple[str | None, int | None]] = {}
-        # Identical attribute texts repeat a lot (labels, metadata); parse each once.
+        # State of the line being read: the open computation, header sections.
+        self.section: str | None = None
+        self.comp_name: str | None = None
+        self.comp_line = 0
+        self.comp_entry = False
+        self.instrs: list[HloInstruction] = []
+        self.root: HloInstruction | None = None
+        # StackFrames tables.  Instructions read while they are empty resolve their
+        # frames through ``late``, which takes the final tables at the end; tables
+        # handed to instructions are copied before a later row changes them.
+        self.frames = _Frames()
+        self.frames_shared = False
+        self.late = _Frames()
+        self.frames_ref = self.late
+        # Identical attribute texts repeat a lot (labels); parse each once.
         self.attrs_cache: dict[str, Mapping[str, str]] = {}
-        self.metadata_cache: dict[str, tuple[str | None, str | None, int | None, str | None]] = {}
-        # Instructions whose stack frame was named before the StackFrames tables were seen.
-        self.pending_frames: list[tuple[HloInstruction, str]] = []
 
     # -- errors ------------------------------------------------------------
 
     def error(self, message: str, column: int | None = None) -> HloParseError:
         return HloParseError(message, self.lineno, _snippet(self.line, column), column)
 
-    # -- driver ------------------------------------------------------------
+    # -- drivers -----------------------------------------------------------
 
-    def run(self) -> HloModule:
+    def run_quick(self) -> HloModule:
         text = self.text
         if not text.strip():
             raise HloParseError("empty HLO text", 0, "")
         n = len(text)
         pos = 0
         lineno = 0
-        line = ""
-        section: str | None = None
-        comp_name: str | None = None
-        comp_line = 0
-        comp_entry = False
-        instrs: list[HloInstruction] = []
-        root: HloInstruction | None = None
-        append = instrs.append
-        fast_line = _FAST_LINE.fullmatch
+        scan = _QUICK_SCAN.findall
+        find = text.find
+        comp_name = self.comp_name
+        append = self.instrs.append
+        root = self.root
+        frames_ref = self.frames_ref
+        line_step = self.line_step
         make_tuple = tuple
-        metadata_cache = self.metadata_cache
         literal_opcodes = _LITERAL_OPCODES
-        stack_frames = self.stack_frames
+        call_key = _CALL_KEY.search
+        generic_attributes = self.generic_attributes
+        frontend_attributes = self.frontend_attributes
         intern = _intern
         empty = _EMPTY_ATTRS
         no_names = _NO_NAMES
         make = HloInstruction
-        generic_attributes = self.generic_attributes
-        frontend_attributes = self.frontend_attributes
-        read_metadata = self.metadata
+        comment = _COMMENT.sub
+        # Repeated metadata texts share one string, within a window of recent ones.
+        seen: dict[str, str] = {}
+        share = seen.setdefault
+        attribute_cache: dict[str, tuple[tuple[str, ...], str | None]] = {}
         try:
             while pos <= n:
-                end = text.find("\n", pos)
-                if end < 0:
-                    end = n
-                line = text[pos:end]
-                pos = end + 1
-                lineno += 1
-                if comp_name is not None:
-                    fast = fast_line(line)
-                    if fast is not None:
-                        # The common line, inlined: this loop body runs once per instruction.
-                        is_root, name, shape, opcode, args, pre, frontend, metadata, backend, post = fast.groups()
+                stop = find("\n", pos + _CHUNK_CHARS)
+                if stop < 0:
+                    stop = n
+                for is_root, name, shape, opcode, marked, bare, pre, frontend, metadata, other in scan(text, pos, stop):
+                    lineno += 1
+                    if name:
+                        if comp_name is None:
+                            raise _Restart
+                        # The common line: this body runs once per instruction.
                         opcode = intern(opcode)
-                        if not args or opcode in literal_opcodes:
-                            operands = no_names
+                        # Names and operands are not interned: they are looked up in large
+                        # tables, which costs more than the memory they would share.
+                        if marked:
+                            operands = no_names if opcode in literal_opcodes else make_tuple(map(intern, marked.split(", %")))
+                        elif bare:
+                            operands = no_names if opcode in literal_opcodes else make_tuple(map(intern, bare.split(", ")))
                         else:
-                            split = args.replace("%", "").replace(" ", "").split(",")
-                            if "" in split:
-                                split = [operand for operand in split if operand]
-                            operands = make_tuple(map(intern, split))
-                        called = no_names
-                        target = None
-                        if pre or post:
-                            called, target = generic_attributes(pre, post)
-                        op_name = source_file = source_line = pending = None
-                        if metadata is not None:
-                            meta = metadata_cache.get(metadata)
-                            if meta is None:
-                                meta = read_metadata(metadata)
-                            op_name, source_file, source_line, frame = meta
-                            if frame is not None:
-                                if stack_frames:
-                                    source_file, source_line = self.resolve_frame(frame)
-                                else:
-                                    pending = frame
-                        trip = None
-                        if backend is not None and "known_trip_count" in backend:
-                            count = _TRIP_COUNT.search(backend)
-                            if count is not None:
-                                trip = _small_int(count.group(1))
+                            operands = no_names
+                        if pre:
+                            # Attribute texts such as "kind=kLoop, calls=%fused" repeat: read each once.
+                            known = attribute_cache.get(pre)
+                            if known is None:
+                                known = generic_attributes(pre, None) if call_key(pre) else (no_names, None)
+                                attribute_cache[pre] = known
+                            called, target = known
+                        else:
+                            called = no_names
+                            target = None
                         if "/*" in shape:
-                            shape = _COMMENT.sub("", shape)
+                            shape = comment("", shape)
                         instr = make(
                             intern(name),
                             opcode,
@@ -413,98 +552,179 @@ class _Parser:
                             operands,
                             comp_name,
                             called,
-                            is_root is not None,
+                            True if is_root else False,
                             target,
-                            empty if frontend is None else frontend_attributes(frontend),
-                            op_name,
-                            source_file,
-                            source_line,
-                            backend,
-                            trip,
+                            frontend_attributes(frontend) if frontend else empty,
+                            None,
+                            None,
+                            share(metadata, metadata) if metadata else None,
+                            frames_ref,
                         )
-                        if pending is not None:
-                            # The tables may follow the computations; resolve once all is read.
-                            self.pending_frames.append((instr, pending))
                         append(instr)
-                        if is_root is not None:
+                        if is_root:
                             root = instr
                         continue
-                    self.lineno = lineno
-                    self.line = line
-                    head = _INSTR_HEAD.match(line)
-                    if head is not None:
-                        instr = self.parse_general(line, head, comp_name)
-                        append(instr)
-                        if instr.is_root:
-                            root = instr
-                        continue
-                    stripped = line.strip()
-                    if stripped == "}":
-                        self.close_computation(comp_name, comp_entry, instrs, root, comp_line)
-                        comp_name = None
-                        instrs = []
-                        append = instrs.append
-                        root = None
-                        continue
-                    if not stripped or stripped.startswith(("//", "#")):
-                        continue
-                    column = len(line) - len(line.lstrip())
-                    if stripped.endswith("{") and _COMPUTATION_HEADER.match(line):
-                        raise self.error(f"computation header inside computation {comp_name!r} (missing '}}'?)", column)
-                    raise self.error("expected an instruction 'name = shape opcode(operands)' or '}'", column)
-
-                # Outside computations.
-                stripped = line.strip()
-                if not stripped or stripped.startswith(("//", "#")):
-                    section = None
-                    continue
-                self.lineno, self.line = lineno, line
-                if section is not None and stripped[0].isdigit():
-                    self.section_row(section, line)
-                    continue
-                section = None
-                if stripped.startswith("HloModule"):
-                    header = _MODULE_HEADER.match(line)
-                    if header is None:
-                        raise self.error("malformed HloModule header")
-                    if self.module_name is not None:
-                        raise self.error("second HloModule header (one module per text)")
-                    self.module_name = _intern(header.group(1))
-                    continue
-                if _SECTION_TITLE.fullmatch(stripped):
-                    section = stripped
-                    continue
-                if stripped.endswith("{"):
-                    header = _COMPUTATION_HEADER.match(line)
-                    if header is None:
-                        raise self.error("malformed computation header")
-                    comp_name = _intern(header.group(2))
-                    comp_entry = header.group(1) is not None
-                    comp_line = lineno
-                    continue
-                column = len(line) - len(line.lstrip())
-                if _INSTR_HEAD.match(line):
-                    raise self.error("instruction outside of a computation", column)
-                raise self.error("unexpected text outside of a computation", column)
+                    self.root = root
+                    line_step(other, lineno)
+                    comp_name = self.comp_name
+                    append = self.instrs.append
+                    root = self.root
+                    frames_ref = self.frames_ref
+                pos = stop + 1
+                if len(seen) > _SHARED_TEXTS:
+                    seen.clear()
+                if len(attribute_cache) > _SHARED_TEXTS:
+                    attribute_cache.clear()
         except HloParseError:
             raise
-        except Exception:
-            # Let parse_hlo() report the line that was being read.
-            self.lineno, self.line = lineno, line
-            raise
+        except Exception as exc:
+            # The line-by-line reader reports the line (or finds nothing wrong).
+            raise _Restart from exc
+        if lineno != text.count("\n") + 1:
+            raise _Restart
+        self.root = root
+        return self.finish()
 
+    def run_lines(self) -> HloModule:
+        text = self.text
+        if not text.strip():
+            raise HloParseError("empty HLO text", 0, "")
+        n = len(text)
+        pos = 0
+        lineno = 0
+        line_step = self.line_step
+        while pos <= n:
+            end = text.find("\n", pos)
+            if end < 0:
+                end = n
+            lineno += 1
+            line_step(text[pos:end], lineno)
+            pos = end + 1
+        return self.finish()
+
+    def line_step(self, line: str, lineno: int) -> None:
+        """Read one line (any kind) into the parser's state."""
+        self.lineno = lineno
+        self.line = line
+        comp_name = self.comp_name
         if comp_name is not None:
-            raise HloParseError(f"computation {comp_name!r} is not closed (missing '}}')", comp_line, comp_name)
+            fast = _FAST_LINE.fullmatch(line)
+            if fast is not None:
+                self.add(self.fast_instruction(fast, comp_name))
+                return
+            head = _INSTR_HEAD.match(line)
+            if head is not None:
+                self.add(self.parse_general(line, head, comp_name))
+                return
+            stripped = line.strip()
+            if stripped == "}":
+                self.close_computation(comp_name, self.comp_entry, self.instrs, self.root, self.comp_line)
+                self.comp_name = None
+                self.instrs = []
+                self.root = None
+                return
+            if not stripped or stripped.startswith(("//", "#")):
+                return
+            column = len(line) - len(line.lstrip())
+            if stripped.endswith("{") and _COMPUTATION_HEADER.match(line):
+                raise self.error(f"computation header inside computation {comp_name!r} (missing '}}'?)", column)
+            raise self.error("expected an instruction 'name = shape opcode(operands)' or '}'", column)
+
+        # Outside computations.
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("//", "#")):
+            self.section = None
+            return
+        section = self.section
+        if section is not None and stripped[0].isdigit():
+            self.section_row(section, line)
+            return
+        self.section = None
+        if stripped.startswith("HloModule"):
+            header = _MODULE_HEADER.match(line)
+            if header is None:
+                raise self.error("malformed HloModule header")
+            if self.module_name is not None:
+                raise self.error("second HloModule header (one module per text)")
+            self.module_name = _intern(header.group(1))
+            return
+        if _SECTION_TITLE.fullmatch(stripped):
+            self.section = stripped
+            return
+        if stripped.endswith("{"):
+            header = _COMPUTATION_HEADER.match(line)
+            if header is None:
+                raise self.error("malformed computation header")
+            self.comp_name = _intern(header.group(2))
+            self.comp_entry = header.group(1) is not None
+            self.comp_line = lineno
+            if self.frames.stack_frames:
+                self.frames_ref = self.frames
+                self.frames_shared = True
+            else:
+                self.frames_ref = self.late
+            return
+        column = len(line) - len(line.lstrip())
+        if _INSTR_HEAD.match(line):
+            raise self.error("instruction outside of a computation", column)
+        raise self.error("unexpected text outside of a computation", column)
+
+    def add(self, instr: HloInstruction) -> None:
+        self.instrs.append(instr)
+        if instr.is_root:
+            self.root = instr
+
+    def finish(self) -> HloModule:
+        if self.comp_name is not None:
+            raise HloParseError(f"computation {self.comp_name!r} is not closed (missing '}}')", self.comp_line, self.comp_name)
         if not self.computations:
             raise HloParseError("no computations found", 0, "")
-        if self.pending_frames:
-            self.resolve_late_frames()
+        # Frames named before the StackFrames tables were read resolve through the final tables.
+        self.late.adopt(self.frames)
         entry = self.entry
         if entry is None:
             # Same default as XLA: without an ENTRY marker the last computation is the entry.
             entry = next(reversed(self.computations))
             self.computations[entry].is_entry = True
         return HloModule(self.module_name or "", self.computations, entry)
+
+    def fast_instruction(self, fast: re.Match[str], comp_name: str) -> HloInstruction:
+        """The instruction of a line ``_FAST_LINE`` matches."""
+        is_root, name, shape, opcode, args, pre, frontend, metadata, backend, post = fast.groups()
+        opcode = _intern(opcode)
+        if not args or opcode in _LITERAL_OPCODES:
+            operands = _NO_NAMES
+        else:
+            split = args.replace("%", "").replace(" ", "").split(",")
+            if "" in split:
+                split = [operand for operand in split if operand]
+            operands = tuple(map(_intern, split))
+        called = _NO_NAMES
+        target = None
+        if pre or post:
+            called, target = self.generic_attributes(pre, post)
+        trip = None
+        if backend is not None and "known_trip_count" in backend:
+            count = _TRIP_COUNT.search(backend)
+            if count is not None:
+                trip = _small_int(count.group(1))
+        if "/*" in shape:
+            shape = _COMMENT.sub("", shape)
+        return HloInstruction(
+            _intern(name),
+            opcode,
+            _intern(shape),
+            operands,
+            comp_name,
+            called,
+            is_root is not None,
+            target,
+            _EMPTY_ATTRS if frontend is None else self.frontend_attributes(frontend),
+            backend,
+            trip,
+            None if metadata is None else _intern(metadata),
+            self.frames_ref,
+        )
 
     def close_computation(
         self, name: str, is_entry: bool, instrs: list[HloInstruction], root: HloInstruction | None, line: int
@@ -531,33 +751,20 @@ class _Parser:
                 raise self.error(f"malformed row in section {section}")
             return
         key, value = row.group(1), row.group(2)
+        if section not in ("FileNames", "FileLocations", "StackFrames"):
+            return
+        if self.frames_shared:
+            self.frames = self.frames.copy()
+            self.frames_shared = False
+        frames = self.frames
         if section == "FileNames":
-            self.file_names[key] = _unquote(value)
+            frames.file_names[key] = _unquote(value)
         elif section == "FileLocations":
             fields = dict(_KV.findall(value))
-            self.file_locations[key] = (fields.get("file_name_id", ""), _small_int(fields.get("line", "")))
-        elif section == "StackFrames":
+            frames.file_locations[key] = (fields.get("file_name_id", ""), _small_int(fields.get("line", "")))
+        else:
             fields = dict(_KV.findall(value))
-            self.stack_frames[key] = fields.get("file_location_id", "")
-
-    def resolve_frame(self, frame_id: str) -> tuple[str | None, int | None]:
-        cached = self.frame_cache.get(frame_id)
-        if cached is None:
-            location = self.file_locations.get(self.stack_frames.get(frame_id, ""))
-            if location is None:
-                cached = (None, None)
-            else:
-                file_name = self.file_names.get(location[0])
-                cached = (None if file_name is None else _intern(file_name), location[1])
-            self.frame_cache[frame_id] = cached
-        return cached
-
-    def resolve_late_frames(self) -> None:
-        """Fill source locations when the StackFrames tables came after the computations."""
-        self.frame_cache.clear()
-        for instr, frame in self.pending_frames:
-            instr.source_file, instr.source_line = self.resolve_frame(frame)
-        self.pending_frames = []
+            frames.stack_frames[key] = fields.get("file_location_id", "")
 
     # -- instructions ------------------------------------------------------
 
@@ -635,12 +842,11 @@ class _Parser:
         attrs = _EMPTY_ATTRS
         backend: str | None = None
         trip: int | None = None
-        op_name = source_file = frame = None
-        source_line: int | None = None
+        metadata: str | None = None
         if pairs:
             for key, value in pairs:
                 if key == "metadata":
-                    op_name, source_file, source_line, frame = self.metadata(value)
+                    metadata = value
                 elif key == "frontend_attributes":
                     attrs = self.frontend_attributes(value)
                 elif key in _CALL_KEYS:
@@ -655,9 +861,7 @@ class _Parser:
                         count = _TRIP_COUNT.search(value)
                         if count is not None:
                             trip = _small_int(count.group(1))
-            if frame is not None and self.stack_frames:
-                source_file, source_line = self.resolve_frame(frame)
-        instr = HloInstruction(
+        return HloInstruction(
             _intern(name),
             opcode,
             _intern(shape),
@@ -667,16 +871,11 @@ class _Parser:
             is_root,
             custom_target,
             attrs,
-            op_name,
-            source_file,
-            source_line,
             backend,
             trip,
+            None if metadata is None else _intern(metadata),
+            self.frames_ref,
         )
-        if frame is not None and not self.stack_frames:
-            # The tables may follow the computations; resolve once the whole text is read.
-            self.pending_frames.append((instr, frame))
-        return instr
 
     def split_operands(self, line: str, start: int, stop: int) -> tuple[str, ...]:
         """Operand names of ``line[start:stop]`` split at top-level commas (typed or commented forms)."""
@@ -781,23 +980,6 @@ class _Parser:
                 self.attrs_cache[value] = cached
         return cached
 
-    def metadata(self, value: str) -> tuple[str | None, str | None, int | None, str | None]:
-        cached = self.metadata_cache.get(value)
-        if cached is None:
-            fields = dict(_KV.findall(value))
-            op_name = fields.get("op_name")
-            source_file = fields.get("source_file")
-            cached = (
-                None if op_name is None else _intern(_unquote(op_name)),
-                None if source_file is None else _intern(_unquote(source_file)),
-                _small_int(fields.get("source_line", "")),
-                fields.get("stack_frame_id"),
-            )
-            # Bounded: metadata is often unique per instruction, and the cache only pays off on repeats.
-            if len(self.metadata_cache) < 100_000:
-                self.metadata_cache[value] = cached
-        return cached
-
 
 def parse_hlo(text: str) -> HloModule:
     """Parse HLO module text (``as_hlo_text()``, compiled ``as_text()``, or XLA dump files).
@@ -815,7 +997,11 @@ def parse_hlo(text: str) -> HloModule:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return parser.run()
+        try:
+            return parser.run_quick()
+        except _Restart:
+            parser = _Parser(text)
+            return parser.run_lines()
     except HloParseError:
         raise
     except Exception as exc:  # noqa: BLE001 - the contract is "HloParseError or a module"

@@ -215,7 +215,9 @@ def test_stablehlo_frontend_attributes(texts: dict[str, dict[str, str]]) -> None
 
 
 def _fields(instr: object) -> list[object]:
-    return [getattr(instr, f.name) for f in dataclasses.fields(instr)]  # type: ignore[arg-type]
+    """Every public field, and the source location read from the metadata."""
+    names = [f.name for f in dataclasses.fields(instr) if not f.name.startswith("_")]  # type: ignore[arg-type]
+    return [getattr(instr, name) for name in [*names, "op_name", "source_file", "source_line"]]
 
 
 def test_fast_path_agrees_with_general_path(
@@ -229,6 +231,57 @@ def test_fast_path_agrees_with_general_path(
         assert a.entry == b.entry and list(a.computations) == list(b.computations)
         for x, y in zip(a.instructions(), b.instructions(), strict=True):
             assert _fields(x) == _fields(y)
+
+
+def test_quick_scan_agrees_with_line_by_line_reader(texts: dict[str, dict[str, str]], dumps: dict[str, str]) -> None:
+    samples = [*_hlo_samples(texts).values(), *dumps.values(), GPU_FUSION, GPU_ASYNC, COMPILED_STYLE]
+    for text in samples:
+        quick = parse_hlo(text)
+        lines = hlo._Parser(text).run_lines()
+        assert quick.name == lines.name and quick.entry == lines.entry
+        assert [(c.name, c.is_entry, c.root, c.line) for c in quick.computations.values()] == [
+            (c.name, c.is_entry, c.root, c.line) for c in lines.computations.values()
+        ]
+        for x, y in zip(quick.instructions(), lines.instructions(), strict=True):
+            assert _fields(x) == _fields(y)
+
+
+# Lines of the form the quick scan reads, mixed with lines it leaves to the line reader.
+COMPILED_STYLE = """HloModule m, is_scheduled=true
+
+%fused (p0: f32[4], p1: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  ROOT %add.f = f32[4]{0} add(%p0, %p1)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0), metadata={op_name="x" source_file="m.py" source_line=3}
+  %f = f32[4]{0} fusion(%x, %x), kind=kLoop, calls=%fused, frontend_attributes={ejlabel="l#a@v1:00"}, metadata={op_name="jit(f)/add" source_file="m.py" source_line=4}
+  %d = f32[4]{0} dot(%f, %x), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot" source_file="m.py" source_line=5}
+  %t = (f32[4]{0}, /*index=1*/s32[]) tuple(%d, %f)
+  %g = f32[4]{0} get-tuple-element(%t), index=0, metadata={op_name="esc\\\"aped"}
+  c = f32[4]{0} multiply(g, x)
+  ROOT %r = f32[4]{0} copy(%c), metadata={op_name="r" source_file="m.py" source_line=9}
+}
+"""
+
+
+def test_metadata_is_read_on_first_access() -> None:
+    module = parse_hlo(COMPILED_STYLE)
+    entry = module.entry_computation
+    fusion = entry.instruction("f")
+    assert fusion is not None
+    assert fusion.metadata == '{op_name="jit(f)/add" source_file="m.py" source_line=4}'
+    assert (fusion.op_name, fusion.source_file, fusion.source_line) == ("jit(f)/add", "m.py", 4)
+    assert fusion.called_computations == ("fused",) and fusion.frontend_attributes == {"ejlabel": "l#a@v1:00"}
+    assert entry.instruction("t").shape == "(f32[4]{0}, s32[])"
+    assert entry.instruction("t").op_name is None and entry.instruction("t").metadata is None
+    assert entry.instruction("g").op_name == 'esc"aped'
+    assert entry.instruction("c").operands == ("g", "x")
+    # The location stays assignable.
+    fusion.source_line = 40
+    assert (fusion.op_name, fusion.source_file, fusion.source_line) == ("jit(f)/add", "m.py", 40)
 
 
 # ---------------------------------------------------------------------------
