@@ -131,6 +131,9 @@ def random_inputs(inv: Invocation[Any, Any], key: jax.Array) -> tuple[tuple[Any,
 
 
 _CLEAR_LOSS = 1.5  # a candidate this many times slower than the best is dropped at once
+# A candidate in the slower half stays while its median is within this fraction of the best:
+# after a few noisy runs it may still be the fastest, and more runs tell.
+_TOO_CLOSE_TO_DROP = 0.03
 
 _TOLERANCE = {"float64": 1e-9, "float32": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
 
@@ -417,8 +420,8 @@ class Autotuner:
         """Successive halving over the correct candidates; returns the winner's index.
 
         Round one times every survivor ``num_iters // 8`` times (at least 2); each round drops
-        the slower half and anything over ``_CLEAR_LOSS`` times the best median, and doubles the
-        runs. Samples accumulate across rounds, so no measurement is wasted, and the last two
+        the slower half (except candidates within 3% of the best median) and anything over
+        ``_CLEAR_LOSS`` times the best median, and doubles the runs. Samples accumulate across rounds, so no measurement is wasted, and the last two
         candidates are topped up to ``num_iters`` samples each before the final ranking. Past
         the time budget, candidates not yet timed are skipped and the ranking so far decides.
         """
@@ -455,7 +458,8 @@ class Autotuner:
                 break
             best = job.candidates[alive[0]].timing
             for i in alive[math.ceil(len(alive) / 2):]:
-                drop(i, "pruned", f"in the slower half after {len(samples[i])} timed runs")
+                if job.candidates[i].timing > (1 + _TOO_CLOSE_TO_DROP) * best:
+                    drop(i, "pruned", f"in the slower half after {len(samples[i])} timed runs")
             for i in [i for i in alive if job.candidates[i].timing > _CLEAR_LOSS * best]:
                 drop(i, "pruned", f"over {_CLEAR_LOSS}x the best median after {len(samples[i])} timed runs")
             runs = min(policy.num_iters, runs * 2)
