@@ -1167,7 +1167,7 @@ class _Builder:
             seen.add(site.node)
             if context:
                 self.nesting_nodes(site.node, context, nodes, seen, nesting_edges)
-        self.graph.add_nodes_from(nodes)
+        _add_nodes(self.graph, nodes)
         self.graph.add_edges_from(nesting_edges, kind="nesting")
         # Data flow from the computations nobody calls (the entry first), then any left unwalked.
         order = [self.module.entry] + [c for c in self.module.computations if c != self.module.entry]
@@ -1182,6 +1182,46 @@ class _Builder:
         _add_data_edges(self.graph, [site.node for site in self.sites], self.incoming)
 
 
+def _plain(graph: nx.DiGraph) -> tuple[dict, dict, dict] | None:
+    """The node and adjacency dicts of a plain ``DiGraph`` (filled directly), else None."""
+    node = getattr(graph, "_node", None)
+    succ = getattr(graph, "_succ", None)
+    pred = getattr(graph, "_pred", None)
+    if type(graph) is nx.DiGraph and type(node) is dict and type(succ) is dict and type(pred) is dict:
+        return node, succ, pred
+    return None
+
+
+def _clear_cache(graph: nx.DiGraph) -> None:
+    clear = getattr(nx, "_clear_cache", None)
+    if clear is not None:
+        clear(graph)  # what add_nodes_from / add_edges_from do after changing the graph
+
+
+def _add_nodes(graph: nx.DiGraph, nodes: list[tuple[str, dict[str, Any]]]) -> None:
+    """``graph.add_nodes_from(nodes)``, for a plain ``DiGraph`` without its per-node copy.
+
+    ``add_nodes_from`` first tries each ``(node, attributes)`` pair as a node (hashing the pair
+    raises TypeError), then copies the attribute dict; the dicts here are fresh, so a new node
+    takes its dict as it is. A node already there gets its dict updated, as ``add_nodes_from``
+    does.
+    """
+    plain = _plain(graph)
+    if plain is None:
+        graph.add_nodes_from(nodes)
+        return
+    node_attrs, succ, pred = plain
+    for node, attrs in nodes:
+        found = node_attrs.get(node)
+        if found is None:
+            succ[node] = {}
+            pred[node] = {}
+            node_attrs[node] = attrs
+        else:
+            found.update(attrs)
+    _clear_cache(graph)
+
+
 def _add_data_edges(graph: nx.DiGraph, names: list[str], incoming: list[list[frozenset]]) -> None:
     """Add a ``kind="data"`` edge to each site from every site in the upstream sets it read.
 
@@ -1191,28 +1231,32 @@ def _add_data_edges(graph: nx.DiGraph, names: list[str], incoming: list[list[fro
     adjacency dicts being filled stay close together in memory (several times faster than
     inserting in hash order); for a plain ``DiGraph`` they are written straight into its
     adjacency dicts, as ``add_edges_from`` itself does, without its per-edge checks (about twice
-    as fast). Each edge still gets its own attribute dict.
+    as fast), each site's successor dict looked up once rather than once per edge. Each edge
+    still gets its own attribute dict.
     """
-    succ = getattr(graph, "_succ", None)
-    pred = getattr(graph, "_pred", None)
-    direct = type(graph) is nx.DiGraph and isinstance(succ, dict) and isinstance(pred, dict)
+    plain = _plain(graph)
+    if plain is None:
+        for uid, reads in enumerate(incoming):
+            if reads:
+                upstream = reads[0] if len(reads) == 1 else frozenset().union(*reads)
+                head = names[uid]
+                tails = [names[u] for u in sorted(upstream) if u != uid]
+                graph.add_edges_from(((tail, head) for tail in tails), kind="data")
+        return
+    _, succ, pred = plain
+    out_of = [succ[name] for name in names]
     for uid, reads in enumerate(incoming):
         if not reads:
             continue
         upstream = reads[0] if len(reads) == 1 else frozenset().union(*reads)
         head = names[uid]
-        tails = [names[u] for u in sorted(upstream) if u != uid]
-        if not direct:
-            graph.add_edges_from(((tail, head) for tail in tails), kind="data")
-            continue
-        into = pred[head]  # type: ignore[index]
-        for tail in tails:
-            data = {"kind": "data"}
-            succ[tail][head] = data  # type: ignore[index]
-            into[tail] = data
-    clear = getattr(nx, "_clear_cache", None)
-    if direct and clear is not None:
-        clear(graph)  # what add_edges_from does after changing the graph
+        into = pred[head]
+        for u in sorted(upstream):
+            if u != uid:
+                data = {"kind": "data"}
+                out_of[u][head] = data
+                into[names[u]] = data
+    _clear_cache(graph)
 
 
 def _neighbour_labels(
