@@ -240,8 +240,12 @@ def _read_extra(text: str | None) -> _Extra:
     return extra
 
 
-def _flops(instr: HloInstruction, comp: HloComputation, extra: _Extra) -> int:
-    """Estimated floating-point operations of one instruction (see the module docstring)."""
+def _flops(instr: HloInstruction, comp: HloComputation, extra: _Extra, by_name: Mapping[str, HloInstruction] | None = None) -> int:
+    """Estimated floating-point operations of one instruction (see the module docstring).
+
+    ``by_name``: the computation's instructions by name, where the caller has them already
+    (else ``comp.instruction`` builds its own index).
+    """
     opcode = instr.opcode
     if opcode in _ELEMENTWISE:
         return _elements(instr.shape)
@@ -255,8 +259,9 @@ def _flops(instr: HloInstruction, comp: HloComputation, extra: _Extra) -> int:
         # A library gemm returns (result, workspace): the result is the first array.
         arrays = _shape_info(instr.shape)[1]
         out = arrays[0] if arrays else None
-    lhs_instr = comp.instruction(instr.operands[0])
-    rhs_instr = comp.instruction(instr.operands[1])
+    lookup = comp.instruction if by_name is None else by_name.get
+    lhs_instr = lookup(instr.operands[0])
+    rhs_instr = lookup(instr.operands[1])
     if out is None or lhs_instr is None or rhs_instr is None:
         return 0
     lhs, rhs = _dims(lhs_instr.shape), _dims(rhs_instr.shape)
@@ -290,9 +295,15 @@ def _flops(instr: HloInstruction, comp: HloComputation, extra: _Extra) -> int:
 
 def _own_label(instr: HloInstruction) -> str | None:
     value = instr.frontend_attributes.get(LABEL_ATTRIBUTE)
-    if value is None or LABEL_RE.fullmatch(value) is None:
+    if value is None or not _is_label(value):
         return None
     return value
+
+
+@functools.lru_cache(maxsize=65536)
+def _is_label(value: str) -> bool:
+    """Whether an attribute value is a label (checked once per distinct value)."""
+    return LABEL_RE.fullmatch(value) is not None
 
 
 @dataclass(slots=True)
@@ -611,7 +622,8 @@ class _Builder:
                 if other is not None:
                     union(me, other)
 
-        roots = [find(i) for i in range(len(parent))]
+        # Most memberships are their own root: call find only for the others.
+        roots = [i if p == i else find(i) for i, p in enumerate(parent)]
         groups: dict[int, list[int]] = {}
         for i, root in enumerate(roots):
             found = groups.get(root)
@@ -624,9 +636,10 @@ class _Builder:
         for root in sorted(groups):
             members = [owners[i] for i in groups[root]]
             site = _Site(len(self.sites), keys[root][1], comp, members, [])
-            for instr in members:
-                if instr.name in attributed:
-                    site.attributed.append(instr.custom_call_target or "")
+            if attributed:
+                for instr in members:
+                    if instr.name in attributed:
+                        site.attributed.append(instr.custom_call_target or "")
             root_uid[root] = site.uid
             self.sites.append(site)
             self.incoming.append([])
@@ -640,9 +653,10 @@ class _Builder:
         }
         # Members of several sites (a fusion holding several labels): which site is which label's.
         multi = self.label_sites.setdefault(comp.name, {})
-        for (name, lab), i in index.items():
-            if len(per_name[name]) > 1:
-                multi.setdefault(name, {})[lab] = root_uid[roots[i]]
+        if len(per_name) < len(index):  # else every member has one membership
+            for (name, lab), i in index.items():
+                if len(per_name[name]) > 1:
+                    multi.setdefault(name, {})[lab] = root_uid[roots[i]]
         self.singles.update(single)
 
     # -- data flow ---------------------------------------------------------------
@@ -763,7 +777,10 @@ class _Builder:
                         else:
                             value = union(seeds)
                 elif opcode == "tuple":
-                    value = tuple([get(o, _EMPTY) for o in operands])
+                    if len(operands) == 2:
+                        value = (get(operands[0], _EMPTY), get(operands[1], _EMPTY))
+                    else:
+                        value = tuple([get(o, _EMPTY) for o in operands])
                 elif opcode == "get-tuple-element":
                     source = get(operands[0], _EMPTY) if operands else _EMPTY
                     position = gte_index.get(name)
@@ -1052,7 +1069,7 @@ class _Builder:
             if opcode in _ELEMENTWISE:
                 flops += _elements(instr.shape)
             elif opcode == "dot" or opcode == "convolution" or opcode == "custom-call":
-                flops += _flops(instr, comp, extra)
+                flops += _flops(instr, comp, extra, by_name)
             if instr.called_computations:
                 inner = self.inner_of(instr, lab)
                 if inner is not None:
