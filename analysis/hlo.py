@@ -181,30 +181,15 @@ class HloInstruction:
         """``op_name`` of the metadata."""
         return self._located()[0]
 
-    @op_name.setter
-    def op_name(self, value: str | None) -> None:
-        location = self._located()
-        self._location = (value, location[1], location[2])
-
     @property
     def source_file(self) -> str | None:
         """Source file of the metadata (through ``StackFrames`` when it names a frame)."""
         return self._located()[1]
 
-    @source_file.setter
-    def source_file(self, value: str | None) -> None:
-        location = self._located()
-        self._location = (location[0], value, location[2])
-
     @property
     def source_line(self) -> int | None:
         """Source line of the metadata (through ``StackFrames`` when it names a frame)."""
         return self._located()[2]
-
-    @source_line.setter
-    def source_line(self, value: int | None) -> None:
-        location = self._located()
-        self._location = (location[0], location[1], value)
 
 
 @dataclass(slots=True, eq=False)
