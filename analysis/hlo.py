@@ -477,8 +477,6 @@ class _Parser:
 
     def run_quick(self) -> HloModule:
         text = self.text
-        if not text.strip():
-            raise HloParseError("empty HLO text", 0, "")
         n = len(text)
         pos = 0
         lineno = 0
@@ -577,8 +575,6 @@ class _Parser:
 
     def run_lines(self) -> HloModule:
         text = self.text
-        if not text.strip():
-            raise HloParseError("empty HLO text", 0, "")
         n = len(text)
         pos = 0
         lineno = 0
@@ -981,6 +977,8 @@ def parse_hlo(text: str) -> HloModule:
         text = bytes(text).decode("utf-8", "replace")
     if not isinstance(text, str):
         raise HloParseError(f"expected HLO text as str, got {type(text).__name__}", 0, "")
+    if not text.strip():
+        raise HloParseError("empty HLO text", 0, "")
     parser = _Parser(text)
     # The parse allocates one object graph without reference cycles; letting the
     # cycle collector walk it again and again while it grows costs ~20% of the time.

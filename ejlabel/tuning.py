@@ -200,7 +200,6 @@ class TuneResult:
     wall_s: float
     measure_s: float  # the part of wall_s spent checking and timing compiled candidates
 
-
     def stats(self) -> dict[str, Any]:
         """The statistics stored with the winner in the persistent cache."""
         assert self.best.timing is not None
@@ -358,15 +357,17 @@ class Autotuner:
     def _measure(self, job: _Job, progress: _Progress) -> TuneResult:
         inv, policy = job.inv, self.policy
         measure_start = time.perf_counter()
-        args, kwargs = inv.kernel.make_inputs(inv, jax.random.key(self.seed))
-        array_kwargs = {k: v for k, v in kwargs.items() if k in inv.array_kwargs}
-        operands: tuple[Any, ...] = (args, array_kwargs)
+
+        def inputs(seed: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            args, kwargs = inv.kernel.make_inputs(inv, jax.random.key(seed))
+            return (args, {k: v for k, v in kwargs.items() if k in inv.array_kwargs}), kwargs
+
+        operands, kwargs = inputs(self.seed)
         if job.cotangent is not None:
             operands += (random_inputs(Invocation(inv.kernel, (job.cotangent,)), jax.random.key(self.seed + 1))[0][0],)
         reference = self._reference(job, operands, kwargs)
         # A second input set to rotate through while timing (see AutotunePolicy.calls_per_sample).
-        other_args, other_kwargs = inv.kernel.make_inputs(inv, jax.random.key(self.seed + 2))
-        rotation = (operands, (other_args, {k: v for k, v in other_kwargs.items() if k in inv.array_kwargs}, *operands[2:]))
+        rotation = (operands, inputs(self.seed + 2)[0] + operands[2:])
         alive: list[int] = []
         for i, executable in job.executables.items():
             candidate = job.candidates[i]

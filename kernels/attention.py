@@ -28,9 +28,9 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
   are segment ids). Backward kernels follow the same recipe: one computes ``dq`` per ``q``
   block; the other computes ``dk`` and ``dv`` per key/value block and head, summing over the
   query heads of its group inside the program, so grouped-query attention writes no
-  per-query-head partials. The custom VJP receives only the
-  inputs, so the backward reruns the forward for the output and the log-sum-exp: one extra
-  forward instead of keeping them alive, the usual flash-attention trade.
+  per-query-head partials. The custom VJP receives only the inputs, so the backward reruns
+  the forward for the output and the log-sum-exp: one extra forward instead of keeping them
+  alive, the usual flash-attention trade.
 
 Sequences are padded to whole blocks and the head dimension to a power of two; the padding is
 masked out and sliced off.
