@@ -15,9 +15,10 @@ from typing import Any
 import jax
 import networkx as nx
 
-from ejlabel.fingerprint import device_fingerprint
-from ejlabel.serialize import to_jsonable
-from ejlabel.selection import ConfigSelectorChain
+from ejlabel.utils.fingerprint import device_fingerprint
+from ejlabel.utils.serialize import to_jsonable
+from ejlabel.config.persistent import open_default_persistent
+from ejlabel.config.selection import ConfigSelectorChain
 
 from .graph import call_graph
 
@@ -81,7 +82,7 @@ class CallSummary:
 
 def _describe_arguments(label: str, descriptions: dict[str, str]) -> str:
     """``f32[64,64] f32[64] eps=1e-06`` from the call description next to ``label``."""
-    from ejlabel.calls import CallDecodeError, decode_call
+    from ejlabel.core.calls import CallDecodeError, decode_call
 
     text = descriptions.get(label)
     if text is None:
@@ -249,9 +250,8 @@ def audit(x: Any, selector: ConfigSelectorChain | None = None, device: str | Non
     shows what a new process would find.
     """
     if selector is None:
-        from ejlabel.executor import _open_default_persistent
 
-        selector = ConfigSelectorChain(persistent=_open_default_persistent())
+        selector = ConfigSelectorChain(persistent=open_default_persistent())
     graph = call_graph(x, selector=selector, device=device)
     rows = []
     for node, data in graph.nodes(data=True):
@@ -277,7 +277,7 @@ def audit(x: Any, selector: ConfigSelectorChain | None = None, device: str | Non
                 attributed_custom_calls=tuple(data.get("attributed_custom_calls", ())),
             )
         )
-    from ejlabel.calls import call_descriptions
+    from ejlabel.core.calls import call_descriptions
 
     descriptions = call_descriptions(x)
     arguments = {row.label: _describe_arguments(row.label, descriptions) for row in rows}

@@ -92,7 +92,8 @@ from typing import Any, Union
 
 import networkx as nx
 
-from ejlabel.labels import LABEL_ATTRIBUTE, LABEL_RE, program_texts
+from ejlabel.core.label_format import LABEL_ATTRIBUTE, LABEL_RE
+from ejlabel.core.labels import program_texts
 
 from .hlo import HloComputation, HloInstruction, HloModule, parse_hlo, stablehlo_frontend_attributes
 
@@ -1415,14 +1416,14 @@ def _sources(x: Any) -> list[tuple[str | None, HloModule | str]]:
 def call_graph(x: Any, selector: Any = None, device: str | None = None) -> nx.DiGraph:
     """The kernel-call graph of ``x`` (see the module docstring for the model).
 
-    ``x`` is anything :func:`ejlabel.labels.program_texts` accepts, or a parsed ``HloModule``: a
+    ``x`` is anything :func:`ejlabel.core.labels.program_texts` accepts, or a parsed ``HloModule``: a
     ``Lowered`` is read as HLO (which has computations, unlike its StableHLO text), a dump
     directory through its ``*after_optimizations.txt`` files (else ``*before_optimizations.txt``),
     one module each. ``config``/``provenance`` come from ``selector.resolve((device, op_id,
     call_key))`` when a selector is given; ``device`` defaults to this process's device.
     """
     if device is None and selector is not None:
-        from ejlabel.fingerprint import device_fingerprint
+        from ejlabel.utils.fingerprint import device_fingerprint
 
         device = device_fingerprint()
     graph = nx.DiGraph()
@@ -1523,7 +1524,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _jsonable_config(cfg: Any) -> Any:
-    from ejlabel.serialize import to_jsonable
+    from ejlabel.utils.serialize import to_jsonable
 
     try:
         encoded = to_jsonable(cfg)
@@ -1533,7 +1534,7 @@ def _jsonable_config(cfg: Any) -> Any:
         return repr(cfg)
 
 
-_CONFIG_ENCODING = "ejlabel.serialize.to_jsonable, else repr"
+_CONFIG_ENCODING = "ejlabel.utils.serialize.to_jsonable, else repr"
 
 
 def to_node_link_json(graph: nx.DiGraph) -> str:

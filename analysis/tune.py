@@ -13,13 +13,14 @@ import dataclasses
 import time
 from typing import Any
 
-from ejlabel.calls import CallDecodeError, call_descriptions, invocation_from_description
-from ejlabel.config import AutotunePolicy
-from ejlabel.fingerprint import device_fingerprint
-from ejlabel.kernel import Invocation
-from ejlabel.labels import find_labels_in_lowered, parse_label
-from ejlabel.selection import ConfigSelectorChain
-from ejlabel.tuning import AutotuneError, Autotuner, TuneResult, store_result
+from ejlabel.core.calls import CallDecodeError, call_descriptions, invocation_from_description
+from ejlabel.config.cache import AutotunePolicy
+from ejlabel.utils.fingerprint import device_fingerprint
+from ejlabel.core.kernel import Invocation
+from ejlabel.core.label_format import parse_label
+from ejlabel.core.labels import find_labels_in_lowered
+from ejlabel.config.selection import ConfigSelectorChain
+from ejlabel.execution.tuning import AutotuneError, Autotuner, TuneResult, store_result
 
 from .audit import TUNED_PROVENANCES
 
@@ -76,7 +77,7 @@ def tune_unseen(
     """
     start = time.perf_counter()
     if selector is None:
-        from ejlabel.persistent import PersistentCache
+        from ejlabel.config.persistent import PersistentCache
 
         selector = ConfigSelectorChain(persistent=PersistentCache())
     device = device_fingerprint()

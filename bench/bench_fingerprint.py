@@ -59,7 +59,7 @@ def attention_signature() -> Any:
 def load_hash(impl: str) -> Callable[[Any], str]:
     """``short_hash`` of this library or of the reference package."""
     if impl == "ejlabel":
-        from ejlabel.fingerprint import short_hash
+        from ejlabel.utils.fingerprint import short_hash
 
         return short_hash
     # Load only the fingerprint module: the reference package's __init__

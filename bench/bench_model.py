@@ -2,7 +2,7 @@
 
 Run on the GPU machine:  python bench/bench_model.py [--quick] [--out results.md]
 
-For each variant of the example transformer (``ejlabel.examples``) it compiles the training
+For each variant of the example transformer (``ejlabel.cli.examples``) it compiles the training
 step (value_and_grad + SGD) and the serving step (forward), then times them: warm-up, then
 ``--samples`` samples of ``--steps-per-sample`` back-to-back steps each, the median per step.
 The tuned variant is produced the way users would: lower the training step, ``tune_unseen`` it
@@ -55,7 +55,7 @@ def main() -> int:
     os.environ.setdefault("EJLABEL_CACHE_DIR", tempfile.mkdtemp(prefix="ejlabel-bench-model-"))
 
     import ejlabel
-    from ejlabel import examples
+    from ejlabel.cli import examples
     from ejlabel.analysis import audit, tune_unseen
 
     cfg = examples.GPU_125M

@@ -14,7 +14,7 @@ import sys
 
 import jax
 
-from ejlabel import examples
+from ejlabel.cli import examples
 
 _ATTRS = {name: re.compile(name + r'\s*=\s*"[^"]*",?\s*') for name in ("ejlabel", "ejcall")}
 

@@ -6,13 +6,63 @@ read back out of any program form tell which kernel calls a program makes, which
 one got (``labels_to_configs``), and which have no tuned config yet (``ejlabel.analysis``).
 """
 
-__version__ = "0.1.0"
+from pathlib import Path as _Path
 
-from .batch import pmap_with_config, vmap_with_config
-from .calls import call_descriptions, decode_call, encode_call, invocations_from_program
-from .config import AutotunePolicy, ConfigCache, from_json, overlay_cache, policy_override, to_json
-from .executor import Executor, get_default_executor, set_default_executor
-from .fingerprint import (
+from ejlabel import _source_tree
+
+_source_tree.install(_Path(__file__).resolve().parent)
+
+# The layers import one way, bottom up: utils, core, config, execution (tests/test_layers.py).
+from ejlabel.config.cache import (  # noqa: E402
+    AutotunePolicy,
+    ConfigCache,
+    from_json,
+    overlay_cache,
+    policy_override,
+    to_json,
+)
+from ejlabel.config.persistent import CacheEntry, CacheError, PersistentCache  # noqa: E402
+from ejlabel.config.selection import (  # noqa: E402
+    ConfigSelectorChain,
+    LabelConfig,
+    Selection,
+    labels_to_configs,
+)
+from ejlabel.core.calls import (  # noqa: E402
+    call_descriptions,
+    decode_call,
+    encode_call,
+    invocations_from_program,
+)
+from ejlabel.core.kernel import Invocation, Kernel  # noqa: E402
+from ejlabel.core.label_format import LABEL_RE  # noqa: E402
+from ejlabel.core.labels import (  # noqa: E402
+    extract_labels_from_hlo_text,
+    find_labels_in_lowered,
+    label,
+    label_scope,
+)
+from ejlabel.execution.batch import pmap_with_config, vmap_with_config  # noqa: E402
+from ejlabel.execution.executor import (  # noqa: E402
+    Executor,
+    get_default_executor,
+    set_default_executor,
+)
+from ejlabel.execution.recording import (  # noqa: E402
+    clear_invocations,
+    get_invocations,
+    record_invocation,
+    recording,
+)
+from ejlabel.execution.tuning import (  # noqa: E402
+    AutotuneError,
+    Autotuner,
+    Timing,
+    autotune,
+    autotune_recorded,
+    benchmark,
+)
+from ejlabel.utils.fingerprint import (  # noqa: E402
     abstractify,
     default_key_builder_with_sharding,
     device_fingerprint,
@@ -23,13 +73,13 @@ from .fingerprint import (
     short_hash,
     stable_json,
 )
-from .kernel import Invocation, Kernel
-from .labels import LABEL_RE, extract_labels_from_hlo_text, find_labels_in_lowered, label, label_scope
-from .params import BwdParams, FwdParams, select_num_stages, select_num_warps
-from .persistent import CacheEntry, CacheError, PersistentCache
-from .registry import clear_invocations, get_invocations, record_invocation, recording
-from .selection import ConfigSelectorChain, LabelConfig, Selection, labels_to_configs
-from .tuning import Autotuner, AutotuneError, Timing, autotune, autotune_recorded, benchmark
+from ejlabel.utils.params import (  # noqa: E402
+    BwdParams,
+    FwdParams,
+    select_num_stages,
+    select_num_warps,
+)
+from ejlabel.utils.version import VERSION as __version__  # noqa: E402  (after the source-tree hook)
 
 __all__ = [
     "__version__",

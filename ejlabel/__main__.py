@@ -1,4 +1,5 @@
-from .cli import main
 import sys
+
+from ejlabel.cli.main import main
 
 sys.exit(main())

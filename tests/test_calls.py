@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 import ejlabel
-from ejlabel import Invocation, call_descriptions, decode_call, encode_call, invocations_from_program
-from ejlabel.calls import CallDecodeError
+from ejlabel import Invocation, call_descriptions, decode_call, encode_call
+from ejlabel.core.calls import CallDecodeError
 
 from conftest import run_python
 from toy_kernels import scale, toymatmul
@@ -76,7 +76,7 @@ print(json.dumps(rows))
 
 
 def test_missing_kernel_module_is_a_clear_error():
-    from ejlabel.calls import CallDescription, rebuild_kernel
+    from ejlabel.core.calls import CallDescription, rebuild_kernel
 
     desc = CallDescription("no_such_module_xyz:K", "k", "1", "0" * 16, (), {}, None, ())
     with pytest.raises(CallDecodeError, match="cannot import kernel no_such_module_xyz:K"):

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from conftest import run_python, subprocess_env

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import threading
 
@@ -23,7 +22,7 @@ from ejlabel import (
     overlay_cache,
     policy_override,
 )
-from ejlabel.selection import UntunedCallError
+from ejlabel.config.selection import UntunedCallError
 
 from toy_kernels import ScaleConfig, scale, toymatmul
 
@@ -179,7 +178,7 @@ def test_policy_error_on_miss_and_override_context():
 
 
 def test_policy_override_nests_and_restores_on_exception():
-    from ejlabel.config import effective_policy
+    from ejlabel.config.cache import effective_policy
 
     base = AutotunePolicy()
     with policy_override(num_iters=5):
@@ -201,7 +200,7 @@ def test_policy_override_is_context_local():
     seen = {}
 
     def other_thread():
-        from ejlabel.config import effective_policy
+        from ejlabel.config.cache import effective_policy
 
         seen["iters"] = effective_policy(AutotunePolicy()).num_iters
 
@@ -273,7 +272,7 @@ def test_kernel_call_uses_default_executor():
      {"option": ScaleConfig(2, "add")}, {"option": jnp.bfloat16}, {"option": [1, 2]}, {"option": {"a": 1}}, {"option": jnp.dot}],
 )
 def test_memoised_call_key_equals_full_fingerprint(kwargs):
-    from ejlabel.fingerprint import default_key_builder_with_sharding
+    from ejlabel.utils.fingerprint import default_key_builder_with_sharding
 
     class K(Kernel):
         def run(self, x, *, cfg, option):
@@ -308,7 +307,7 @@ def test_config_cache_get_still_validates_keys_that_miss():
 
 
 def test_memoised_label_follows_the_prefix_and_still_validates(monkeypatch):
-    from ejlabel.labels import label
+    from ejlabel.core.labels import label
 
     key = "0123456789abcdef"
     assert label("memo@v1", key) == label("memo@v1", key) == f"ejkernel_ops#memo@v1:{key}"
@@ -352,7 +351,7 @@ def test_labelled_calls_see_cache_changes_between_traces():
 
 
 def test_label_scope_nests_reuses_and_decorates():
-    from ejlabel.labels import find_labels_in_lowered, label, label_scope
+    from ejlabel.core.labels import find_labels_in_lowered, label, label_scope
 
     outer, inner = label("outer@v1", "0" * 16), label("inner@v1", "1" * 16)
     scope = label_scope(outer, "desc")

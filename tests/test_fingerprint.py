@@ -1,4 +1,4 @@
-"""Guarantees of ejlabel.fingerprint: stable, type-precise, abstract-valued keys."""
+"""Guarantees of ejlabel.utils.fingerprint: stable, type-precise, abstract-valued keys."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import ejlabel.fingerprint as fp
-from ejlabel.fingerprint import (
+import ejlabel.utils.fingerprint as fp
+from ejlabel.utils.fingerprint import (
     FINGERPRINT_VERSION,
     abstractify,
     default_key_builder_with_sharding,
@@ -139,7 +139,7 @@ def test_same_hash_in_other_processes_and_hash_seeds() -> None:
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]);"
         f"import importlib; m = importlib.import_module({__name__!r});"
-        "from ejlabel.fingerprint import short_hash;"
+        "from ejlabel.utils.fingerprint import short_hash;"
         "print(json.dumps([short_hash(v) for v in m.sample_values()]))"
     )
     procs = []
@@ -328,7 +328,7 @@ def test_other_shardings_use_public_text() -> None:
 EIGHT_DEVICE_CODE = """
 import json, jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from ejlabel.fingerprint import short_hash, sharding_fingerprint
+from ejlabel.utils.fingerprint import short_hash, sharding_fingerprint
 devs = np.array(jax.devices())
 assert len(devs) == 8
 def spec(mesh, p):

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,10 +12,10 @@ import pytest
 from jax import lax
 
 import ejlabel
-from ejlabel import LABEL_RE, Executor, extract_labels_from_hlo_text, find_labels_in_lowered, label
-from ejlabel.labels import parse_label
+from ejlabel import LABEL_RE, extract_labels_from_hlo_text, find_labels_in_lowered, label
+from ejlabel.core.label_format import parse_label
 
-from conftest import run_python, subprocess_env
+from conftest import run_python
 from toy_kernels import scale, toymatmul
 
 X = jnp.arange(12.0).reshape(3, 4)
@@ -110,7 +107,7 @@ def test_custom_vjp_gradients_match_plain_autodiff():
 
 
 def test_labels_in_xla_dump_directory(tmp_path: Path):
-    code = f"""
+    code = """
 import jax, jax.numpy as jnp
 from toy_kernels import scale, toymatmul
 a = jnp.ones((3, 4)); b = jnp.ones((4, 5))

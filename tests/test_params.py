@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ejlabel.params import BwdParams, FwdParams, select_num_stages, select_num_warps
+from ejlabel.utils.params import BwdParams, FwdParams, select_num_stages, select_num_warps
 
 _FIELDS = ("q_blocksize", "kv_blocksize", "num_warps", "num_stages")
 

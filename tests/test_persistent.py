@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ejlabel.persistent import CacheEntry, CacheError, PersistentCache, normalize_key
+from ejlabel.config.persistent import CacheEntry, CacheError, PersistentCache, normalize_key
 
 DEV = "cpu:test-device:fp0"
 OTHER_DEV = "gpu:other-device:fp1"
@@ -462,7 +462,7 @@ def test_threads_share_one_cache(cache: PersistentCache) -> None:
 _WRITER = textwrap.dedent(
     """
     import os, sys, time
-    from ejlabel.persistent import PersistentCache
+    from ejlabel.config.persistent import PersistentCache
     path, worker, count, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     cache = PersistentCache(path)
     open(f"{go}.ready{worker}", "w").close()
@@ -509,7 +509,7 @@ def test_eight_processes_thousand_writes_each(tmp_path: pathlib.Path) -> None:
 _CRASH_WRITER = textwrap.dedent(
     """
     import sys
-    from ejlabel.persistent import PersistentCache
+    from ejlabel.config.persistent import PersistentCache
     cache = PersistentCache(sys.argv[1])
     i = 0
     while True:

@@ -18,7 +18,6 @@ from ejlabel import (
     ConfigSelectorChain,
     Executor,
     Invocation,
-    Kernel,
     PersistentCache,
     autotune,
     autotune_recorded,
@@ -27,7 +26,7 @@ from ejlabel import (
     labels_to_configs,
     recording,
 )
-from ejlabel.tuning import AutotuneError
+from ejlabel.execution.tuning import AutotuneError
 
 from toy_kernels import LoopConfig, LoopSumKernel, loopsum, scale
 

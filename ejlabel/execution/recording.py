@@ -13,27 +13,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import jax
+from ejlabel.core.kernel import Invocation, Kernel, abstract_invocation
 
-from .kernel import Invocation, Kernel
-
-__all__ = ["record_invocation", "get_invocations", "clear_invocations", "recording", "maybe_record", "abstract_invocation"]
+__all__ = ["record_invocation", "get_invocations", "clear_invocations", "recording", "maybe_record"]
 
 _lock = threading.Lock()
 _records: dict[tuple[str, str], Invocation[Any, Any]] = {}
 _recording: contextvars.ContextVar[bool] = contextvars.ContextVar("ejlabel_recording", default=False)
-
-
-def abstract_invocation(inv: Invocation[Any, Any]) -> Invocation[Any, Any]:
-    """A copy of ``inv`` whose array arguments are ``ShapeDtypeStruct``\\ s, same call key."""
-    to_spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(getattr(x, "aval", x), "weak_type", False)) if hasattr(x, "shape") and hasattr(x, "dtype") else x
-    return Invocation(
-        inv.kernel,
-        jax.tree_util.tree_map(to_spec, inv.args),
-        jax.tree_util.tree_map(to_spec, inv.kwargs),
-        batch_axes=inv.batch_axes,
-        known_call_key=inv.call_key,
-    )
 
 
 def record_invocation(kernel: Kernel[Any, Any], inv: Invocation[Any, Any]) -> None:

@@ -12,12 +12,14 @@ from typing import Any
 
 import jax
 
-from .calls import encode_call
-from .fingerprint import get_device_platform
-from .kernel import Invocation, Kernel, is_array
-from .labels import label, label_scope
-from .registry import maybe_record
-from .selection import BACKWARD_SUFFIX, ConfigSelectorChain
+from ejlabel.config.persistent import open_default_persistent
+from ejlabel.config.selection import ConfigSelectorChain
+from ejlabel.core.calls import encode_call
+from ejlabel.core.kernel import Invocation, Kernel, is_array, set_default_runner
+from ejlabel.core.label_format import backward_op_id
+from ejlabel.core.labels import label, label_scope
+from ejlabel.execution.recording import maybe_record
+from ejlabel.utils.fingerprint import get_device_platform
 
 __all__ = ["Executor", "get_default_executor", "set_default_executor"]
 
@@ -55,7 +57,7 @@ def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
         with label_scope(forward_label, description):
             return impl(*inv.args, cfg=cfg, **inv.kwargs)
 
-    backward_label = label(f"{kernel.op_id}{BACKWARD_SUFFIX}@v{kernel.version}", call_key)
+    backward_label = label(backward_op_id(inv.op_id), call_key)
     static_kwargs = inv.static_kwargs
 
     @jax.custom_vjp
@@ -97,7 +99,7 @@ def get_default_executor() -> Executor:
     global _default_executor
     with _default_lock:
         if _default_executor is None:
-            _default_executor = Executor(ConfigSelectorChain(persistent=_open_default_persistent()))
+            _default_executor = Executor(ConfigSelectorChain(persistent=open_default_persistent()))
         return _default_executor
 
 
@@ -110,13 +112,4 @@ def set_default_executor(executor: Executor | None) -> None:
         _default_executor = executor
 
 
-def _open_default_persistent() -> Any:
-    import warnings
-
-    from .persistent import CacheError, PersistentCache
-
-    try:
-        return PersistentCache()
-    except CacheError as err:
-        warnings.warn(f"running without a persistent config cache: {err}", stacklevel=3)
-        return None
+set_default_runner(get_default_executor)

@@ -38,9 +38,9 @@ from typing import Any
 import jax
 import jaxlib
 
-from ejlabel.serialize import from_json, from_jsonable, import_path, to_json
+from ejlabel.utils.serialize import from_json, from_jsonable, import_path, to_json
 
-__all__ = ["CacheError", "CacheEntry", "PersistentCache", "normalize_key", "split_key", "default_cache_path"]
+__all__ = ["CacheError", "CacheEntry", "PersistentCache", "normalize_key", "split_key", "default_cache_path", "open_default_persistent"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ split_key = normalize_key
 
 def kernel_version_of(op_id: str) -> str:
     """The version part of ``"name@v<version>"``; ValueError when ``op_id`` has none."""
-    name, sep, version = op_id.rpartition("@v")
+    name, sep, version = op_id.rpartition("@v")  # not split_op_id: a missing version is an error here
     if not sep or not name or not version:
         raise ValueError(f"op_id: {op_id!r} has no '@v<version>' suffix; pass kernel_version explicitly")
     return version
@@ -581,3 +581,13 @@ def _read_export(path: pathlib.Path, provenance: str | None) -> list[tuple[Any, 
         rows.append((*key, config_json, e["config_type"], provenance or e["provenance"], stats_json,
                      e["kernel_version"], e["jax_version"], e["jaxlib_version"], float(created)))
     return rows
+
+
+def open_default_persistent() -> PersistentCache | None:
+    """The user's persistent cache (:func:`default_cache_path`), or None with a warning if it
+    cannot be opened: a broken cache must not stop a model from running."""
+    try:
+        return PersistentCache()
+    except CacheError as err:
+        warnings.warn(f"running without a persistent config cache: {err}", stacklevel=3)
+        return None

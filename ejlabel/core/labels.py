@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,27 +24,22 @@ from typing import Any, TypeVar, overload
 import jax
 from jax.experimental.xla_metadata import set_xla_metadata
 
+from ejlabel.core.label_format import (
+    CALL_ATTRIBUTE,
+    LABEL_ATTRIBUTE,
+    LABEL_PREFIX,
+    LABEL_RE,
+    format_label,
+)
+from ejlabel.utils.fingerprint import abstractify, short_hash
+
 __all__ = [
-    "LABEL_PREFIX",
-    "LABEL_RE",
-    "LABEL_ATTRIBUTE",
-    "CALL_ATTRIBUTE",
     "label",
     "label_scope",
-    "parse_label",
     "extract_labels_from_hlo_text",
     "find_labels_in_lowered",
     "program_texts",
 ]
-
-LABEL_PREFIX = "ejkernel_ops#"
-LABEL_ATTRIBUTE = "ejlabel"
-CALL_ATTRIBUTE = "ejcall"
-
-LABEL_RE = re.compile(
-    r"(?P<prefix>[A-Za-z_][A-Za-z0-9_.-]*#)(?P<op>[A-Za-z0-9_.\-/]+@v[0-9A-Za-z_.-]+):(?P<key>[0-9a-f]{16})(?![0-9a-f])"
-)
-"""Matches a label; group ``op`` is ``name@vN`` (the cache's op id) and ``key`` the call key."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -76,14 +70,10 @@ def label(op_id: str, call_hash: str | None = None, prefix: str | None = None) -
     if not isinstance(op_id, str) or not op_id:
         raise TypeError(f"op_id: expected a non-empty str, got {op_id!r}")
     chosen = prefix or env_prefix or LABEL_PREFIX
-    if not chosen.endswith("#"):
-        raise ValueError(f"prefix: expected a string ending in '#', got {chosen!r}")
     if call_hash is None:
+        format_label(op_id, "0" * 16, chosen)  # validates the name and prefix now, not at the first call
         return _label_decorator(op_id, chosen)
-    if not re.fullmatch(r"[0-9a-f]{16}", call_hash):
-        raise ValueError(f"call_hash: expected 16 lowercase hex characters, got {call_hash!r}")
-    versioned = op_id if "@v" in op_id else f"{op_id}@v1"
-    text = f"{chosen}{versioned}:{call_hash}"
+    text = format_label(op_id, call_hash, chosen)
     if type(op_id) is str and type(call_hash) is str and type(prefix) in (str, type(None)):
         if len(_LABEL_MEMO) >= _LABEL_MEMO_LIMIT:
             _LABEL_MEMO.clear()
@@ -98,8 +88,6 @@ _LABEL_MEMO_LIMIT = 8192
 
 
 def _label_decorator(name: str, prefix: str) -> Callable[[F], F]:
-    from .fingerprint import abstractify, short_hash
-
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def labelled(*args: Any, **kwargs: Any) -> Any:
@@ -110,14 +98,6 @@ def _label_decorator(name: str, prefix: str) -> Callable[[F], F]:
         return labelled  # type: ignore[return-value]
 
     return decorate
-
-
-def parse_label(text: str) -> tuple[str, str]:
-    """Split a label into ``(op_id, call_key)``, e.g. ``("matmul@v1", "0123456789abcdef")``."""
-    match = LABEL_RE.fullmatch(text)
-    if match is None:
-        raise ValueError(f"label: expected 'ejkernel_ops#<op>@v<version>:<16 hex>', got {text!r}")
-    return match.group("op"), match.group("key")
 
 
 class label_scope(contextlib.ContextDecorator):

@@ -20,11 +20,23 @@ from typing import Any
 
 import jax
 
-from .fingerprint import sharding_fingerprint
-from .kernel import Invocation, Kernel
-from .labels import CALL_ATTRIBUTE, LABEL_RE, parse_label, program_texts
-from .selection import BACKWARD_SUFFIX
-from .serialize import import_path, resolve_path, to_jsonable, from_jsonable
+from ejlabel.core.kernel import Invocation, Kernel
+from ejlabel.core.label_format import (
+    CALL_ATTRIBUTE,
+    LABEL_RE,
+    forward_op_id,
+    is_backward,
+    parse_label,
+    split_op_id,
+)
+from ejlabel.core.labels import program_texts
+from ejlabel.utils.fingerprint import sharding_fingerprint
+from ejlabel.utils.serialize import (
+    from_jsonable,
+    import_path,
+    resolve_path,
+    to_jsonable,
+)
 
 __all__ = ["encode_call", "decode_call", "CallDescription", "call_descriptions", "invocations_from_program", "CallDecodeError"]
 
@@ -106,7 +118,7 @@ def decode_call(text: str, label: str) -> CallDescription:
     A backward label (``<op>.bwd@vN``) describes its forward call. The kernel is not imported.
     """
     op_id, call_key = parse_label(label)
-    name, _, version = op_id.rpartition("@v")
+    name, version = split_op_id(forward_op_id(op_id))
     try:
         data = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
         if not isinstance(data, list) or not data or data[0] != _FORMAT:
@@ -114,7 +126,7 @@ def decode_call(text: str, label: str) -> CallDescription:
         _, kernel, args, kwargs, batch_axes, shardings = data
         return CallDescription(
             kernel=kernel,
-            op_id=name.removesuffix(BACKWARD_SUFFIX),
+            op_id=name,
             version=version,
             call_key=call_key,
             args=tuple(from_jsonable(arg) for arg in args),
@@ -145,10 +157,12 @@ def call_descriptions(x: Any) -> dict[str, str]:
             if label_match is not None:
                 found.setdefault(label_match.group(0), match.group("call"))
     for lab in labels:
-        if lab not in found and BACKWARD_SUFFIX + "@v" in lab:
-            forward = lab.replace(BACKWARD_SUFFIX + "@v", "@v", 1)
-            if forward in found:
-                found[lab] = found[forward]
+        if lab not in found:
+            op_id, call_key = parse_label(lab)
+            if is_backward(op_id):
+                forward = lab.replace(op_id, forward_op_id(op_id), 1)
+                if forward in found:
+                    found[lab] = found[forward]
     return found
 
 

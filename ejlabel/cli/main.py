@@ -58,8 +58,8 @@ def _program(path: str, example_args: str | None) -> Any:
 
 
 def _selector(cache_dir: str | None) -> Any:
-    from .persistent import PersistentCache
-    from .selection import ConfigSelectorChain
+    from ejlabel.config.persistent import PersistentCache
+    from ejlabel.config.selection import ConfigSelectorChain
 
     return ConfigSelectorChain(persistent=PersistentCache(cache_dir))
 
@@ -104,7 +104,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
-    from .persistent import PersistentCache
+    from ejlabel.config.persistent import PersistentCache
 
     cache = PersistentCache(args.cache_dir)
     action = args.action
@@ -117,7 +117,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         matches = [e for e in cache.entries() if args.key in (e.call_key, f"{e.op_id}:{e.call_key}") or args.key.endswith(f"{e.op_id}:{e.call_key}")]
         if not matches:
             raise LookupError(f"KEY: no cache entry matches {args.key!r} (give a call key, op@vN:key or a label)")
-        from .serialize import to_jsonable
+        from ejlabel.utils.serialize import to_jsonable
 
         for entry in matches:
             data = {f: getattr(entry, f) for f in entry.__dataclass_fields__}
@@ -137,7 +137,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from ejlabel.cli.demo import run_demo
 
     return run_demo(fresh=args.fresh, workdir=args.workdir)
 

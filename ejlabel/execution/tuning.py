@@ -26,7 +26,6 @@ import math
 import statistics
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -35,9 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import AutotunePolicy, ConfigCache
-from .kernel import Invocation, Kernel
-from .registry import abstract_invocation
+from ejlabel.config.cache import AutotunePolicy, ConfigCache
+from ejlabel.config.selection import set_default_tuner
+from ejlabel.core.kernel import Invocation, Kernel, abstract_invocation, random_inputs
+from ejlabel.execution.executor import get_default_executor, run_labelled
+from ejlabel.utils.fingerprint import get_device_platform
+from ejlabel.utils.serialize import to_jsonable
 
 __all__ = [
     "Timing",
@@ -109,27 +111,6 @@ def benchmark(fn: Callable[..., Any], *args: Any, num_warmup: int = 3, num_iters
     return Timing(_timed_runs(call, num_iters))
 
 
-def random_inputs(inv: Invocation[Any, Any], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Concrete arguments for ``inv``: standard normal floats, small non-negative integers."""
-    seed = int(jax.random.randint(key, (), 0, 2**31 - 1)) if isinstance(key, jax.Array) else int(key)
-    rng = np.random.default_rng(seed)
-
-    def make(leaf: Any) -> Any:
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
-        dtype = np.dtype(leaf.dtype)
-        if jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating):
-            value = rng.standard_normal(leaf.shape, dtype=np.float32)
-        elif dtype == np.bool_:
-            value = rng.integers(0, 2, leaf.shape).astype(bool)
-        else:
-            value = rng.integers(0, 8, leaf.shape)
-        return jnp.asarray(value, dtype=dtype)
-
-    spec = abstract_invocation(inv)
-    return jax.tree_util.tree_map(make, spec.args), jax.tree_util.tree_map(make, spec.kwargs)
-
-
 _CLEAR_LOSS = 1.5  # a candidate this many times slower than the best is dropped at once
 # A candidate in the slower half stays while its median is within this fraction of the best:
 # after a few noisy runs it may still be the fastest, and more runs tell.
@@ -176,8 +157,6 @@ class CandidateResult:
     timing: Timing | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        from .serialize import to_jsonable
-
         return {
             "cfg": to_jsonable(self.cfg),
             "status": self.status,
@@ -484,8 +463,6 @@ def _candidate_function(inv: Invocation[Any, Any], cfg: Any, backward: bool) -> 
 
     if not backward:
         return forward
-    from .executor import run_labelled
-
     def forward_and_backward(args: tuple[Any, ...], array_kwargs: dict[str, Any], cotangent: Any) -> Any:
         def labelled(*primals: Any) -> Any:
             call = Invocation(inv.kernel, primals, {**array_kwargs, **static}, known_call_key=inv.call_key)
@@ -508,8 +485,6 @@ def _output_spec(inv: Invocation[Any, Any], configs: list[Any]) -> Any:
 
 
 def _platform() -> str:
-    from .fingerprint import get_device_platform
-
     return get_device_platform()
 
 
@@ -536,9 +511,14 @@ def tune_invocation(
     return result
 
 
-def _default_selector() -> Any:
-    from .executor import get_default_executor
+def _tune_on_miss(inv: Invocation[Any, Any], *, policy: AutotunePolicy, cache: ConfigCache, persistent: Any) -> Any:
+    return tune_invocation(inv, policy=policy, cache=cache, persistent=persistent).best_cfg
 
+
+set_default_tuner(_tune_on_miss)
+
+
+def _default_selector() -> Any:
     return get_default_executor().selector
 
 

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from .persistent import normalize_key
-from .serialize import from_json, to_json
+from ejlabel.config.persistent import normalize_key
+from ejlabel.utils.serialize import from_json, to_json
 
 __all__ = [
     "ConfigCache",

@@ -23,14 +23,20 @@ import dataclasses
 import enum
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from .fingerprint import abstractify, default_key_builder_with_sharding, device_fingerprint
+from ejlabel.core.label_format import check_op_name, check_version, versioned_op
+from ejlabel.utils.fingerprint import (
+    abstractify,
+    default_key_builder_with_sharding,
+    device_fingerprint,
+)
 
-__all__ = ["Kernel", "Invocation", "PLATFORM_METHODS", "is_array"]
+__all__ = ["Kernel", "Invocation", "PLATFORM_METHODS", "is_array", "abstract_invocation", "random_inputs"]
 
 Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
@@ -47,6 +53,24 @@ _ALL_RUN_METHODS = ("run", "run_xla", "run_pallas", "run_triton")
 def is_array(x: Any) -> bool:
     """Whether ``x`` is an array-like leaf (concrete, traced or abstract)."""
     return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, jax.core.Tracer))
+
+
+class KernelRunner(Protocol):
+    """What runs a kernel call: ``runner(kernel, *args, cfg=None, **kwargs)`` (an ``Executor``)."""
+
+    def __call__(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any: ...
+
+
+_default_runner: Callable[[], KernelRunner] | None = None
+
+
+def set_default_runner(get_runner: Callable[[], KernelRunner] | None) -> None:
+    """Register what ``kernel(*args)`` runs through (:mod:`ejlabel.execution.executor` does, at import).
+
+    The executor lives in a layer above this one; the kernel knows it only by this interface.
+    """
+    global _default_runner
+    _default_runner = get_runner
 
 
 class Kernel(Generic[Cfg, Out]):
@@ -67,9 +91,8 @@ class Kernel(Generic[Cfg, Out]):
     version: ClassVar[str] = "1"
 
     def __init__(self, op_id: str | None = None, *, name: str | None = None) -> None:
-        op_id = op_id if op_id is not None else name
-        if not isinstance(op_id, str) or not op_id or "@" in op_id or ":" in op_id or "#" in op_id:
-            raise ValueError(f"op_id: expected a non-empty name without '@', ':' or '#', got {op_id!r}")
+        op_id = check_op_name(op_id if op_id is not None else name)
+        check_version(type(self).version, f"{type(self).__qualname__}.version")
         if not any(self._defines(method) for method in _ALL_RUN_METHODS):
             raise TypeError(
                 f"{type(self).__qualname__} defines no run method: define at least one of "
@@ -80,7 +103,7 @@ class Kernel(Generic[Cfg, Out]):
     @property
     def versioned_id(self) -> str:
         """``<op_id>@v<version>``: the op id the caches and labels use."""
-        return f"{self.op_id}@v{self.version}"
+        return versioned_op(self.op_id, self.version)
 
     def _defines(self, method: str) -> bool:
         return getattr(type(self), method, None) is not getattr(Kernel, method, None)
@@ -122,8 +145,6 @@ class Kernel(Generic[Cfg, Out]):
 
     def make_inputs(self, inv: Invocation[Cfg, Out], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Concrete ``(args, kwargs)`` for tuning: random normal floats, random integers."""
-        from .tuning import random_inputs
-
         return random_inputs(inv, key)
 
     def candidate_is_valid(self, inv: Invocation[Cfg, Out], cfg: Cfg) -> bool:
@@ -132,9 +153,9 @@ class Kernel(Generic[Cfg, Out]):
 
     def __call__(self, *args: Any, cfg: Cfg | None = None, **kwargs: Any) -> Out:
         """Run through the default executor (memory cache, persistent cache, heuristic)."""
-        from .executor import get_default_executor
-
-        return get_default_executor()(self, *args, cfg=cfg, **kwargs)
+        if _default_runner is None:
+            raise RuntimeError("no executor is registered to run kernels; import ejlabel")
+        return _default_runner()(self, *args, cfg=cfg, **kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__qualname__}({self.versioned_id!r})"
@@ -294,3 +315,40 @@ class Invocation(Generic[Cfg, Out]):
     def cache_key(self) -> tuple[str, str, str]:
         """``(device_fingerprint, op_id, call_key)``, the key of every config cache."""
         return (self.device_fingerprint, self.op_id, self.call_key)
+
+
+# Recording and offline tuning keep calls as ShapeDtypeStruct specs (never the arrays, so a
+# recorded training run keeps no activations alive); tuning makes random inputs of those specs.
+
+
+def abstract_invocation(inv: Invocation[Any, Any]) -> Invocation[Any, Any]:
+    """A copy of ``inv`` whose array arguments are ``ShapeDtypeStruct``\\ s, same call key."""
+    to_spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(getattr(x, "aval", x), "weak_type", False)) if hasattr(x, "shape") and hasattr(x, "dtype") else x
+    return Invocation(
+        inv.kernel,
+        jax.tree_util.tree_map(to_spec, inv.args),
+        jax.tree_util.tree_map(to_spec, inv.kwargs),
+        batch_axes=inv.batch_axes,
+        known_call_key=inv.call_key,
+    )
+
+
+def random_inputs(inv: Invocation[Any, Any], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Concrete arguments for ``inv``: standard normal floats, small non-negative integers."""
+    seed = int(jax.random.randint(key, (), 0, 2**31 - 1)) if isinstance(key, jax.Array) else int(key)
+    rng = np.random.default_rng(seed)
+
+    def make(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        dtype = np.dtype(leaf.dtype)
+        if jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating):
+            value = rng.standard_normal(leaf.shape, dtype=np.float32)
+        elif dtype == np.bool_:
+            value = rng.integers(0, 2, leaf.shape).astype(bool)
+        else:
+            value = rng.integers(0, 8, leaf.shape)
+        return jnp.asarray(value, dtype=dtype)
+
+    spec = abstract_invocation(inv)
+    return jax.tree_util.tree_map(make, spec.args), jax.tree_util.tree_map(make, spec.kwargs)

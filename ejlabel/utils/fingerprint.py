@@ -58,6 +58,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from ejlabel.utils.version import VERSION
+
 __all__ = [
     "FINGERPRINT_VERSION",
     "SALT_ENV_VAR",
@@ -1161,15 +1163,8 @@ def _render(root: Any) -> str:
 # ---------------------------------------------------------------------------
 
 
-@functools.cache
 def _library_version() -> str:
-    # Read on first use, not at import: the package may set its version after
-    # importing this module.
-    try:
-        from ejlabel import __version__
-    except ImportError:
-        return "0"
-    return str(__version__)
+    return VERSION
 
 
 _SALTS: dict[str, bytes] = {}

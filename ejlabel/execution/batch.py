@@ -13,9 +13,9 @@ from typing import Any
 
 import jax
 
-from .executor import Executor, get_default_executor, run_labelled
-from .kernel import Invocation, Kernel
-from .registry import maybe_record
+from ejlabel.core.kernel import Invocation, Kernel
+from ejlabel.execution.executor import Executor, get_default_executor, run_labelled
+from ejlabel.execution.recording import maybe_record
 
 __all__ = ["vmap_with_config", "pmap_with_config"]
 

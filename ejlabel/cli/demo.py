@@ -40,8 +40,8 @@ def _run(dump_dir: Path) -> int:
     import jax
 
     import ejlabel
-    from ejlabel import examples
     from ejlabel.analysis import audit
+    from ejlabel.cli import examples
 
     cfg = examples.TINY
     params = examples.init_params(cfg, jax.random.key(0))

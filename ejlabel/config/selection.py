@@ -12,19 +12,44 @@ from __future__ import annotations
 import threading
 import warnings
 from operator import itemgetter
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
-from .config import AutotunePolicy, ConfigCache, active_overlays, effective_policy
-from .fingerprint import device_fingerprint
-from .kernel import Invocation
-from .labels import find_labels_in_lowered, parse_label
-from .persistent import CacheError, PersistentCache
+from ejlabel.config.cache import (
+    AutotunePolicy,
+    ConfigCache,
+    active_overlays,
+    effective_policy,
+)
+from ejlabel.config.persistent import CacheError, PersistentCache
+from ejlabel.core.kernel import Invocation
+from ejlabel.core.label_format import forward_op_id, is_backward, parse_label
+from ejlabel.core.labels import find_labels_in_lowered
+from ejlabel.utils.fingerprint import device_fingerprint
 
-__all__ = ["ConfigSelectorChain", "Selection", "LabelConfig", "labels_to_configs", "Provenance", "BACKWARD_SUFFIX"]
+__all__ = ["ConfigSelectorChain", "Selection", "LabelConfig", "labels_to_configs", "Provenance", "Tuner"]
 
 Provenance = Literal["override", "memory", "persistent", "autotuned", "heuristic"]
-BACKWARD_SUFFIX = ".bwd"
 Key = tuple[str, str, str]
+
+
+class Tuner(Protocol):
+    """What the selector calls on a cache miss when the policy tunes: tune ``inv``, store the
+    winner in ``cache`` (and ``persistent`` when given), return the winning config.
+
+    Tuning lives in a layer above this one (:mod:`ejlabel.execution.tuning`), which registers its
+    tuner with :func:`set_default_tuner` when it is imported; a selector may also be given its own.
+    """
+
+    def __call__(self, inv: Invocation[Any, Any], *, policy: AutotunePolicy, cache: ConfigCache, persistent: PersistentCache | None) -> Any: ...
+
+
+_default_tuner: Tuner | None = None
+
+
+def set_default_tuner(tuner: Tuner | None) -> None:
+    """The tuner selectors use when they were given none (set by :mod:`ejlabel.execution.tuning`)."""
+    global _default_tuner
+    _default_tuner = tuner
 
 
 class Selection(NamedTuple):
@@ -46,6 +71,7 @@ class ConfigSelectorChain:
       persistent: a ``PersistentCache``, or None for none.
       autotune: shorthand for ``policy=AutotunePolicy(on_miss="autotune")``.
       policy: what a miss does; ``policy_override`` adjusts it inside a block.
+      tuner: what tunes a miss when the policy says so (the library's autotuner if None).
     """
 
     def __init__(
@@ -54,6 +80,7 @@ class ConfigSelectorChain:
         persistent: PersistentCache | None = None,
         autotune: bool = False,
         policy: AutotunePolicy | None = None,
+        tuner: Tuner | None = None,
     ) -> None:
         if policy is None:
             policy = AutotunePolicy(on_miss="autotune" if autotune else "heuristic")
@@ -62,6 +89,7 @@ class ConfigSelectorChain:
         self.cache = cache if cache is not None else ConfigCache()
         self.persistent = persistent
         self.policy = policy
+        self.tuner = tuner
         self._decisions: dict[Key, Selection] = {}
         self._lock = threading.Lock()
 
@@ -84,10 +112,10 @@ class ConfigSelectorChain:
             return cached
         policy = effective_policy(self.policy)
         if policy.tunes_on_miss:
-            from .tuning import tune_invocation
-
-            result = tune_invocation(inv, policy=policy, cache=self.cache, persistent=self.persistent)
-            return Selection(result.best_cfg, "autotuned")
+            tuner = self.tuner if self.tuner is not None else _default_tuner
+            if tuner is None:
+                raise RuntimeError("the policy tunes on a miss but no tuner is registered; import ejlabel")
+            return Selection(tuner(inv, policy=policy, cache=self.cache, persistent=self.persistent), "autotuned")
         if policy.on_miss == "error" and policy.enabled:
             raise UntunedCallError(
                 f"no tuned config for {inv.op_id} call {inv.call_key} on {key[0]} and the policy's "
@@ -129,9 +157,8 @@ class ConfigSelectorChain:
         found = self.decision(key) or self.lookup(key)
         if found is None:
             dev, op_id, call_key = key
-            name, sep, version = op_id.rpartition("@v")
-            if sep and name.endswith(BACKWARD_SUFFIX):
-                return self.resolve((dev, f"{name[: -len(BACKWARD_SUFFIX)]}@v{version}", call_key))
+            if is_backward(op_id):
+                return self.resolve((dev, forward_op_id(op_id), call_key))
         return found
 
 

@@ -1,0 +1,3 @@
+from ejlabel.cli.main import main
+
+raise SystemExit(main())
