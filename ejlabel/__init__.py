@@ -20,6 +20,7 @@ from ejlabel.config.cache import (  # noqa: E402
     overlay_cache,
     policy_override,
     to_json,
+    use_implementation,
 )
 from ejlabel.config.persistent import CacheEntry, CacheError, PersistentCache  # noqa: E402
 from ejlabel.config.selection import (  # noqa: E402
@@ -134,5 +135,6 @@ __all__ = [
     "short_hash",
     "stable_json",
     "to_json",
+    "use_implementation",
     "vmap_with_config",
 ]

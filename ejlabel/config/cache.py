@@ -24,6 +24,8 @@ __all__ = [
     "overlay_cache",
     "policy_override",
     "active_overlays",
+    "use_implementation",
+    "forced_implementation",
     "effective_policy",
     "to_json",
     "from_json",
@@ -159,6 +161,34 @@ def overlay_cache(cache: Any) -> Iterator[Any]:
         yield cache
     finally:
         _overlays.reset(token)
+
+
+_implementation: contextvars.ContextVar[str | None] = contextvars.ContextVar("ejlabel_implementation", default=None)
+
+
+@contextlib.contextmanager
+def use_implementation(name: str) -> Iterator[None]:
+    """Run every kernel call traced inside the block on implementation ``name`` where it has one.
+
+    ``with ejlabel.use_implementation("xla"): ...`` puts every call on its plain-JAX path (for
+    attention, ``"xla"`` means what ``jax.nn.dot_product_attention`` runs: cuDNN on a GPU, XLA's
+    own expression on the CPU). It wins over caches, tuning and ``cfg=``; a kernel without that
+    implementation keeps its usual selection. The choice is reported with provenance ``forced``.
+    Selection happens at trace time: a function jitted and traced before the block keeps its
+    configs.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected an implementation name such as 'xla', got {name!r}")
+    token = _implementation.set(name)
+    try:
+        yield
+    finally:
+        _implementation.reset(token)
+
+
+def forced_implementation() -> str | None:
+    """The implementation ``use_implementation`` forces here, or None."""
+    return _implementation.get()
 
 
 def active_overlays() -> tuple[Any, ...]:

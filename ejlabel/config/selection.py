@@ -18,6 +18,7 @@ from ejlabel.config.cache import (
     AutotunePolicy,
     ConfigCache,
     active_overlays,
+    forced_implementation,
     effective_policy,
 )
 from ejlabel.config.persistent import CacheError, PersistentCache
@@ -28,7 +29,7 @@ from ejlabel.utils.fingerprint import device_fingerprint
 
 __all__ = ["ConfigSelectorChain", "Selection", "LabelConfig", "labels_to_configs", "Provenance", "Tuner"]
 
-Provenance = Literal["override", "memory", "persistent", "autotuned", "heuristic"]
+Provenance = Literal["forced", "override", "memory", "persistent", "autotuned", "heuristic"]
 Key = tuple[str, str, str]
 
 
@@ -105,6 +106,11 @@ class ConfigSelectorChain:
         return self.select(inv).cfg
 
     def _choose(self, inv: Invocation[Any, Any], key: Key) -> Selection:
+        forced = forced_implementation()
+        if forced is not None:
+            cfg = inv.kernel.config_for(inv, forced)
+            if cfg is not None:
+                return Selection(cfg, "forced")
         if inv.override_cfg is not None:
             return Selection(inv.override_cfg, "override")
         cached = self.lookup(key)

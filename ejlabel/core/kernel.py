@@ -151,6 +151,32 @@ class Kernel(Generic[Cfg, Out]):
         """Whether ``cfg`` may be tried on ``inv`` (shape divisibility, backend support)."""
         return True
 
+    def config_for(self, inv: Invocation[Cfg, Out], implementation: str) -> Cfg | None:
+        """A config of ``inv`` that runs ``implementation`` (e.g. ``"xla"``), or None if the
+        kernel has no such implementation for this call.
+
+        By default: the heuristic config with its ``impl`` field set to ``implementation``, when
+        the config is a dataclass with such a field and accepts the value.
+        """
+        cfg = self.heuristic_cfg(inv)
+        if not dataclasses.is_dataclass(cfg) or "impl" not in {f.name for f in dataclasses.fields(cfg)}:
+            return None
+        if getattr(cfg, "impl") == implementation:
+            return cfg
+        try:
+            return dataclasses.replace(cfg, impl=implementation)
+        except (TypeError, ValueError):
+            return None
+
+    def differentiated_by_jax(self, cfg: Cfg) -> bool:
+        """Whether ``cfg`` selects an implementation that is plain JAX, differentiated by JAX.
+
+        Then the executor runs it as it is, without wrapping ``custom_vjp`` around it, so the
+        compiled program is exactly the one the plain expression gives (labels are metadata).
+        False by default: a kernel with a ``custom_vjp`` hook gets its own backward.
+        """
+        return False
+
     def __call__(self, *args: Any, cfg: Cfg | None = None, **kwargs: Any) -> Out:
         """Run through the default executor (memory cache, persistent cache, heuristic)."""
         if _default_runner is None:

@@ -53,7 +53,7 @@ def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
     forward_label = label(inv.op_id, call_key)
     description = encode_call(inv)
     impl = kernel.implementation(get_device_platform())
-    if not kernel.has_custom_vjp:
+    if not kernel.has_custom_vjp or kernel.differentiated_by_jax(cfg):
         with label_scope(forward_label, description):
             return impl(*inv.args, cfg=cfg, **inv.kwargs)
 
