@@ -18,9 +18,12 @@ A query that sees no key gets output 0 and gradient 0, never NaN.
 
 Implementations, chosen by :class:`AttentionConfig.impl`:
 
-- ``"xla"``: the reference; the masked softmax in float32, backward by ``jax.vjp``.
-- ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``; GPU, 16-bit inputs,
-  causal or not, no segments or windows.
+- ``"xla"``: what a JAX user writes, differentiated by JAX itself (no custom VJP):
+  ``jax.nn.dot_product_attention(implementation="xla")`` for causal or full attention, the
+  masked softmax in float32 with segments or a window.
+- ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, differentiated by JAX;
+  GPU, 16-bit inputs, causal or not, no segments or windows. ``use_implementation("xla")``
+  picks it on a GPU wherever cuDNN takes the call, as ``jax.nn.dot_product_attention`` would.
 - ``"pallas"``: a flash-attention-2 forward on the Triton backend. Each program owns one
   ``q`` block of one head and walks the key/value blocks with an online softmax in base 2,
   skipping the blocks that causal masks or windows leave empty and building a mask only for
@@ -145,6 +148,14 @@ def _attention_xla(
     probs = probs / jnp.where(total == 0.0, 1.0, total)  # rows that see nothing stay 0
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(q.shape).astype(q.dtype)
+
+
+def _attention_plain(
+    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+    *, scale: float, causal: bool,
+) -> Float[Array, "batch sq heads dim"]:
+    """What a JAX user writes for causal or full attention: XLA's own expression."""
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="xla")
 
 
 def _attention_cudnn(
@@ -480,6 +491,8 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         scale = _scale(q, softmax_scale)
         bounds = _bounds(causal, sliding_window)
         if cfg.impl == "xla":
+            if segment_ids is None and sliding_window is None:
+                return _attention_plain(q, k, v, scale=scale, causal=causal)
             return _attention_xla(q, k, v, segment_ids, scale=scale, bounds=bounds)
         if cfg.impl == "cudnn":
             if segment_ids is not None or sliding_window is not None:
@@ -492,19 +505,12 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
     def custom_vjp(
         self, primals: tuple[Any, ...], cfg: AttentionConfig, kwargs: dict[str, Any], cotangents: tuple[Any, ...]
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        # Only the Pallas path gets here: XLA's and cuDNN's are differentiated by JAX.
         q, k, v = primals
         (g,) = cotangents
         segment_ids = _segments(q, k, kwargs.get("segment_ids"), kwargs.get("cu_seqlens"))
         scale = _scale(q, kwargs.get("softmax_scale"))
-        causal, window = kwargs.get("causal", False), kwargs.get("sliding_window")
-        bounds = _bounds(causal, window)
-        if cfg.impl != "pallas":
-            if cfg.impl == "cudnn":
-                forward = functools.partial(_attention_cudnn, scale=scale, causal=causal)
-            else:
-                forward = functools.partial(_attention_xla, segment_ids=segment_ids, scale=scale, bounds=bounds)
-            _, pullback = jax.vjp(forward, q, k, v)
-            return pullback(g.astype(q.dtype))
+        bounds = _bounds(kwargs.get("causal", False), kwargs.get("sliding_window"))
         dim = q.shape[3]
         fwd, bwd = _default_fwd(dim).merge(cfg.fwd), _default_bwd(dim).merge(cfg.bwd)
         out, lse = _forward_pallas(_pad(q, k, v, segment_ids, fwd, scale=scale, bounds=bounds), fwd)
@@ -513,6 +519,18 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         out, lse = pad_axis(out[:, : q.shape[1]], 1, padded.q.shape[1]), pad_axis(lse[:, :, : q.shape[1]], 2, padded.q.shape[1])
         dq, dk, dv = _backward_pallas(padded, out, lse, g, bwd)
         return dq[:, : q.shape[1], :, :dim], dk[:, : k.shape[1], :, :dim], dv[:, : k.shape[1], :, :dim]
+
+    def differentiated_by_jax(self, cfg: AttentionConfig) -> bool:
+        return cfg.impl != "pallas"
+
+    def config_for(self, inv: Invocation[AttentionConfig, jax.Array], implementation: str) -> AttentionConfig | None:
+        """``"xla"`` means what ``jax.nn.dot_product_attention`` gives a JAX user: cuDNN on a GPU
+        where cuDNN takes the call (bf16/fp16, head dim <= 128, no segments or window), XLA's own
+        expression otherwise (always on the CPU)."""
+        if implementation == "xla":
+            cudnn = AttentionConfig("cudnn")
+            return cudnn if self.candidate_is_valid(inv, cudnn) else AttentionConfig("xla")
+        return super().config_for(inv, implementation)
 
     def reference(
         self, q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],

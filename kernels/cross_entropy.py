@@ -2,7 +2,8 @@
 
 Implementations, chosen by :class:`CrossEntropyConfig.impl`:
 
-- ``"xla"``: ``logsumexp`` and a gather in ``jax.numpy``; its backward is ``jax.vjp`` of it.
+- ``"xla"``: ``logsumexp`` and a gather in ``jax.numpy``, the expression a JAX user writes, run
+  without a custom VJP (JAX differentiates it, XLA fuses it as in a plain model).
 - ``"pallas"``: each program takes ``block_tokens`` rows and walks the vocabulary in chunks of
   ``chunk_vocab`` columns with an online log-sum-exp (running max and rescaled sum), picking
   the label's logit on the way; a row's logits are read once and the float32 softmax never
@@ -10,8 +11,10 @@ Implementations, chosen by :class:`CrossEntropyConfig.impl`:
   than keeping it alive between passes, and the custom VJP receives only the inputs), then a
   second kernel writes ``(softmax - onehot) * cotangent`` tile by tile.
 
-Labels outside ``[0, vocab)`` (such as the usual ``-100``) mark ignored tokens: their loss
-is 0 and their logits get no gradient. The vocabulary is padded to whole chunks and the
+With ``ignore_index`` set (``-100`` by default), tokens labelled with it, and any label outside
+``[0, vocab)``, are ignored: their loss is 0 and their logits get no gradient. With
+``ignore_index=None`` labels are trusted to lie in ``[0, vocab)`` and the XLA path is exactly
+``logsumexp(logits) - logits[label]``. The vocabulary is padded to whole chunks and the
 padding masked out of the log-sum-exp.
 """
 
@@ -65,12 +68,20 @@ def _ignored(labels: Int[Array, "tokens"], vocab: int) -> Int[Array, "tokens"]:
 
 
 def _cross_entropy_xla(
-    logits: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"]
+    logits: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], ignore_index: int | None = -100
 ) -> Float[Array, "tokens"]:
-    vocab = logits.shape[1]
     logits = logits.astype(jnp.float32)
+    if ignore_index is None:
+        picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+        return jax.nn.logsumexp(logits, axis=-1) - picked
+    vocab = logits.shape[1]
     picked = jnp.take_along_axis(logits, jnp.clip(labels, 0, vocab - 1)[:, None], axis=1)[:, 0]
     return jnp.where(_ignored(labels, vocab), 0.0, jax.nn.logsumexp(logits, axis=1) - picked)
+
+
+def _pallas_labels(labels: Int[Array, "tokens"], ignore_index: int | None) -> Int[Array, "tokens"]:
+    """The Pallas kernels ignore labels outside ``[0, vocab)``: map ``ignore_index`` there."""
+    return labels if ignore_index is None or ignore_index < 0 else jnp.where(labels == ignore_index, -1, labels)
 
 
 def _forward_kernel(logits_ref: Any, labels_ref: Any, loss_ref: Any, lse_ref: Any, *, vocab: int, chunk: int) -> None:
@@ -160,32 +171,37 @@ class CrossEntropyKernel(Kernel[CrossEntropyConfig, jax.Array]):
         super().__init__("cross_entropy")
 
     def run(
-        self, logits: Float[Array, "tokens vocab"], *, labels: Int[Array, "tokens"], cfg: CrossEntropyConfig
+        self, logits: Float[Array, "tokens vocab"], *, labels: Int[Array, "tokens"], cfg: CrossEntropyConfig,
+        ignore_index: int | None = -100,
     ) -> Float[Array, "tokens"]:
         if logits.ndim != 2 or labels.shape != logits.shape[:1]:
             raise ValueError(f"logits, labels: expected [tokens, vocab] and [tokens], got {logits.shape} and {labels.shape}")
         if cfg.impl == "xla":
-            return _cross_entropy_xla(logits, labels)
-        return _cross_entropy_pallas(logits, labels, cfg)[0]
+            return _cross_entropy_xla(logits, labels, ignore_index)
+        return _cross_entropy_pallas(logits, _pallas_labels(labels, ignore_index), cfg)[0]
 
     def custom_vjp(
         self, primals: tuple[Any, ...], cfg: CrossEntropyConfig, kwargs: dict[str, Any], cotangents: tuple[Any, ...]
     ) -> tuple[jax.Array]:
-        (logits,), labels, (g,) = primals, kwargs["labels"], cotangents
-        if cfg.impl == "xla":
-            _, pullback = jax.vjp(lambda x: _cross_entropy_xla(x, labels), logits)
-            return pullback(g.astype(jnp.float32))
+        # Only the Pallas path gets here: the XLA one is differentiated by JAX.
+        (logits,), (g,) = primals, cotangents
+        labels = _pallas_labels(kwargs["labels"], kwargs.get("ignore_index", -100))
         return (_cross_entropy_pallas_backward(logits, labels, g, cfg),)
 
-    def reference(self, logits: Float[Array, "tokens vocab"], *, labels: Int[Array, "tokens"]) -> Float[Array, "tokens"]:
-        return _cross_entropy_xla(logits, labels)
+    def differentiated_by_jax(self, cfg: CrossEntropyConfig) -> bool:
+        return cfg.impl == "xla"
+
+    def reference(
+        self, logits: Float[Array, "tokens vocab"], *, labels: Int[Array, "tokens"], ignore_index: int | None = -100
+    ) -> Float[Array, "tokens"]:
+        return _cross_entropy_xla(logits, labels, ignore_index)
 
     def make_inputs(self, inv: Invocation[CrossEntropyConfig, jax.Array], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
         (logits,), labels = inv.args, inv.kwargs["labels"]
         k_logits, k_labels = jax.random.split(key)
         return (
             (jax.random.normal(k_logits, logits.shape, jnp.float32).astype(logits.dtype),),
-            {"labels": jax.random.randint(k_labels, labels.shape, 0, logits.shape[1], labels.dtype)},
+            {**inv.kwargs, "labels": jax.random.randint(k_labels, labels.shape, 0, logits.shape[1], labels.dtype)},
         )
 
     def heuristic_cfg(self, inv: Invocation[CrossEntropyConfig, jax.Array]) -> CrossEntropyConfig:
@@ -210,17 +226,22 @@ _CROSS_ENTROPY = CrossEntropyKernel()
 
 
 def softmax_cross_entropy(
-    logits: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], *, cfg: CrossEntropyConfig | None = None
+    logits: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], *, ignore_index: int | None = -100,
+    cfg: CrossEntropyConfig | None = None,
 ) -> Float[Array, "tokens"]:
     """Per-token ``logsumexp(logits) - logits[label]`` in float32.
 
     Args:
       logits: ``[tokens, vocab]`` unnormalized scores, any float dtype.
-      labels: ``[tokens]`` integer classes; values outside ``[0, vocab)`` are ignored tokens
-        (loss 0, no gradient).
+      labels: ``[tokens]`` integer classes.
+      ignore_index: tokens with this label, and any label outside ``[0, vocab)``, are ignored
+        (loss 0, no gradient). ``None``: every label is in range, and the XLA path is the plain
+        expression a JAX user writes (no masking ops).
       cfg: force a config; by default the executor picks one.
 
     Returns:
       ``[tokens]`` float32 losses.
     """
-    return _CROSS_ENTROPY(logits, labels=labels, cfg=cfg)
+    if ignore_index is not None and not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int or None, got {type(ignore_index).__name__}")
+    return _CROSS_ENTROPY(logits, labels=labels, ignore_index=ignore_index, cfg=cfg)

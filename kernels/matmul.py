@@ -2,14 +2,16 @@
 
 Two implementations, chosen by :class:`MatmulConfig.impl`:
 
-- ``"xla"``: ``jnp.matmul`` accumulating in float32, cast back to the input dtype;
+- ``"xla"``: ``a @ b``, the expression a JAX user writes, differentiated by JAX itself (XLA's
+  GPU dot accumulates half-precision inputs in float32); with it the compiled program is the
+  one plain JAX gives;
 - ``"pallas"``: a tiled Pallas kernel (Triton backend). Each program computes one
   ``block_m x block_n`` output tile, looping over ``k`` in ``block_k`` steps with a float32
   accumulator. Programs are numbered so that ``group_m`` consecutive ones share a column band
   of ``b``: tiles that run together then read the same ``b`` tiles, which stay in L2.
 
 Operands are zero-padded to whole blocks (zeros add nothing to a dot product) and the result
-sliced back, so any shape works. The backward pass is two more matmuls through the same
+sliced back, so any shape works. The Pallas backward pass is two more matmuls through the same
 implementation and config: ``da = g @ b^T`` and ``db = a^T @ g``.
 """
 
@@ -118,7 +120,7 @@ def _matmul_pallas(
 
 
 def _matmul_xla(a: Float[Array, "*batch m k"], b: Float[Array, "*batch k n"]) -> Float[Array, "*batch m n"]:
-    return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+    return a @ b
 
 
 def _matmul(a: Float[Array, "*batch m k"], b: Float[Array, "*batch k n"], cfg: MatmulConfig) -> Float[Array, "*batch m n"]:
@@ -158,8 +160,11 @@ class MatmulKernel(Kernel[MatmulConfig, jax.Array]):
         g = g.astype(a.dtype)
         return _matmul(g, jnp.swapaxes(b, -1, -2), cfg), _matmul(jnp.swapaxes(a, -1, -2), g, cfg)
 
+    def differentiated_by_jax(self, cfg: MatmulConfig) -> bool:
+        return cfg.impl == "xla"
+
     def reference(self, a: Float[Array, "*batch m k"], b: Float[Array, "*batch k n"]) -> Float[Array, "*batch m n"]:
-        return _matmul_xla(a, b)
+        return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 
     def heuristic_cfg(self, inv: Invocation[MatmulConfig, jax.Array]) -> MatmulConfig:
         if not on_gpu():

@@ -40,11 +40,23 @@ def assert_close(x: Any, ref: Any, dtype: Any, factor: float = 1.0) -> None:
 
 
 def assert_labelled(loss: Callable[..., Any], args: tuple[Any, ...], op: str) -> None:
-    """``jit(grad(loss))`` carries the forward label of ``op`` and its backward label."""
+    """``jit(grad(loss))`` carries the forward label of ``op``, and its backward ops are labelled.
+
+    A path with a custom VJP labels its backward ``<op>.bwd``; a path JAX differentiates itself
+    (the XLA paths) carries the forward label onto the transposed ops, which JAX names
+    ``transpose_jvp_...``.
+    """
+    from ejlabel.analysis import parse_hlo
+    from ejlabel.core.label_format import LABEL_ATTRIBUTE
+
     lowered = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args)
     labels = ejlabel.find_labels_in_lowered(lowered)
     assert any(lab.startswith(f"ejkernel_ops#{op}@v1:") for lab in labels), labels
-    assert any(f"{op}.bwd@v1:" in lab for lab in labels), labels
+    if any(f"{op}.bwd@v1:" in lab for lab in labels):
+        return
+    module = parse_hlo(lowered.compiler_ir("hlo").as_hlo_text())
+    transposed = [i for i in module.instructions() if i.name.startswith("transpose") and f"#{op}@v1:" in i.frontend_attributes.get(LABEL_ATTRIBUTE, "")]
+    assert transposed, f"no backward op of {op} is labelled: {labels}"
 
 
 def assert_tunes(kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
