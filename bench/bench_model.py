@@ -1,19 +1,29 @@
-"""Whole-model step times: XLA, cuDNN attention, ejlabel heuristic, ejlabel after AOT tuning.
+"""Whole-model step times against the model as a JAX user writes it, all variants in one run.
 
 Run on the GPU machine:  python bench/bench_model.py [--quick] [--out results.md]
 
-For each variant of the example transformer (``ejlabel.cli.examples``) it compiles the training
-step (value_and_grad + SGD) and the serving step (forward), then times them: warm-up, then
-``--samples`` samples of ``--steps-per-sample`` back-to-back steps each, the median per step.
-The tuned variant is produced the way users would: lower the training step, ``tune_unseen`` it
-(every unseen call rebuilt from the program text and tuned in one batch, winners in the
-persistent cache), lower again. Finally 20 training steps of the XLA, cuDNN-attention and
-tuned models from the same weights and data, to compare losses.
+Variants of the example transformer (``ejlabel.cli.examples``), training step (value_and_grad +
+SGD) and serving step (forward):
+
+- ``plain``: ``examples.PLAIN_OPS``, the baseline: ``a @ b`` in the input dtype, ``jax.numpy``
+  RMSNorm, logsumexp cross-entropy, ``jax.nn.dot_product_attention`` on cuDNN.
+- ``ejlabel, all XLA``: every call labelled, under ``ejlabel.use_implementation("xla")``; the
+  compiled program should be the plain one (the zero-cost path).
+- ``ejlabel, heuristic``: every call labelled, configs from the kernels' heuristics.
+- ``ejlabel, tuned in context``: the configs ``tune_in_context`` picked for the training step,
+  each confirmed by timing the whole step against the all-XLA floor.
+
+Every variant is compiled first, then timed interleaved: each round takes one sample of every
+variant in turn (``--steps-per-sample`` back-to-back steps, synchronised), so clock and thermal
+drift hit all variants alike; the table gives medians over ``--samples`` rounds and the ratio to
+the plain model. Inputs are random, never zeros. The first training step's loss of each variant
+is compared with the plain model's (same weights and data).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -27,115 +37,114 @@ import jax
 import jax.numpy as jnp
 
 
-def time_step(step: Callable[..., Any], args: tuple[Any, ...], samples: int, per_sample: int) -> float:
-    """Median milliseconds per call of a compiled step, several back-to-back calls per sample."""
-    jax.block_until_ready(step(*args))
-    jax.block_until_ready(step(*args))
-    times = []
+def time_interleaved(steps: dict[str, Callable[[], Any]], samples: int, per_sample: int) -> dict[str, float]:
+    """Median milliseconds per step of each zero-argument step function, sampled round-robin."""
+    for step in steps.values():  # warm-up: compilation and first-run costs stay out
+        jax.block_until_ready(step())
+        jax.block_until_ready(step())
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(samples):
-        start = time.perf_counter()
-        out = None
-        for _ in range(per_sample):
-            out = step(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) * 1e3 / per_sample)
-    return statistics.median(times)
+        for name, step in steps.items():
+            start = time.perf_counter()
+            out = None
+            for _ in range(per_sample):
+                out = step()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) * 1e3 / per_sample)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model (2 layers, seq 512)")
+    parser.add_argument("--tiny", action="store_true", help="the TINY model (a CPU smoke run)")
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--steps-per-sample", type=int, default=3)
-    parser.add_argument("--loss-steps", type=int, default=20)
-    parser.add_argument("--tune-iters", type=int, default=10)
-    parser.add_argument("--max-configs", type=int, default=24)
+    parser.add_argument("--tune-budget", type=float, default=420.0, help="seconds for tune_in_context; 0 skips it")
     parser.add_argument("--out", default=None, help="write the Markdown table here too")
     args = parser.parse_args()
     os.environ.setdefault("EJLABEL_CACHE_DIR", tempfile.mkdtemp(prefix="ejlabel-bench-model-"))
 
     import ejlabel
     from ejlabel.cli import examples
-    from ejlabel.analysis import audit, tune_unseen
 
     cfg = examples.GPU_125M
     if args.quick:
         cfg = dataclasses.replace(cfg, n_layers=2, seq_len=512, batch=4)
+    if args.tiny:
+        cfg = examples.TINY
     params = examples.init_params(cfg, jax.random.key(0))
     batch = examples.example_batch(cfg, jax.random.key(1))
+    tokens = batch["tokens"]
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     print(f"model: {n_params / 1e6:.1f}M parameters, {cfg}", flush=True)
-    rows: list[tuple[str, float | str, float | str]] = []
 
-    def measure(name: str, ops: examples.Ops) -> None:
+    def compiled(ops: examples.Ops, selector: Any = None, implementation: str | None = None) -> tuple[Any, Any]:
+        """AOT-compiled (train, serve) steps; selection happens while lowering, under the
+        executor and implementation given."""
+        ejlabel.set_default_executor(ejlabel.Executor(selector) if selector is not None else None)
+        forced = ejlabel.use_implementation(implementation) if implementation else contextlib.nullcontext()
+        with forced:
+            train = jax.jit(examples.make_train_step(cfg, ops)).lower(params, batch).compile()
+            serve = jax.jit(examples.make_serve_step(cfg, ops)).lower(params, tokens).compile()
+        return train, serve
+
+    variants: dict[str, tuple[Any, Any]] = {}
+    failures: dict[str, str] = {}
+
+    def add(name: str, build: Callable[[], tuple[Any, Any]]) -> None:
         try:
-            train = jax.jit(examples.make_train_step(cfg, ops))
-            serve = jax.jit(examples.make_serve_step(cfg, ops))
-            t_train = time_step(train, (params, batch), args.samples, args.steps_per_sample)
-            t_serve = time_step(serve, (params, batch["tokens"]), args.samples, args.steps_per_sample)
-            rows.append((name, t_train, t_serve))
+            start = time.perf_counter()
+            variants[name] = build()
+            print(f"compiled {name} in {time.perf_counter() - start:.1f} s", flush=True)
         except Exception as err:  # one failing variant must not hide the others
-            rows.append((name, f"FAILED: {type(err).__name__}: {str(err).splitlines()[0][:120]}", "-"))
-        print(rows[-1], flush=True)
+            failures[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            print(f"FAILED {name}: {failures[name]}", flush=True)
 
-    measure("XLA (jax.numpy ops)", examples.XLA_OPS)
-    measure("XLA + cuDNN attention", examples.CUDNN_OPS)
-    ejlabel.set_default_executor(None)
-    measure("ejlabel, heuristic configs", examples.KERNEL_OPS)
+    add("plain JAX (baseline)", lambda: compiled(examples.PLAIN_OPS))
+    add("ejlabel, all XLA (use_implementation)", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(), "xla"))
+    add("ejlabel, heuristic configs", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain()))
 
-    selector = ejlabel.get_default_executor().selector
-    lowered = jax.jit(examples.make_train_step(cfg)).lower(params, batch)
-    before = audit(lowered, selector=ejlabel.ConfigSelectorChain(persistent=selector.persistent))
-    policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=args.tune_iters, max_configs=args.max_configs, time_budget_s=60.0, compile_workers=12)
-    start = time.perf_counter()
-    report = tune_unseen(lowered, selector=ejlabel.ConfigSelectorChain(persistent=selector.persistent), policy=policy, progress=False)
-    tune_s = time.perf_counter() - start
-    print(report.summary(), flush=True)
-    for lab, err in report.errors.items():
-        print(f"  tuning error {lab}: {err[:300]}", flush=True)
-    for key, result in report.results.items():
-        print(f"  {key[0]:24} {key[1]}  {result.best_cfg!r}  {result.best.timing.median_ms:.4g} ms", flush=True)
+    tune_note = "tune_in_context skipped"
+    if args.tune_budget > 0:
+        from ejlabel.execution.context_tuning import tune_in_context
 
-    ejlabel.set_default_executor(None)
-    measure("ejlabel, AOT-tuned configs", examples.KERNEL_OPS)
-    after = audit(jax.jit(examples.make_train_step(cfg)).lower(params, batch), selector=ejlabel.ConfigSelectorChain(persistent=selector.persistent))
+        selector = ejlabel.ConfigSelectorChain(persistent=ejlabel.PersistentCache())
+        ejlabel.set_default_executor(ejlabel.Executor(selector))
+        start = time.perf_counter()
+        try:
+            report = tune_in_context(examples.make_train_step(cfg, examples.KERNEL_OPS), params, batch, budget_s=args.tune_budget, selector=selector, progress=False)
+            tune_s = time.perf_counter() - start
+            print(report, flush=True)
+            tune_note = f"tune_in_context of the training step: {tune_s:.0f} s (budget {args.tune_budget:.0f} s)"
+            add("ejlabel, tuned in context", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(persistent=selector.persistent)))
+        except Exception as err:
+            failures["ejlabel, tuned in context"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            print(f"FAILED tuning: {failures['ejlabel, tuned in context']}", flush=True)
 
-    # Losses from the same weights and data: the first step's compares the kernels' numerics
-    # directly; after 20 bf16 SGD steps rounding differences have compounded, and the XLA and
-    # cuDNN-attention models' own gap shows how far two correct implementations drift apart.
-    first_losses, losses = {}, {}
-    for name, ops in (("xla", examples.XLA_OPS), ("cudnn", examples.CUDNN_OPS), ("tuned", examples.KERNEL_OPS)):
-        step = jax.jit(examples.make_train_step(cfg, ops))
-        p = params
-        for i in range(args.loss_steps):
-            p, loss = step(p, batch)
-            if i == 0:
-                first_losses[name] = float(loss)
-        losses[name] = float(loss)
-    relative = lambda table, name: abs(table[name] - table["xla"]) / abs(table["xla"])
+    train_ms = time_interleaved({n: (lambda s=v[0]: s(params, batch)) for n, v in variants.items()}, args.samples, args.steps_per_sample)
+    serve_ms = time_interleaved({n: (lambda s=v[1]: s(params, tokens)) for n, v in variants.items()}, args.samples, args.steps_per_sample)
+    first_loss = {n: float(v[0](params, batch)[1]) for n, v in variants.items()}
 
+    plain = "plain JAX (baseline)"
     device = jax.devices()[0]
     lines = [
         f"Device: {device.device_kind}; jax {jax.__version__}; {time.strftime('%Y-%m-%d')}; model {n_params / 1e6:.1f}M params, "
-        f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), seq {cfg.seq_len}, batch {cfg.batch}, {jnp.dtype(cfg.dtype).name}",
+        f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), seq {cfg.seq_len}, batch {cfg.batch}, "
+        f"{jnp.dtype(cfg.dtype).name}; medians of {args.samples} interleaved samples of {args.steps_per_sample} steps",
         "",
-        "| variant | train step ms | serve step ms | train vs cuDNN model |",
-        "|---|---|---|---|",
+        "| variant | train step ms | vs plain | serve step ms | vs plain | first-step loss (rel. to plain) |",
+        "|---|---:|---:|---:|---:|---|",
     ]
-    cudnn_train = rows[1][1] if isinstance(rows[1][1], float) else None
-    for name, t_train, t_serve in rows:
-        ratio = f"{cudnn_train / t_train:.2f}x" if cudnn_train and isinstance(t_train, float) else "-"
-        fmt = lambda t: f"{t:.2f}" if isinstance(t, float) else t
-        lines.append(f"| {name} | {fmt(t_train)} | {fmt(t_serve)} | {ratio} |")
-    lines += [
-        "",
-        f"AOT tuning: {len(report.results)} distinct calls ({len(before.unseen)} unseen labels before, {len(after.unseen)} after) "
-        f"in {tune_s:.1f} s; {len(report.errors)} errors.",
-        f"Loss of the first step: XLA {first_losses['xla']:.5f}, cuDNN model {first_losses['cudnn']:.5f} "
-        f"({relative(first_losses, 'cudnn'):.2e} from XLA), tuned {first_losses['tuned']:.5f} ({relative(first_losses, 'tuned'):.2e}).",
-        f"Loss after {args.loss_steps} SGD steps on the same batch: XLA {losses['xla']:.5f}, cuDNN model {losses['cudnn']:.5f} "
-        f"({relative(losses, 'cudnn'):.2e} from XLA), tuned {losses['tuned']:.5f} ({relative(losses, 'tuned'):.2e}).",
-    ]
+    for name in variants:
+        rel = abs(first_loss[name] - first_loss[plain]) / abs(first_loss[plain]) if plain in first_loss else float("nan")
+        lines.append(
+            f"| {name} | {train_ms[name]:.2f} | {train_ms.get(plain, float('nan')) / train_ms[name]:.3f}x | "
+            f"{serve_ms[name]:.2f} | {serve_ms.get(plain, float('nan')) / serve_ms[name]:.3f}x | {first_loss[name]:.5f} ({rel:.1e}) |"
+        )
+    for name, why in failures.items():
+        lines.append(f"| {name} | FAILED: {why} | | | | |")
+    lines += ["", tune_note + "."]
     table = "\n".join(lines)
     print("\n" + table)
     if args.out:
