@@ -167,16 +167,9 @@ class MatmulKernel(Kernel[MatmulConfig, jax.Array]):
         return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 
     def heuristic_cfg(self, inv: Invocation[MatmulConfig, jax.Array]) -> MatmulConfig:
-        if not on_gpu():
-            return MatmulConfig("xla")
-        a, b = inv.args
-        m, n = a.shape[-2], b.shape[-1]
-        # Large tiles for throughput, shrunk for small problems so the grid still fills the GPU.
-        block_m = 128 if m >= 128 else 64
-        block_n = 256 if n >= 4096 and a.dtype.itemsize == 2 else (128 if n >= 128 else 64)
-        block_k = 64 if a.dtype.itemsize == 2 else 32
-        warps = 8 if block_m * block_n >= 128 * 256 else 4
-        return MatmulConfig("pallas", block_m, block_n, block_k, warps, num_stages=3, group_m=8)
+        # The plain-JAX path until tuning in context shows something faster: an untuned
+        # labelled model compiles to the plain model's program, never to a slower one.
+        return MatmulConfig("xla")
 
     def config_space(self, inv: Invocation[MatmulConfig, jax.Array]) -> list[MatmulConfig]:
         if not on_gpu():
