@@ -2,15 +2,20 @@
 
 Selection happens in Python at trace time, so under ``jax.jit`` it costs nothing at run time;
 the label is written as frontend attributes on every op of the call (and, for kernels with a
-custom VJP, on every op of the backward pass, under ``<op>.bwd@v<version>``).
+custom VJP, on every op of the backward pass, under ``<op>.bwd@v<version>``). A path that JAX
+differentiates itself (``Kernel.differentiated_by_jax``) runs without a custom VJP: the program
+is then exactly the plain one, and JAX carries the label onto the transposed ops. The encoded
+call description goes only onto the first site of each call key in a traced function.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import jax
+from jax._src import core as jax_core  # the current trace: no public API names it
 
 from ejlabel.config.persistent import open_default_persistent
 from ejlabel.config.selection import ConfigSelectorChain
@@ -51,7 +56,7 @@ def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
     kernel = inv.kernel
     call_key = inv.call_key
     forward_label = label(inv.op_id, call_key)
-    description = encode_call(inv)
+    description = encode_call(inv) if _first_in_trace(inv) else None
     impl = kernel.implementation(get_device_platform())
     if not kernel.has_custom_vjp or kernel.differentiated_by_jax(cfg):
         with label_scope(forward_label, description):
@@ -81,6 +86,30 @@ def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
 
     call.defvjp(call_fwd, call_bwd)
     return call(inv.args, inv.array_kwargs)
+
+
+# The call descriptions each trace has carried already, by (op id, call key). A description is
+# the same at every site of a call key, so one copy per traced function is enough for the
+# readers; the others carry only the label. Weak keys: a finished trace takes its set with it.
+_described: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
+_described_lock = threading.Lock()
+
+
+def _first_in_trace(inv: Invocation[Any, Any]) -> bool:
+    """Whether the trace being recorded has not carried ``inv``'s description yet."""
+    trace = getattr(getattr(jax_core, "trace_ctx", None), "trace", None)
+    if trace is None:  # a JAX without the trace context: describe every site
+        return True
+    key = (inv.op_id, inv.call_key)
+    with _described_lock:
+        try:
+            seen = _described.setdefault(trace, set())
+        except TypeError:  # a trace that takes no weak reference
+            return True
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
 
 
 def _cotangent_for(primal: Any, grad: Any) -> Any:
