@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -172,3 +173,56 @@ def test_find_labels_rejects_bad_input(tmp_path):
         find_labels_in_lowered(42)
     with pytest.raises(ValueError, match="no program files"):
         find_labels_in_lowered(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a" * 1_000_000,  # one run of word characters: the shape of a call description
+        "a#" * 500_000,
+        "x#" + "a" * 1_000_000,
+        "x#" + "a@v" * 333_333,
+        "x#a@v" + "1" * 1_000_000,
+        "a." * 500_000,
+    ],
+    ids=["word-run", "hash-pairs", "op-run", "at-v-run", "version-run", "dotted-run"],
+)
+def test_label_regex_runs_in_linear_time_on_adversarial_text(text: str):
+    # 1 MB in well under a second; the regex without its lookbehind took 4 s on 40 kB.
+    start = time.perf_counter()
+    assert not list(LABEL_RE.finditer(text))
+    assert time.perf_counter() - start < 2.0  # quadratic would take minutes
+
+
+def test_label_regex_still_finds_labels_next_to_punctuation():
+    text = 'x={ejlabel="ejkernel_ops#matmul@v1:0123456789abcdef"}, (ejkernel_ops#a.b/c-d@v2.1:fedcba9876543210)'
+    assert [m.group("op") for m in LABEL_RE.finditer(text)] == ["matmul@v1", "a.b/c-d@v2.1"]
+
+
+@pytest.mark.parametrize("name", ['a"b', "a,b", "a{b", "a}b", "a=b", "a b", "a\nb", "ü", "a@b", "a:b", "a#b", "", "foo.bwd"])
+def test_kernel_names_the_readers_cannot_read_back_are_rejected(name: str):
+    with pytest.raises(ValueError, match="op_id"):
+        _Identity(name)
+
+
+def test_versions_the_readers_cannot_read_back_are_rejected():
+    class Injected(_Identity):
+        version = "1:0123456789abcdef"
+
+    with pytest.raises(ValueError, match="version"):
+        Injected("identity")
+    assert _Identity("a.b/c-d_1").versioned_id == "a.b/c-d_1@v1"
+
+
+class _Identity(ejlabel.Kernel):
+    def run(self, x, *, cfg):
+        return x
+
+
+def test_label_format_round_trips_forward_and_backward_ids():
+    from ejlabel.core.label_format import backward_op_id, format_label, forward_op_id, is_backward
+
+    lab = format_label("rms_norm@v2", "0123456789abcdef")
+    assert parse_label(lab) == ("rms_norm@v2", "0123456789abcdef")
+    assert backward_op_id("rms_norm@v2") == "rms_norm.bwd@v2" and is_backward("rms_norm.bwd@v2")
+    assert forward_op_id("rms_norm.bwd@v2") == "rms_norm@v2" and not is_backward("rms_norm@v2")

@@ -46,8 +46,11 @@ _VERSION_RE = re.compile(_VERSION)
 _KEY_RE = re.compile(r"[0-9a-f]{16}")
 _PREFIX_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*#")
 
+# The lookbehind lets a match start only where a run of prefix characters starts: without it,
+# a scan retries at every character of a long run (real call descriptions are such runs) and
+# takes time quadratic in the run's length.
 LABEL_RE = re.compile(
-    r"(?P<prefix>[A-Za-z_][A-Za-z0-9_.\-]*#)(?P<op>[A-Za-z0-9_.\-/]+@v[0-9A-Za-z_.\-]+):(?P<key>[0-9a-f]{16})(?![0-9a-f])"
+    r"(?<![A-Za-z0-9_.\-])(?P<prefix>[A-Za-z_][A-Za-z0-9_.\-]*#)(?P<op>[A-Za-z0-9_.\-/]+@v[0-9A-Za-z_.\-]+):(?P<key>[0-9a-f]{16})(?![0-9a-f])"
 )
 """Matches a label; group ``op`` is the op id (``name@vN``) and ``key`` the call key."""
 
