@@ -55,6 +55,7 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import BwdParams, FwdParams, Invocation, Kernel
 
+from ._checks import check_config, check_floating, check_integer, check_same_dtype
 from ._pallas import MASK_VALUE, compiler_params, dot, interpret_mode, next_power_of_2, on_gpu, pad_axis, pad_to
 
 __all__ = ["AttentionConfig", "AttentionKernel", "cu_seqlens_to_segment_ids", "flash_attention"]
@@ -631,6 +632,13 @@ def flash_attention(
       ``[batch, seq_q, heads, dim]`` in the dtype of ``q``.
     """
     _check_shapes(q, k, v)
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        check_floating(array, name)
+    check_same_dtype({"q": q, "k": k, "v": v})
+    for name, ids in (("segment_ids", segment_ids), ("cu_seqlens", cu_seqlens)):
+        if ids is not None:
+            check_integer(ids, name)
+    check_config(cfg, AttentionConfig)
     window = None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1]))
     scale = None if softmax_scale is None else float(softmax_scale)
     return _ATTENTION(

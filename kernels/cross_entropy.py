@@ -33,6 +33,7 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import Invocation, Kernel
 
+from ._checks import check_config, check_floating, check_integer
 from ._pallas import MASK_VALUE, compiler_params, interpret_mode, on_gpu, pad_to
 
 __all__ = ["CrossEntropyConfig", "CrossEntropyKernel", "softmax_cross_entropy"]
@@ -242,6 +243,9 @@ def softmax_cross_entropy(
     Returns:
       ``[tokens]`` float32 losses.
     """
+    check_floating(logits, "logits")
+    check_integer(labels, "labels")
+    check_config(cfg, CrossEntropyConfig)
     if ignore_index is not None and not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int or None, got {type(ignore_index).__name__}")
     return _CROSS_ENTROPY(logits, labels=labels, ignore_index=ignore_index, cfg=cfg)

@@ -30,6 +30,7 @@ from jaxtyping import Array, Float
 
 from ejlabel import Invocation, Kernel
 
+from ._checks import check_config, check_floating
 from ._pallas import compiler_params, dot, interpret_mode, on_gpu, pad_to
 
 __all__ = ["MatmulConfig", "MatmulKernel", "matmul"]
@@ -208,4 +209,7 @@ def matmul(
     Returns:
       ``[..., m, n]`` in the dtype of ``a``.
     """
+    check_floating(a, "a")
+    check_floating(b, "b")
+    check_config(cfg, MatmulConfig)
     return _MATMUL(a, b, cfg=cfg)

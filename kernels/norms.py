@@ -32,6 +32,7 @@ from jaxtyping import Array, Float
 
 from ejlabel import Invocation, Kernel
 
+from ._checks import check_config, check_floating
 from ._pallas import compiler_params, interpret_mode, next_power_of_2, on_gpu, pad_axis, pad_to
 
 __all__ = ["LayerNormKernel", "NormConfig", "RMSNormKernel", "layer_norm", "rms_norm"]
@@ -281,6 +282,9 @@ def rms_norm(
     Returns:
       ``[..., width]`` in the dtype of ``x``.
     """
+    check_floating(x, "x")
+    check_floating(w, "w")
+    check_config(cfg, NormConfig)
     return _RMS_NORM(x, w, eps=float(eps), cfg=cfg)
 
 
@@ -299,4 +303,7 @@ def layer_norm(
     Returns:
       ``[..., width]`` in the dtype of ``x``.
     """
+    for name, array in (("x", x), ("w", w), ("b", b)):
+        check_floating(array, name)
+    check_config(cfg, NormConfig)
     return _LAYER_NORM(x, w, b, eps=float(eps), cfg=cfg)
