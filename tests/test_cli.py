@@ -65,6 +65,7 @@ def test_audit_tune_audit_and_cache_commands(program, tmp_path):
     assert len(before["unseen"]) == 2  # ...so it is one distinct call to tune
     tuned = cli("tune", str(program), "--iters", "3", cache=cache)
     assert "tuned 2 distinct calls" in tuned.stdout
+    assert "isolated timings" in tuned.stdout and "not confirmed in context" in tuned.stdout
     after = json.loads(cli("audit", str(program), "--json", cache=cache).stdout)
     assert after["unseen"] == [] and {c["provenance"] for c in after["calls"]} == {"persistent"}
     again = cli("tune", str(program), cache=cache)
@@ -94,3 +95,14 @@ def test_audit_module_function_target(tmp_path):
     assert "scale@v1" in proc.stdout and "UNSEEN" in proc.stdout
     assert cli("audit", "toy_kernels:scale", cache=tmp_path, check=2).returncode == 2
     assert cli("audit", "toy_kernels:scale", "--example-args", "q32[4]", cache=tmp_path, check=2).returncode == 2
+
+
+def test_tune_module_function_in_context(program, tmp_path):
+    # loopsum has no XLA path: its floor is the heuristic (block=1, a 512-step loop), which
+    # every larger block beats many times over in the whole step.
+    proc = cli("tune", "toy_kernels:loopsum", "--example-args", "f32[8,512]", "--samples", "4", "--iters", "3", "--candidates", "1", cache=tmp_path)
+    assert "in-context tuning" in proc.stdout and "all-XLA (floor)" in proc.stdout and "accepted" in proc.stdout
+    (line,) = [line for line in cli("cache", "ls", cache=tmp_path).stdout.splitlines() if "loopsum@v1" in line]
+    assert "in-context" in line and "block=1," not in line
+    assert "--samples" in cli("tune", str(program), "--samples", "3", cache=tmp_path, check=2).stderr
+    assert "--example-args" in cli("tune", "toy_kernels:loopsum", cache=tmp_path, check=2).stderr

@@ -83,10 +83,15 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
+    if ":" in args.path and not Path(args.path).exists():
+        return _tune_step_in_context(args)
     import dataclasses
 
     from ejlabel.analysis import tune_unseen
 
+    for flag in ("baseline", "samples", "candidates", "confirm_slower"):
+        if getattr(args, flag) not in (None, False):
+            raise UsageError(f"--{flag.replace('_', '-')} only applies to tuning a module:function step in context")
     selector = _selector(args.cache_dir)
     policy = dataclasses.replace(
         selector.policy,
@@ -100,6 +105,52 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     for lab, error in report.errors.items():
         print(f"error  {lab}  {error}", file=sys.stderr)
     print(report.summary())
+    print(
+        "these picks come from isolated timings (each call alone, outside its program), not "
+        "confirmed in context; to confirm them in the whole step run "
+        "`ejlabel tune module:function --example-args ...`"
+    )
+    return 1 if report.errors else 0
+
+
+def _import_function(target: str, flag: str) -> Any:
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"{flag}: expected 'module:function', got {target!r}")
+    fn = importlib.import_module(module_name)
+    for part in attr.split("."):
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise UsageError(f"{flag}: {target} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _tune_step_in_context(args: argparse.Namespace) -> int:
+    """``ejlabel tune module:function --example-args ...``: whole-step tuning from the all-XLA floor."""
+    import dataclasses
+
+    from ejlabel.execution.context_tuning import tune_in_context
+
+    if args.example_args is None:
+        raise UsageError("--example-args is required to tune a module:function step")
+    fn = _import_function(args.path, "PATH")
+    baseline = _import_function(args.baseline, "--baseline") if args.baseline else None
+    selector = _selector(args.cache_dir)
+    policy = dataclasses.replace(selector.policy, num_iters=args.iters, max_configs=args.max_configs)
+    report = tune_in_context(
+        fn,
+        *_parse_example_args(args.example_args),
+        baseline_fn=baseline,
+        budget_s=args.budget if args.budget is not None else 300.0,
+        samples=args.samples if args.samples is not None else 10,
+        candidates_per_call=args.candidates if args.candidates is not None else 2,
+        skip_slower_in_isolation=not args.confirm_slower,
+        policy=policy,
+        selector=selector,
+    )
+    print(f"stored {len(report.calls)} picks with provenance 'in-context' in {selector.persistent.path}")
+    for what, error in report.errors.items():
+        print(f"error  {what}  {error}", file=sys.stderr)
     return 1 if report.errors else 0
 
 
@@ -159,12 +210,24 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--png", metavar="FILE", help="draw the call graph as PNG (needs Graphviz)")
     audit.set_defaults(run=_cmd_audit)
 
-    tune = commands.add_parser("tune", help="tune every call of a program that has no tuned config")
-    tune.add_argument("path", help="HLO file, XLA dump directory, or module:function")
-    tune.add_argument("--example-args", help="argument specs for module:function")
-    tune.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="time budget per call")
-    tune.add_argument("--iters", type=int, default=10, help="timed runs per candidate (default 10)")
+    tune = commands.add_parser(
+        "tune",
+        help="tune a step in context (module:function), or the unseen calls of a program dump in isolation",
+        description=(
+            "With module:function and --example-args: time the whole compiled step, starting from "
+            "every call on XLA, and keep a kernel config only where the step gets faster. With an "
+            "HLO file or dump directory: tune each unseen call alone (isolated timings)."
+        ),
+    )
+    tune.add_argument("path", help="module:function (in context), or an HLO file / XLA dump directory (isolated)")
+    tune.add_argument("--example-args", help="argument specs for module:function, e.g. 'f32[8,16] i32[8]'")
+    tune.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="in context: seconds for the whole search (default 300); isolated: seconds per call")
+    tune.add_argument("--iters", type=int, default=10, help="timed runs per candidate in isolation (default 10)")
     tune.add_argument("--max-configs", type=int, default=None, help="candidates per call at most")
+    tune.add_argument("--samples", type=int, default=None, help="in context: timed steps per program and comparison (default 10)")
+    tune.add_argument("--candidates", type=int, default=None, help="in context: the fastest candidates in isolation confirmed per call (default 2)")
+    tune.add_argument("--confirm-slower", action="store_true", help="in context: also confirm candidates slower than XLA in isolation")
+    tune.add_argument("--baseline", metavar="MODULE:FUNCTION", help="in context: the step in plain JAX, timed alongside")
     tune.set_defaults(run=_cmd_tune)
 
     cache = commands.add_parser("cache", help="inspect and move tuned configs")
