@@ -102,7 +102,11 @@ def test_tune_module_function_in_context(program, tmp_path):
     # every larger block beats many times over in the whole step.
     proc = cli("tune", "toy_kernels:loopsum", "--example-args", "f32[8,512]", "--samples", "4", "--iters", "3", "--candidates", "1", cache=tmp_path)
     assert "in-context tuning" in proc.stdout and "all-XLA (floor)" in proc.stdout and "accepted" in proc.stdout
-    (line,) = [line for line in cli("cache", "ls", cache=tmp_path).stdout.splitlines() if "loopsum@v1" in line]
-    assert "in-context" in line and "block=1," not in line
+    import toy_kernels  # registers LoopConfig, so this process can decode the stored config
+    from ejlabel import PersistentCache
+
+    (entry,) = PersistentCache(tmp_path).entries(op_id="loopsum@v1")
+    assert entry.provenance == "in-context" and entry.config.block > 1 and not entry.config.wrong
+    assert entry.config == toy_kernels.LoopConfig(entry.config.block) and entry.stats["step_ms"] < entry.stats["floor_step_ms"]
     assert "--samples" in cli("tune", str(program), "--samples", "3", cache=tmp_path, check=2).stderr
     assert "--example-args" in cli("tune", "toy_kernels:loopsum", cache=tmp_path, check=2).stderr
