@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="the TINY model (a CPU smoke run)")
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--steps-per-sample", type=int, default=3)
-    parser.add_argument("--tune-budget", type=float, default=420.0, help="seconds for tune_in_context; 0 skips it")
+    parser.add_argument("--tune-budget", type=float, default=300.0, help="seconds for tune_in_context; 0 skips it")
     parser.add_argument("--out", default=None, help="write the Markdown table here too")
     args = parser.parse_args()
     os.environ.setdefault("EJLABEL_CACHE_DIR", tempfile.mkdtemp(prefix="ejlabel-bench-model-"))
@@ -109,7 +109,9 @@ def main() -> int:
     if args.tune_budget > 0:
         from ejlabel.execution.context_tuning import tune_in_context
 
-        selector = ejlabel.ConfigSelectorChain(persistent=ejlabel.PersistentCache())
+        # The isolated ranking's policy: the 24 most promising candidates per call, 30 s each.
+        policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=10, max_configs=24, time_budget_s=30.0, compile_workers=12)
+        selector = ejlabel.ConfigSelectorChain(persistent=ejlabel.PersistentCache(), policy=policy)
         ejlabel.set_default_executor(ejlabel.Executor(selector))
         start = time.perf_counter()
         try:
