@@ -2,12 +2,34 @@
 
 Everything here works from program text alone (a ``Lowered``, a ``Compiled``, HLO or
 StableHLO text, an HLO file or an XLA dump directory), so a dump written on another machine is
-enough to audit and tune a model.
+enough to audit and tune a model. A program is read once (:class:`Program`, :mod:`.program`
+says which text each form reads); ``call_graph``, ``audit``, ``tune_unseen`` and
+``invocations_from_program`` take that ``Program`` or anything it reads.
+
+Modules: ``hlo`` (the tolerant HLO parser), ``program`` (one reader for every form), ``costs``
+(shapes, instruction facts, flops), ``sites`` (which instructions make up each call), ``flow``
+(data edges), ``graph`` (the ``networkx`` graph), ``export`` (JSON, DOT, drawings), ``audit``
+and ``tune``.
 """
 
 from .audit import CallRow, Report, audit
-from .graph import call_graph, draw, from_node_link_json, to_dot, to_node_link_json
-from .hlo import HloComputation, HloInstruction, HloModule, HloParseError, parse_hlo, stablehlo_frontend_attributes
+from .export import draw, from_node_link_json, to_dot, to_node_link_json
+from .graph import call_graph
+from .hlo import (
+    HloComputation,
+    HloInstruction,
+    HloModule,
+    HloParseError,
+    parse_hlo,
+    stablehlo_frontend_attributes,
+)
+from .program import (
+    Program,
+    ProgramModule,
+    UnreadModule,
+    invocations_from_program,
+    read_program,
+)
 from .tune import TuneReport, tune_unseen
 
 __all__ = [
@@ -16,13 +38,18 @@ __all__ = [
     "HloInstruction",
     "HloModule",
     "HloParseError",
+    "Program",
+    "ProgramModule",
     "Report",
     "TuneReport",
+    "UnreadModule",
     "audit",
     "call_graph",
     "draw",
     "from_node_link_json",
+    "invocations_from_program",
     "parse_hlo",
+    "read_program",
     "stablehlo_frontend_attributes",
     "to_dot",
     "to_node_link_json",

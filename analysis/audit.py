@@ -1,28 +1,33 @@
 """Offline audit of a program: every kernel call, the config it maps to, what is unseen.
 
-``audit(x)`` reads the call graph of a program (:func:`ejlabel.analysis.call_graph`) and
-summarises it per call site: op, version, shapes, config, provenance, how often it runs and its
-estimated cost. Calls with no cached config (or only the kernel's heuristic) are *unseen*:
-``tune_unseen`` tunes exactly those. The report renders as a terminal table, Markdown or JSON.
+``audit(x)`` reads ``x`` once (:class:`~ejlabel.analysis.Program`), builds its call graph
+(:func:`ejlabel.analysis.call_graph`) and summarises it per call site: op, version, shapes,
+config, provenance, how often it runs and its estimated cost. The arguments shown per call come
+from the call descriptions the same program carries. Calls with no cached config (or only the
+kernel's heuristic) are *unseen*: ``tune_unseen`` tunes exactly those. The report renders as a
+terminal table, Markdown or JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import networkx as nx
 
-from ejlabel.utils.fingerprint import device_fingerprint
-from ejlabel.utils.serialize import to_jsonable
 from ejlabel.config.persistent import open_default_persistent
 from ejlabel.config.selection import ConfigSelectorChain
+from ejlabel.core.calls import CallDecodeError, decode_call
+from ejlabel.utils.fingerprint import device_fingerprint
+from ejlabel.utils.serialize import to_jsonable
 
 from .graph import call_graph
+from .program import read_program
 
-__all__ = ["CallRow", "CallSummary", "Report", "audit", "TUNED_PROVENANCES"]
+__all__ = ["TUNED_PROVENANCES", "CallRow", "CallSummary", "Report", "audit"]
 
 TUNED_PROVENANCES = frozenset({"override", "memory", "persistent", "autotuned"})
 """Provenances that count as seen; ``heuristic`` and None are unseen."""
@@ -80,10 +85,8 @@ class CallSummary:
         return self.provenance in TUNED_PROVENANCES
 
 
-def _describe_arguments(label: str, descriptions: dict[str, str]) -> str:
+def _describe_arguments(label: str, descriptions: Mapping[str, str]) -> str:
     """``f32[64,64] f32[64] eps=1e-06`` from the call description next to ``label``."""
-    from ejlabel.core.calls import CallDecodeError, decode_call
-
     text = descriptions.get(label)
     if text is None:
         return "?"
@@ -212,7 +215,7 @@ class Report:
             for c in self.summaries
         ]
 
-    _HEADERS = ["op", "key", "arguments", "sites", "config", "provenance", "flops", "bytes"]
+    _HEADERS = ("op", "key", "arguments", "sites", "config", "provenance", "flops", "bytes")
 
     def to_markdown(self) -> str:
         lines = [f"**{self.summary()}**", "", "| " + " | ".join(self._HEADERS) + " |", "|" + "---|" * len(self._HEADERS)]
@@ -244,15 +247,16 @@ class Report:
 
 
 def audit(x: Any, selector: ConfigSelectorChain | None = None, device: str | None = None) -> Report:
-    """Audit ``x`` (anything ``find_labels_in_lowered`` accepts) against ``selector``'s caches.
+    """Audit ``x`` (a ``Program`` or anything :func:`~ejlabel.analysis.read_program` reads)
+    against ``selector``'s caches.
 
     With no selector, a fresh one over the default persistent cache is used: the audit then
     shows what a new process would find.
     """
     if selector is None:
-
         selector = ConfigSelectorChain(persistent=open_default_persistent())
-    graph = call_graph(x, selector=selector, device=device)
+    program = read_program(x)
+    graph = call_graph(program, selector=selector, device=device)
     rows = []
     for node, data in graph.nodes(data=True):
         if data.get("kind", "kernel") != "kernel":
@@ -277,8 +281,5 @@ def audit(x: Any, selector: ConfigSelectorChain | None = None, device: str | Non
                 attributed_custom_calls=tuple(data.get("attributed_custom_calls", ())),
             )
         )
-    from ejlabel.core.calls import call_descriptions
-
-    descriptions = call_descriptions(x)
-    arguments = {row.label: _describe_arguments(row.label, descriptions) for row in rows}
+    arguments = {row.label: _describe_arguments(row.label, program.descriptions) for row in rows}
     return Report(tuple(rows), graph.graph.get("device") or device or device_fingerprint(), graph, arguments)

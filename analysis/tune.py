@@ -4,7 +4,8 @@
 :class:`~ejlabel.Invocation` from the call description the program carries next to the label,
 tunes them all in one batch (every candidate of every call compiles in one pool), and writes the
 winners to the persistent cache. ``x`` can be a dump written on another machine: nothing of the
-model is imported, only the kernels the descriptions name.
+model is imported, only the kernels the descriptions name. Labels and descriptions come from one
+reading of ``x`` (:class:`~ejlabel.analysis.Program`), the same the audit and the graph see.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import dataclasses
 import time
 from typing import Any
 
-from ejlabel.core.calls import CallDecodeError, call_descriptions, invocation_from_description
 from ejlabel.config.cache import AutotunePolicy
-from ejlabel.utils.fingerprint import device_fingerprint
+from ejlabel.config.persistent import PersistentCache
+from ejlabel.config.selection import ConfigSelectorChain
+from ejlabel.core.calls import CallDecodeError, invocation_from_description
 from ejlabel.core.kernel import Invocation
 from ejlabel.core.label_format import parse_label
-from ejlabel.core.labels import find_labels_in_lowered
-from ejlabel.config.selection import ConfigSelectorChain
 from ejlabel.execution.tuning import AutotuneError, Autotuner, TuneResult, store_result
+from ejlabel.utils.fingerprint import device_fingerprint
 
 from .audit import TUNED_PROVENANCES
+from .program import Program, read_program
 
 __all__ = ["TuneReport", "tune_unseen"]
 
@@ -54,9 +56,10 @@ class TuneReport:
         )
 
 
-def _unseen_labels(x: Any, selector: ConfigSelectorChain, device: str) -> tuple[list[str], list[str]]:
-    unseen, seen = [], []
-    for lab in find_labels_in_lowered(x):
+def _unseen_labels(program: Program, selector: ConfigSelectorChain, device: str) -> tuple[list[str], list[str]]:
+    unseen: list[str] = []
+    seen: list[str] = []
+    for lab in program.labels:
         op_id, call_key = parse_label(lab)
         found = selector.resolve((device, op_id, call_key))
         (seen if found is not None and found.provenance in TUNED_PROVENANCES else unseen).append(lab)
@@ -72,18 +75,18 @@ def tune_unseen(
 ) -> TuneReport:
     """Tune every call in ``x`` that has no tuned config; store winners persistently.
 
+    ``x`` is a ``Program`` or anything :func:`~ejlabel.analysis.read_program` reads.
     ``selector`` defaults to one over the user's persistent cache. Calls whose kernel cannot be
     imported or whose candidates all fail are reported in ``errors``; the others are tuned.
     """
     start = time.perf_counter()
     if selector is None:
-        from ejlabel.config.persistent import PersistentCache
-
         selector = ConfigSelectorChain(persistent=PersistentCache())
+    program = read_program(x)
     device = device_fingerprint()
     report = TuneReport()
-    unseen, report.already_seen = _unseen_labels(x, selector, device)
-    descriptions = call_descriptions(x) if unseen else {}
+    unseen, report.already_seen = _unseen_labels(program, selector, device)
+    descriptions = program.descriptions
 
     calls: dict[tuple[str, str], Invocation[Any, Any]] = {}
     labels_of: dict[tuple[str, str], list[str]] = {}

@@ -7,13 +7,13 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import run_python
+from ejlabel.analysis import read_program
+from toy_kernels import scale, toymatmul
 
 import ejlabel
-from ejlabel import Invocation, call_descriptions, decode_call, encode_call
-from ejlabel.core.calls import CallDecodeError
-
-from conftest import run_python
-from toy_kernels import scale, toymatmul
+from ejlabel import Invocation, decode_call, encode_call
+from ejlabel.core.calls import CallDecodeError, invocations_from_program
 
 
 def test_encode_decode_round_trip():
@@ -35,9 +35,24 @@ def test_decode_rejects_garbage():
 def test_descriptions_in_every_program_form():
     a, b = jnp.ones((3, 4)), jnp.ones((4, 5))
     lowered = jax.jit(jax.grad(lambda a, b: scale(toymatmul(a, b)).sum())).lower(a, b)
-    for text in (lowered.as_text(), lowered.compiler_ir("hlo").as_hlo_text(), lowered.compile().as_text()):
-        found = call_descriptions(text)
-        assert set(found) == set(ejlabel.find_labels_in_lowered(text))
+    texts = (lowered.as_text(), lowered.compiler_ir("hlo").as_hlo_text(), lowered.compile().as_text())
+    found = [read_program(text).descriptions for text in texts]
+    labels = set(ejlabel.find_labels_in_lowered(texts[1]))
+    assert any(".bwd@" in lab for lab in labels)  # toymatmul's backward: its forward's description
+    for descriptions, text in zip(found, texts):
+        assert set(descriptions) == labels == set(ejlabel.find_labels_in_lowered(text))
+        assert descriptions == found[0]
+
+
+def test_core_rebuilds_from_what_the_reader_found():
+    """The core decodes; reading programs is the analysis layer's: it takes a Program or a mapping."""
+    lowered = jax.jit(lambda x: scale(x, offset=1.5).sum()).lower(jnp.ones((2, 3)))
+    program = read_program(lowered)
+    [(lab, inv)] = invocations_from_program(program).items()
+    assert inv.op_id == "scale@v1" and inv.kwargs == {"offset": 1.5} and lab.endswith(inv.call_key)
+    assert invocations_from_program(dict(program.descriptions)).keys() == {lab}
+    with pytest.raises(TypeError, match=r"ejlabel\.analysis\.invocations_from_program"):
+        invocations_from_program(lowered.as_text())
 
 
 def test_rebuild_in_fresh_process(tmp_path):
@@ -55,10 +70,11 @@ open({str(path)!r}, "w").write(text)
     )
     out = run_python(
         f"""
-import json, sys
+import json
 import ejlabel
-invs = ejlabel.invocations_from_program({str(path)!r})
-assert "toy_kernels" not in sys.modules or True
+import toy_kernels  # the kernels the descriptions name (decoding never imports them itself)
+from ejlabel.analysis import invocations_from_program
+invs = invocations_from_program({str(path)!r})
 rows = []
 for lab, inv in invs.items():
     fresh = ejlabel.Invocation(inv.kernel, inv.args, inv.kwargs)

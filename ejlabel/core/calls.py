@@ -15,21 +15,13 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 from ejlabel.core.kernel import Invocation, Kernel
-from ejlabel.core.label_format import (
-    CALL_ATTRIBUTE,
-    LABEL_RE,
-    forward_op_id,
-    is_backward,
-    parse_label,
-    split_op_id,
-)
-from ejlabel.core.labels import program_texts
+from ejlabel.core.label_format import forward_op_id, parse_label, split_op_id
 from ejlabel.utils.fingerprint import sharding_fingerprint
 from ejlabel.utils.serialize import (
     from_jsonable,
@@ -38,10 +30,16 @@ from ejlabel.utils.serialize import (
     to_jsonable,
 )
 
-__all__ = ["encode_call", "decode_call", "CallDescription", "call_descriptions", "invocations_from_program", "CallDecodeError"]
+__all__ = [
+    "CallDecodeError",
+    "CallDescription",
+    "decode_call",
+    "encode_call",
+    "invocation_from_description",
+    "invocations_from_program",
+]
 
 _FORMAT = 1
-_CALL_RE = re.compile(CALL_ATTRIBUTE + r'\s*=\s*"(?P<call>[A-Za-z0-9_-]+)"')
 _cache: dict[tuple[str, str], str] = {}
 
 
@@ -136,34 +134,8 @@ def decode_call(text: str, label: str) -> CallDescription:
         )
     except CallDecodeError:
         raise
-    except Exception as err:  # any malformed text: one clear error type
+    except Exception as err:  # noqa: BLE001 - any malformed text: one clear error type
         raise CallDecodeError(f"cannot decode call description {text[:40]!r}...: {err}") from None
-
-
-def call_descriptions(x: Any) -> dict[str, str]:
-    """Map each label in ``x`` to its encoded call description (first one seen wins).
-
-    Backward regions carry only their label; they map to their forward call's description.
-    """
-    found: dict[str, str] = {}
-    labels: dict[str, None] = {}
-    for text in program_texts(x):
-        labels.update(dict.fromkeys(m.group(0) for m in LABEL_RE.finditer(text)))
-        for match in _CALL_RE.finditer(text):
-            # Both attributes sit in the same braces; the label may come before or after.
-            start = text.rfind("{", 0, match.start())
-            end = text.find("}", match.end())
-            label_match = LABEL_RE.search(text, start if start >= 0 else 0, end if end >= 0 else len(text))
-            if label_match is not None:
-                found.setdefault(label_match.group(0), match.group("call"))
-    for lab in labels:
-        if lab not in found:
-            op_id, call_key = parse_label(lab)
-            if is_backward(op_id):
-                forward = lab.replace(op_id, forward_op_id(op_id), 1)
-                if forward in found:
-                    found[lab] = found[forward]
-    return found
 
 
 def rebuild_kernel(desc: CallDescription) -> Kernel[Any, Any]:
@@ -197,15 +169,37 @@ def rebuild_kernel(desc: CallDescription) -> Kernel[Any, Any]:
     return kernel
 
 
-def invocations_from_program(x: Any) -> dict[str, Invocation[Any, Any]]:
-    """Rebuild the ``Invocation`` of every described call in ``x``, keyed by label.
+def invocations_from_program(program: Any) -> dict[str, Invocation[Any, Any]]:
+    """Rebuild the ``Invocation`` of every described call, keyed by label.
 
+    ``program`` is an :class:`ejlabel.analysis.Program` (anything with a ``descriptions``
+    mapping) or a mapping from label to encoded description. To read a ``Lowered``, a file or a
+    dump directory, use :func:`ejlabel.analysis.invocations_from_program`, which reads it first.
     Arguments come back as ``jax.ShapeDtypeStruct``; the call key is the one in the label, so
     configs tuned for the rebuilt invocation land exactly where the program will look.
     Raises :class:`CallDecodeError` for the first call that cannot be rebuilt; use
-    :func:`call_descriptions` and :func:`invocation_from_description` to handle calls one by one.
+    :func:`invocation_from_description` to handle calls one by one.
     """
-    return {lab: invocation_from_description(lab, text) for lab, text in call_descriptions(x).items()}
+    return {lab: invocation_from_description(lab, text) for lab, text in _descriptions_of(program, "program").items()}
+
+
+def _descriptions_of(program: Any, argument: str) -> Mapping[str, str]:
+    found = getattr(program, "descriptions", program)
+    if not isinstance(found, Mapping):
+        raise TypeError(
+            f"{argument}: expected an ejlabel.analysis.Program or a mapping from label to call description, "
+            f"got {type(program).__name__}; ejlabel.analysis.invocations_from_program(x) reads any program form"
+        )
+    return found
+
+
+def call_descriptions(program: Any) -> dict[str, str]:
+    """Transitional: ``ejlabel/__init__.py`` still exports this name; remove both together.
+
+    The program reader lives in :mod:`ejlabel.analysis` now: ``read_program(x).descriptions``.
+    This takes what that reader found (a ``Program`` or a mapping), as ``invocations_from_program``.
+    """
+    return dict(_descriptions_of(program, "program"))
 
 
 def invocation_from_description(lab: str, text: str) -> Invocation[Any, Any]:
