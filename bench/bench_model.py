@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="the TINY model (a CPU smoke run)")
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--steps-per-sample", type=int, default=3)
-    parser.add_argument("--tune-budget", type=float, default=300.0, help="seconds for tune_in_context; 0 skips it")
+    parser.add_argument("--tune-budget", type=float, default=200.0, help="seconds for tune_in_context; 0 skips it")
     parser.add_argument("--out", default=None, help="write the Markdown table here too")
     args = parser.parse_args()
     os.environ.setdefault("EJLABEL_CACHE_DIR", tempfile.mkdtemp(prefix="ejlabel-bench-model-"))
@@ -109,8 +109,9 @@ def main() -> int:
     if args.tune_budget > 0:
         from ejlabel.execution.context_tuning import tune_in_context
 
-        # The isolated ranking's policy: the 24 most promising candidates per call, 30 s each.
-        policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=10, max_configs=24, time_budget_s=30.0, compile_workers=12)
+        # The isolated ranking's policy: at most 12 candidates per call (no per-call time budget:
+        # with one, a call whose candidates are still compiling when it runs out gets no timing).
+        policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=10, max_configs=12, compile_workers=12)
         selector = ejlabel.ConfigSelectorChain(persistent=ejlabel.PersistentCache(), policy=policy)
         ejlabel.set_default_executor(ejlabel.Executor(selector))
         start = time.perf_counter()
@@ -118,6 +119,8 @@ def main() -> int:
             report = tune_in_context(examples.make_train_step(cfg, examples.KERNEL_OPS), params, batch, budget_s=args.tune_budget, selector=selector, progress=False)
             tune_s = time.perf_counter() - start
             print(report, flush=True)
+            for where, why in report.errors.items():
+                print(f"  tuning error {where}: {why[:400]}", flush=True)
             tune_note = f"tune_in_context of the training step: {tune_s:.0f} s (budget {args.tune_budget:.0f} s)"
             add("ejlabel, tuned in context", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(persistent=selector.persistent)))
         except Exception as err:
