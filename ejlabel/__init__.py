@@ -55,6 +55,7 @@ from ejlabel.execution.recording import (  # noqa: E402
     record_invocation,
     recording,
 )
+from ejlabel.execution.context_tuning import ContextTuneReport, tune_in_context  # noqa: E402
 from ejlabel.execution.tuning import (  # noqa: E402
     AutotuneError,
     Autotuner,
@@ -92,6 +93,7 @@ __all__ = [
     "CacheError",
     "ConfigCache",
     "ConfigSelectorChain",
+    "ContextTuneReport",
     "Executor",
     "FwdParams",
     "Invocation",
@@ -135,6 +137,7 @@ __all__ = [
     "short_hash",
     "stable_json",
     "to_json",
+    "tune_in_context",
     "use_implementation",
     "vmap_with_config",
 ]
