@@ -60,3 +60,34 @@ def test_checker_catches_each_form(tmp_path: pathlib.Path) -> None:
     finally:
         ROOT = saved
     assert len(problems) == 5, problems
+
+
+# Modules that decode data (cache rows, export files, call descriptions): they resolve names
+# through the registry only, so none of them may import a module by a name computed at run time.
+DECODERS = ("ejlabel/utils/serialize.py", "ejlabel/config/persistent.py", "ejlabel/core/calls.py")
+
+
+def _dynamic_imports(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            found += [f"{path.name}:{node.lineno}: imports {n}" for n in names if n.split(".")[0] in {"importlib", "imp", "pkgutil", "runpy"}]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in {"import_module", "__import__", "find_spec", "run_module"}:
+                found.append(f"{path.name}:{node.lineno}: calls {name}")
+    return found
+
+
+def test_decoders_never_import_by_name() -> None:
+    problems = [p for rel in DECODERS if (ROOT / rel).is_file() for p in _dynamic_imports(ROOT / rel)]
+    assert problems == [], "a decoder can import a module named by data:\n" + "\n".join(problems)
+
+
+def test_the_only_dynamic_import_in_the_core_takes_user_module_names() -> None:
+    # ejlabel --import MODULE: names the user typed, never read from a file.
+    found = [p for path in sorted((ROOT / "ejlabel" / "core").glob("*.py")) for p in _dynamic_imports(path)]
+    assert all(p.startswith("registry.py:") for p in found), found

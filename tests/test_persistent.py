@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ejlabel.config.persistent import CacheEntry, CacheError, PersistentCache, normalize_key
+from ejlabel.core.registry import register_config_type
 
 DEV = "cpu:test-device:fp0"
 OTHER_DEV = "gpu:other-device:fp1"
@@ -33,6 +34,7 @@ class Layout(enum.Enum):
     COL = "col"
 
 
+@register_config_type  # decoding never imports: a config type is read back only once registered (Layout with it)
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     block: tuple[int, int]

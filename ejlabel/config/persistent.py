@@ -8,14 +8,26 @@ Autotuning is expensive, so its results outlive the process that found them. Eac
   configs of an old one;
 * ``call_key``: 16 lowercase hex digits naming the call (shapes, dtypes, ...).
 
-Configs are stored as tagged JSON (:mod:`ejlabel.serialize`) together with the import path of
-their type, never pickled: opening a cache file must not be able to run code. The file is
-checked before anything is written to it, so pointing the cache at the wrong file fails with a
-:class:`CacheError` and leaves that file byte-for-byte unchanged.
+Configs are stored as tagged JSON (:mod:`ejlabel.utils.serialize`) together with the name of
+their type, never pickled: opening a cache file must not be able to run code. Decoding a config
+never imports anything; the names in it resolve through the registry of kernels and config types
+(:mod:`ejlabel.core.registry`), and :meth:`PersistentCache.put` refuses a config that would not
+read back. The file is checked before anything is written to it, so pointing the cache at the
+wrong file fails with a :class:`CacheError` and leaves that file byte-for-byte unchanged.
 
 Many processes may read and write the same file at once (parallel tuning jobs, test workers):
 the database runs in WAL mode with a busy timeout, and each :meth:`PersistentCache.put` is one
-short transaction.
+short transaction. Opening reads the file's identity in one transaction (one snapshot), and a
+new file's identity check and schema creation are one ``BEGIN IMMEDIATE`` transaction, so
+processes opening a fresh cache together never see each other's half-made schema.
+
+The cache file and export files are data from elsewhere, so one bad entry never breaks the
+cache: an entry whose config does not decode (a type not registered here, nesting deeper than
+:data:`~ejlabel.utils.serialize.MAX_DEPTH`, malformed JSON) is skipped with one warning by
+:meth:`~PersistentCache.get` and :meth:`~PersistentCache.entries`, and listed with status
+``"undecodable"`` by ``entries(include_undecodable=True)``. Import reads at most
+:data:`MAX_IMPORT_BYTES` from a regular file only and rejects non-finite numbers and deep
+nesting, naming the entry; export replaces its (symlink-resolved) target atomically.
 """
 
 from __future__ import annotations
@@ -23,26 +35,39 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
+import random
 import re
 import sqlite3
+import stat
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jaxlib
 
-from ejlabel.utils.serialize import from_json, from_jsonable, import_path, to_json
+from ejlabel.utils.serialize import (
+    MAX_DEPTH,
+    DecodeError,
+    check_json,
+    from_json,
+    from_jsonable,
+    import_path,
+    loads_strict,
+    to_json,
+)
 
 __all__ = ["CacheError", "CacheEntry", "PersistentCache", "normalize_key", "split_key", "default_cache_path", "open_default_persistent"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 SCHEMA_VERSION = 1
 APPLICATION_MARKER = "ejlabel-config-cache"
@@ -53,6 +78,13 @@ EXPORT_VERSION = 1
 DEFAULT_FILENAME = "configs.sqlite"
 FILE_SUFFIXES = (".sqlite", ".db")
 BUSY_TIMEOUT_S = 30.0
+#: Largest export document :meth:`PersistentCache.import_` reads (64 MiB, about 100,000 entries):
+#: the file is read in chunks and refused as soon as it grows past this, so a huge or endless
+#: file (``/dev/zero``, a file still being written) cannot exhaust memory.
+MAX_IMPORT_BYTES = 64 * 1024 * 1024
+_READ_CHUNK = 1 << 20
+STATUS_OK = "ok"
+STATUS_UNDECODABLE = "undecodable"
 
 _SQLITE_HEADER = b"SQLite format 3\x00"
 _CALL_KEY_RE = re.compile(r"[0-9a-f]{16}")
@@ -93,7 +125,12 @@ class CacheError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class CacheEntry:
-    """One stored config with where it came from and what it was measured at."""
+    """One stored config with where it came from and what it was measured at.
+
+    ``status`` is ``"ok"``, or ``"undecodable"`` when the stored config cannot be decoded here
+    (then ``config`` is None and ``error`` says why); only
+    ``PersistentCache.entries(include_undecodable=True)`` returns undecodable entries.
+    """
 
     device: str
     op_id: str
@@ -106,6 +143,8 @@ class CacheEntry:
     jax_version: str
     jaxlib_version: str
     created: float
+    status: str = STATUS_OK
+    error: str | None = None
 
 
 def normalize_key(dev: Any, op_id: Any = None, call_key: Any = None) -> tuple[str, str, str]:
@@ -160,6 +199,27 @@ def _resolve_file(path: str | os.PathLike[str] | None) -> pathlib.Path:
     return (p / DEFAULT_FILENAME).absolute()
 
 
+def _ensure_wal(conn: sqlite3.Connection) -> None:
+    """Put the database in WAL mode, waiting out other processes that hold it meanwhile.
+
+    Leaving rollback-journal mode needs an exclusive lock, and SQLite answers "database is
+    locked" at once, without its busy handler, when another connection holds a shared lock
+    (it could deadlock otherwise): with many processes opening a fresh cache together that
+    happens, so the switch is retried, with jitter, for up to the busy timeout.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as err:
+            message = str(err).lower()
+            if ("locked" not in message and "busy" not in message) or time.monotonic() > deadline:
+                raise
+            time.sleep(random.uniform(0.001, 0.02))
+
+
 def _dumps(data: Any) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
@@ -208,11 +268,10 @@ class PersistentCache:
             raise CacheError(f"cannot open cache file {path}: {err}") from None
         try:
             # Read-only checks first: nothing is written until the file is known to be ours.
-            if self._inspect(conn) == "new":
+            if self._in_snapshot(conn, self._inspect) == "new":
                 self._create(conn)
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-            if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                conn.execute("PRAGMA journal_mode = WAL")
+            _ensure_wal(conn)
             # With WAL, NORMAL still makes every committed transaction survive a process crash
             # (the commit is in the WAL file before put() returns); only a power loss or OS crash
             # can lose the last few commits. FULL would fsync per put and make tuning runs
@@ -244,8 +303,26 @@ class PersistentCache:
         if head and head != _SQLITE_HEADER:
             raise self._fail("file is not a database")
 
+    @staticmethod
+    def _in_snapshot(conn: sqlite3.Connection, read: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``read`` in one read transaction, so all its statements see one state of the file.
+
+        In autocommit mode each statement is its own transaction: the application id and the
+        table list were read from two states, and a process reading while another created the
+        schema saw the tables of one and the id (0) of the other.
+        """
+        conn.execute("BEGIN")  # deferred: takes no write lock, writes nothing
+        try:
+            return read(conn)
+        finally:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+
     def _inspect(self, conn: sqlite3.Connection) -> str:
-        """``"new"`` for an empty database, ``"ours"`` for a valid cache; CacheError otherwise."""
+        """``"new"`` for an empty database, ``"ours"`` for a valid cache; CacheError otherwise.
+
+        Call it inside a transaction (its reads must see one state of the file).
+        """
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not tables and app_id in (0, APPLICATION_ID):
@@ -270,8 +347,12 @@ class PersistentCache:
         return "ours"
 
     def _create(self, conn: sqlite3.Connection) -> None:
-        """Create the schema; another process may be doing the same, so re-check under the write lock."""
-        conn.execute("PRAGMA journal_mode = WAL")
+        """Check and create the schema in one ``BEGIN IMMEDIATE`` transaction.
+
+        Another process may be creating it too: under the write lock the file is inspected
+        again and the schema created only if it is still new, all in the same transaction.
+        """
+        _ensure_wal(conn)
         conn.execute("BEGIN IMMEDIATE")
         try:
             if self._inspect(conn) == "new":
@@ -349,35 +430,53 @@ class PersistentCache:
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def _row_to_entry(self, row: tuple[Any, ...]) -> CacheEntry | None:
-        """Decode a row; None (with one warning per config type) when the config no longer decodes."""
+    def _row_to_entry(self, row: tuple[Any, ...], *, keep_undecodable: bool = False) -> CacheEntry | None:
+        """Decode a row; an undecodable config gives one warning per config type and None, or an
+        entry with status ``"undecodable"`` with ``keep_undecodable``.
+
+        The row is data: whatever it holds (a type not registered here, nesting past the depth
+        cap, text that is not JSON), decoding it must not raise, or one entry would break every
+        listing and lookup.
+        """
         fields = dict(zip(_COLUMNS, row))
+        error = None
+        config: Any = None
         try:
             config = from_json(fields["config_json"])
-        except (ValueError, TypeError, KeyError, AttributeError, ImportError) as err:
+        except Exception as err:  # noqa: BLE001 - any failure to decode data is "undecodable"
+            error = f"{type(err).__name__}: {err}" if not isinstance(err, DecodeError) else str(err)
             self._warn_once(
-                fields["config_type"],
+                str(fields["config_type"]),
                 f"{self.path}: skipping cached config of type {fields['config_type']} "
-                f"({fields['device']}, {fields['op_id']}, {fields['call_key']}): cannot decode it: {err}",
+                f"({fields['device']}, {fields['op_id']}, {fields['call_key']}): cannot decode it: {error}",
             )
-            return None
+            if not keep_undecodable:
+                return None
         stats: Any = None
         if fields["stats_json"] is not None:
-            data = json.loads(fields["stats_json"])
+            try:
+                data = loads_strict(fields["stats_json"])
+            except DecodeError:
+                data = None  # statistics are informational: unreadable ones are left out
             try:
                 stats = from_jsonable(data)
-            except (ValueError, TypeError, KeyError, AttributeError, ImportError):
-                # Statistics are informational: keep them readable (still tagged) rather than drop them.
-                stats = data
+            except Exception:  # noqa: BLE001
+                # Keep them readable (still tagged) rather than drop them, if they are plain JSON.
+                try:
+                    check_json(data)
+                    stats = data
+                except DecodeError:
+                    stats = None
         return CacheEntry(
             device=fields["device"], op_id=fields["op_id"], call_key=fields["call_key"], config=config,
             config_type=fields["config_type"], provenance=fields["provenance"], stats=stats,
             kernel_version=fields["kernel_version"], jax_version=fields["jax_version"],
             jaxlib_version=fields["jaxlib_version"], created=fields["created"],
+            status=STATUS_OK if error is None else STATUS_UNDECODABLE, error=error,
         )
 
     def get_entry(self, dev: Any, op_id: str | None = None, call_key: str | None = None) -> CacheEntry | None:
-        """The stored entry for the key, or None when absent or its config no longer decodes."""
+        """The stored entry for the key, or None when absent or its config does not decode here."""
         key = normalize_key(dev, op_id, call_key)
         with self._db() as conn:
             row = conn.execute(f"{_SELECT} {_KEY_WHERE}", key).fetchone()
@@ -392,8 +491,15 @@ class PersistentCache:
         """True when :meth:`get` would return a config for ``key``."""
         return self.get_entry(key) is not None
 
-    def entries(self, *, device: str | None = None, op_id: str | None = None) -> list[CacheEntry]:
-        """All decodable entries, optionally of one device and/or op_id, in key order."""
+    def entries(
+        self, *, device: str | None = None, op_id: str | None = None, include_undecodable: bool = False
+    ) -> list[CacheEntry]:
+        """Entries, optionally of one device and/or op_id, in key order.
+
+        Only those whose config decodes here, unless ``include_undecodable``: then every row is
+        listed, the undecodable ones with status ``"undecodable"``, ``config`` None and the
+        reason in ``error`` (what ``ejlabel cache ls`` shows).
+        """
         where, params = [], []
         if device is not None:
             where.append("device = ?")
@@ -406,7 +512,8 @@ class PersistentCache:
             sql += " WHERE " + " AND ".join(where)
         with self._db() as conn:
             rows = conn.execute(sql + " ORDER BY device, op_id, call_key", params).fetchall()
-        return [e for e in map(self._row_to_entry, rows) if e is not None]
+        decoded = (self._row_to_entry(row, keep_undecodable=include_undecodable) for row in rows)
+        return [e for e in decoded if e is not None]
 
     def stats(self) -> dict[str, Any]:
         """Counts by op_id and device, file size (database plus WAL), path and schema version."""
@@ -443,7 +550,9 @@ class PersistentCache:
 
         Both ``put(dev, op_id, call_key, cfg)`` and ``put((dev, op_id, call_key), cfg)`` work.
         Everything is encoded before the transaction starts, so a config that cannot be encoded
-        raises TypeError and writes nothing.
+        raises TypeError and writes nothing; one whose type (or a type nested in it) is not
+        registered raises :class:`~ejlabel.utils.serialize.UnregisteredTypeError` (a ValueError)
+        and writes nothing, since no process could read it back.
         """
         if call_key is None and cfg is None:
             key, cfg = normalize_key(dev), op_id_or_cfg
@@ -461,6 +570,9 @@ class PersistentCache:
             raise ValueError(f"kernel_version: expected a non-empty string, got {kernel_version!r}")
         config_json = to_json(cfg)
         config_type = import_path(type(cfg))
+        # What cannot be read back must not be stored: a type that is not registered (decoding
+        # never imports) would come back as an undecodable entry, in this process and others.
+        from_json(config_json)
         stats_json = None if stats is None else to_json(stats)
         row = (*key, config_json, config_type, provenance, stats_json, kernel_version,
                jax.__version__, jaxlib.__version__, time.time())
@@ -483,32 +595,29 @@ class PersistentCache:
     # ------------------------------------------------------------------ export / import
 
     def export(self, path: str | os.PathLike[str]) -> int:
-        """Write every row (decodable or not) to a JSON document at ``path``; returns the count.
+        """Write every row (decodable here or not) to a JSON document at ``path``; returns the count.
 
-        The file is written to a temporary name and renamed, so readers never see half a document.
+        The target is resolved through symlinks, and the document written to a temporary file
+        next to the real target, flushed to disk and renamed over it: readers never see half a
+        document, a symlink keeps pointing at the (new) file, and a crash leaves the old file.
+        An existing target that is not a regular file (a device, a FIFO, a directory) is refused.
+        A new file gets the mode the umask gives; a replaced file keeps its mode. Rows too broken
+        to embed (config not JSON, a non-finite time written by an older version) are skipped
+        with a warning rather than failing the export.
         """
         with self._db() as conn:
             rows = conn.execute(_SELECT + " ORDER BY device, op_id, call_key").fetchall()
         entries = []
         for row in rows:
             fields = dict(zip(_COLUMNS, row))
-            entry = {k: fields[k] for k in _COLUMNS if k not in ("config_json", "stats_json")}
-            # Embedded (still tagged) rather than as a string, so the document stays readable.
-            entry["config"] = json.loads(fields["config_json"])
-            entry["stats"] = None if fields["stats_json"] is None else json.loads(fields["stats_json"])
-            entries.append(entry)
+            try:
+                entries.append(_export_entry(fields))
+            except (DecodeError, TypeError, ValueError) as err:
+                key = (fields["device"], fields["op_id"], fields["call_key"])
+                self._warn_once(f"export:{key}", f"{self.path}: not exporting entry {key}: {err}")
         doc = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "entries": entries}
-        target = pathlib.Path(os.fspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
-                f.write("\n")
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        text = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
+        _write_atomic(pathlib.Path(os.fspath(path)), text.encode("utf-8"))
         return len(entries)
 
     def import_(self, path: str | os.PathLike[str], *, overwrite: bool = False, provenance: str | None = None) -> int:
@@ -516,15 +625,159 @@ class PersistentCache:
 
         Without ``overwrite`` existing keys are kept and only new rows count. Entries keep the
         provenance they were exported with unless ``provenance`` (e.g. ``"imported"``) is given.
-        The whole document is validated before anything is written.
+        The whole document is validated before anything is written; a bad document raises
+        :class:`CacheError` naming the file and the entry, and leaves the cache unchanged. Only
+        regular files of at most :data:`MAX_IMPORT_BYTES` are read. Configs are stored as they
+        are (still tagged): one whose type is not registered here is kept, and listed as
+        undecodable until a process that knows the type reads it.
         """
+        if provenance is not None and (not isinstance(provenance, str) or not provenance):
+            raise ValueError(f"provenance: expected a non-empty string or None, got {provenance!r}")
         rows = _read_export(pathlib.Path(os.fspath(path)), provenance)
         sql = _UPSERT if overwrite else _INSERT_NEW
         count = 0
-        with self._transaction() as conn:
-            for row in rows:
-                count += conn.execute(sql, row).rowcount
+        try:
+            with self._transaction() as conn:
+                for row in rows:
+                    count += conn.execute(sql, row).rowcount
+        except sqlite3.IntegrityError as err:  # validated above; never let a raw one through
+            raise CacheError(f"cannot import {path} into {self.path}: {err}") from None
         return count
+
+
+def _export_entry(fields: dict[str, Any]) -> dict[str, Any]:
+    """One row as an export entry; DecodeError/ValueError when the row cannot be embedded."""
+    entry = {k: fields[k] for k in _COLUMNS if k not in ("config_json", "stats_json")}
+    created = entry["created"]
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(created):
+        raise ValueError(f"created is {created!r}, not a finite number")
+    # Embedded (still tagged) rather than as a string, so the document stays readable.
+    entry["config"] = loads_strict(fields["config_json"])
+    check_json(entry["config"], where="config")
+    try:
+        stats = None if fields["stats_json"] is None else loads_strict(fields["stats_json"])
+        check_json(stats, where="stats")
+    except DecodeError:
+        stats = None  # informational: an unreadable one does not stop the config from moving
+    entry["stats"] = stats
+    return entry
+
+
+def _current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux /proc)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read by setting; restored at once
+    os.umask(mask)
+    return mask
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+    """Replace the file ``path`` resolves to with ``data``, atomically; CacheError if refused."""
+    target = pathlib.Path(os.path.realpath(path))
+    try:
+        st: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as err:
+        raise CacheError(f"cannot export to {path}: {err.strerror or err}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise CacheError(f"cannot export to {path}: {_file_kind(st.st_mode)} exists there, not a regular file")
+    # A new file gets what open() would give it; a replaced one keeps its mode.
+    mode = stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_current_umask()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as err:
+        raise CacheError(f"cannot export to {path}: {err.strerror or err}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException as err:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(err, OSError):
+            raise CacheError(f"cannot export to {path}: {err.strerror or err}") from None
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _read_limited(path: pathlib.Path) -> bytes:
+    """The bytes of the regular file ``path``, at most MAX_IMPORT_BYTES; CacheError otherwise.
+
+    Checked before opening (opening a FIFO blocks, opening some devices acts) and again on the
+    open descriptor (the path may have been swapped in between); read in chunks so a file that
+    grows while being read stops at the cap.
+    """
+    try:
+        before = os.stat(path)
+    except OSError as err:
+        raise CacheError(f"cannot read {path}: {err.strerror or err}") from None
+    if not stat.S_ISREG(before.st_mode):
+        raise CacheError(f"cannot import {path}: it is {_file_kind(before.st_mode)}, not a regular file")
+    if before.st_size > MAX_IMPORT_BYTES:
+        raise CacheError(f"cannot import {path}: {before.st_size} bytes is more than the {MAX_IMPORT_BYTES}-byte limit")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        raise CacheError(f"cannot read {path}: {err.strerror or err}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheError(f"cannot import {path}: it is {_file_kind(st.st_mode)}, not a regular file")
+        chunks, total = [], 0
+        while True:
+            try:
+                chunk = os.read(fd, min(_READ_CHUNK, MAX_IMPORT_BYTES + 1 - total))
+            except OSError as err:
+                raise CacheError(f"cannot read {path}: {err.strerror or err}") from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > MAX_IMPORT_BYTES:
+                raise CacheError(f"cannot import {path}: larger than the {MAX_IMPORT_BYTES}-byte limit")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _check_text(value: Any, what: str, bad: Callable[[str], CacheError]) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad(f"{what} is {value!r:.80}, expected a non-empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(f"{what} is {value!r:.80}, not valid Unicode text") from None
+    return value
 
 
 def _read_export(path: pathlib.Path, provenance: str | None) -> list[tuple[Any, ...]]:
@@ -532,20 +785,24 @@ def _read_export(path: pathlib.Path, provenance: str | None) -> list[tuple[Any, 
     def bad(what: str) -> CacheError:
         return CacheError(f"{path} is not an ejlabel config export: {what}")
 
+    raw = _read_limited(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise CacheError(f"cannot read {path}: {err}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise bad(f"not UTF-8 text ({err})") from None
     try:
+        # Non-finite numbers are parsed here and rejected below, where the entry can be named.
         doc = json.loads(text)
-    except json.JSONDecodeError as err:
+    except RecursionError:
+        raise bad(f"nested too deeply to parse (configs may nest at most {MAX_DEPTH} levels)") from None
+    except ValueError as err:  # JSONDecodeError, and ints past Python's digit limit
         raise bad(f"not valid JSON ({err})") from None
     if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-        raise bad(f"format is {found!r}, expected {EXPORT_FORMAT!r}")
+        raise bad(f"format is {found!r:.80}, expected {EXPORT_FORMAT!r}")
     version = doc.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise bad(f"version is {version!r}, expected an integer")
+        raise bad(f"version is {version!r:.80}, expected an integer")
     if version > EXPORT_VERSION:
         raise CacheError(f"{path} is export version {version}; this ejlabel reads up to {EXPORT_VERSION}, upgrade it")
     entries = doc.get("entries")
@@ -563,9 +820,10 @@ def _read_export(path: pathlib.Path, provenance: str | None) -> list[tuple[Any, 
             key = normalize_key(e["device"], e["op_id"], e["call_key"])
         except (TypeError, ValueError) as err:
             raise bad(f"entries[{i}]: {err}") from None
+        for k, v in zip(("device", "op_id"), key[:2]):
+            _check_text(v, f"entries[{i}].{k}", bad)
         for k in text_fields:
-            if not isinstance(e[k], str) or not e[k]:
-                raise bad(f"entries[{i}].{k} is {e[k]!r}, expected a non-empty string")
+            _check_text(e[k], f"entries[{i}].{k}", bad)
         if e["config"] is None:
             raise bad(f"entries[{i}].config is null")
         stats = e.get("stats")
@@ -573,13 +831,24 @@ def _read_export(path: pathlib.Path, provenance: str | None) -> list[tuple[Any, 
             raise bad(f"entries[{i}].stats is not an object")
         created = e["created"]
         if not isinstance(created, (int, float)) or isinstance(created, bool):
-            raise bad(f"entries[{i}].created is {created!r}, expected a number")
+            raise bad(f"entries[{i}].created is {created!r:.80}, expected a number")
         try:
+            created = float(created)
+        except OverflowError:
+            created = math.inf
+        if not math.isfinite(created):
+            raise bad(f"entries[{i}].created is {e['created']!r:.80}, not a finite number")
+        try:
+            # The depth cap and finiteness apply to what is stored, so every later read and
+            # export of the entry works; types are resolved only when a config is read.
+            check_json(e["config"], where=f"entries[{i}].config")
+            if stats is not None:
+                check_json(stats, where=f"entries[{i}].stats")
             config_json, stats_json = _dumps(e["config"]), None if stats is None else _dumps(stats)
-        except ValueError as err:
-            raise bad(f"entries[{i}]: {err}") from None
+        except (DecodeError, ValueError) as err:
+            raise bad(str(err) if isinstance(err, DecodeError) else f"entries[{i}]: {err}") from None
         rows.append((*key, config_json, e["config_type"], provenance or e["provenance"], stats_json,
-                     e["kernel_version"], e["jax_version"], e["jaxlib_version"], float(created)))
+                     e["kernel_version"], e["jax_version"], e["jaxlib_version"], created))
     return rows
 
 

@@ -24,6 +24,7 @@ from ejlabel.config.cache import (
 from ejlabel.config.persistent import CacheError, PersistentCache
 from ejlabel.core.kernel import Invocation
 from ejlabel.core.label_format import forward_op_id, is_backward, parse_label
+from ejlabel.core.registry import config_type_problem
 from ejlabel.core.labels import find_labels_in_lowered
 from ejlabel.utils.fingerprint import device_fingerprint
 
@@ -145,6 +146,12 @@ class ConfigSelectorChain:
                 warnings.warn(f"persistent cache unavailable, continuing without it: {err}", stacklevel=3)
                 cfg = None
             if cfg is not None:
+                # The file is data: an entry of another kernel's config type (a NormConfig under a
+                # matmul key) is not served; the next source decides, as on a miss.
+                problem = config_type_problem(key[1], cfg)
+                if problem is not None:
+                    warnings.warn(f"persistent cache entry {key} ignored: {problem}", RuntimeWarning, stacklevel=3)
+                    return None
                 self.cache.put(*key, cfg)
                 return Selection(cfg, "persistent")
         return None

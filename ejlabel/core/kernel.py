@@ -30,10 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejlabel.core.label_format import check_op_name, check_version, versioned_op
+from ejlabel.core.registry import note_kernel_instance, register_kernel
 from ejlabel.utils.fingerprint import (
     abstractify,
     default_key_builder_with_sharding,
     device_fingerprint,
+    scalar_memo_key,
 )
 
 __all__ = ["Kernel", "Invocation", "PLATFORM_METHODS", "is_array", "abstract_invocation", "random_inputs"]
@@ -90,6 +92,12 @@ class Kernel(Generic[Cfg, Out]):
 
     version: ClassVar[str] = "1"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Registered by name with its config types (from ``Kernel[Cfg, Out]``): data that names
+        # a kernel or config resolves through the registry, never by importing (core/registry).
+        register_kernel(cls, Kernel)
+
     def __init__(self, op_id: str | None = None, *, name: str | None = None) -> None:
         op_id = check_op_name(op_id if op_id is not None else name)
         check_version(type(self).version, f"{type(self).__qualname__}.version")
@@ -99,6 +107,7 @@ class Kernel(Generic[Cfg, Out]):
                 f"{', '.join(_ALL_RUN_METHODS)}"
             )
         self.op_id = op_id
+        note_kernel_instance(self)  # op id -> config types, to check configs read from caches
 
     @property
     def versioned_id(self) -> str:
@@ -233,7 +242,8 @@ def _signature(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return ("ndarray", value.shape, value.dtype)
     if isinstance(value, _IMMUTABLE_SCALARS) or (isinstance(value, type) and issubclass(value, np.generic)):
-        return (type(value), value)
+        # Not (type, value): 0.0 == -0.0 would share one memo entry, whichever came first.
+        return scalar_memo_key(value)
     if type(value) is tuple:
         return ("tuple", *map(_signature, value))
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and type(value).__dataclass_params__.frozen:

@@ -69,6 +69,7 @@ __all__ = [
     "device_kind",
     "get_device_platform",
     "register_fingerprint",
+    "scalar_memo_key",
     "sharding_fingerprint",
     "short_hash",
     "stable_json",
@@ -365,6 +366,26 @@ _CLOSURE_FIELDS = ("module", "qualname", "code", "defaults", "kwdefaults", "clos
 _NATIVE_BYTEORDER = "<" if sys.byteorder == "little" else ">"
 # Builtin types that no module attribute names (there is no builtins.NoneType).
 _UNNAMED_BUILTIN_TYPES = {type(None): "NoneType", type(...): "ellipsis", type(NotImplemented): "NotImplementedType"}
+
+
+def scalar_memo_key(value: Any) -> Any:
+    """A hashable key for an immutable scalar that is equal exactly when the values' call-key
+    encodings are, for memos in front of the fingerprint (``kernel._memoised_call_key``).
+
+    ``(type(value), value)`` is not such a key: ``0.0 == -0.0`` and ``0j == -0j`` although their
+    encodings differ, so a memo keyed that way answered whichever sign it met first, making the
+    key depend on call order. Floats and complex numbers are keyed by their exact text
+    (``float.hex``, as :func:`_reduce_float` encodes them: -0.0 apart from 0.0, every NaN alike),
+    numpy scalars by their raw bytes (NaN payloads apart, as their encoding keeps them).
+    """
+    t = type(value)
+    if isinstance(value, np.generic):
+        return (t, value.dtype.str, value.tobytes())
+    if isinstance(value, float):
+        return (t, value.hex())
+    if isinstance(value, complex):
+        return (t, value.real.hex(), value.imag.hex())
+    return (t, value)
 
 
 def register_fingerprint(type_: type, fn: Callable[[Any], Any]) -> None:

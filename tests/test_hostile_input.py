@@ -1,0 +1,573 @@
+"""Hostile input: cache files, export documents and call descriptions are data, and data never
+runs code, never breaks the cache, and never makes a call key depend on call order.
+
+One section per item of the "hostile input" issue: data that names modules (1), processes
+opening a fresh cache together (2), deep nesting (3), non-finite numbers (4), unbounded reads (5),
+export targets (6), and the call-key memo (7); then a fuzz test of import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import multiprocessing
+import os
+import pathlib
+import sqlite3
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import ejlabel.config.persistent as persistent_module
+from conftest import run_python, subprocess_env
+from ejlabel.config.persistent import CacheError, PersistentCache
+from ejlabel.config.selection import ConfigSelectorChain
+from ejlabel.core.kernel import Invocation, Kernel
+from ejlabel.core.registry import (
+    UnregisteredTypeError,
+    config_type_problem,
+    import_user_modules,
+    kernel_config_types,
+    register_config_type,
+    registered_kernel,
+)
+from ejlabel.utils.serialize import MAX_DEPTH, DecodeError, from_json, from_jsonable, is_registered, resolve_path, to_json
+
+DEV = "cpu:hostile:fp0"
+KEY = "0123456789abcdef"
+EJLABEL = str(pathlib.Path(sys.executable).with_name("ejlabel"))
+
+
+@register_config_type
+@dataclasses.dataclass(frozen=True)
+class GoodConfig:
+    tile: int = 8
+
+
+def call_key(i: int) -> str:
+    return f"{i:016x}"
+
+
+def raw_insert(path: pathlib.Path, key: tuple[str, str, str], config_json: str, *, config_type: str = "x:Y",
+               created: float = 1.0, stats_json: str | None = None) -> None:
+    """Write a row as a hostile (or older) writer could, bypassing every check of put()."""
+    with sqlite3.connect(path) as raw:
+        raw.execute(
+            "INSERT OR REPLACE INTO configs VALUES (?, ?, ?, ?, ?, 'autotuned', ?, '1', 'j', 'jl', ?)",
+            (*key, config_json, config_type, stats_json, created),
+        )
+    raw.close()
+
+
+def export_doc(entries: list[dict]) -> dict:
+    return {"format": "ejlabel-configs", "version": 1, "entries": entries}
+
+
+def entry(i: int = 0, config: object = None, **overrides: object) -> dict:
+    base = {
+        "device": DEV, "op_id": "good@v1", "call_key": call_key(i),
+        "config": {"$dataclass": f"{__name__}:GoodConfig", "fields": {"tile": i}} if config is None else config,
+        "config_type": f"{__name__}:GoodConfig", "provenance": "autotuned", "stats": None,
+        "kernel_version": "1", "jax_version": "j", "jaxlib_version": "jl", "created": 1.0,
+    }
+    base.update(overrides)
+    return base
+
+
+@pytest.fixture
+def cache(tmp_path: pathlib.Path):
+    with PersistentCache(tmp_path / "cache.sqlite") as c:
+        c.put(DEV, "good@v1", KEY, GoodConfig(3))
+        yield c
+
+
+# ---------------------------------------------------------------- 1. data imports no module
+
+
+EVIL_MODULE = textwrap.dedent(
+    """
+    import dataclasses, enum, pathlib
+    pathlib.Path(__file__).with_name("IMPORTED").write_text("the module ran")
+
+    @dataclasses.dataclass
+    class Cfg:
+        x: int = 0
+
+    class Mode(enum.Enum):
+        A = 1
+
+    def geohash():
+        return 0
+    """
+)
+
+
+@pytest.fixture
+def evil_module(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, pathlib.Path]:
+    """An importable module that leaves a marker file when it is imported."""
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    name = f"evil_{os.getpid()}_{abs(hash(str(tmp_path))) % 10**8}"
+    (folder / f"{name}.py").write_text(EVIL_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    return name, folder / "IMPORTED"
+
+
+def hostile_configs(module: str) -> list[dict]:
+    return [
+        {"$ref": f"{module}:geohash"},
+        {"$dataclass": f"{module}:Cfg", "fields": {"x": 1}},
+        {"$enum": f"{module}:Mode", "name": "A"},
+        {"$tuple": [{"$ref": "this:s"}]},  # `this` prints the Zen of Python when imported
+    ]
+
+
+def test_decoding_names_from_data_never_imports(cache: PersistentCache, evil_module, tmp_path: pathlib.Path) -> None:
+    name, marker = evil_module
+    assert "this" not in sys.modules
+    configs = hostile_configs(name)
+    for i, cfg in enumerate(configs):
+        raw_insert(cache.path, (DEV, "good@v1", call_key(100 + i)), json.dumps(cfg), config_type=f"{name}:Cfg")
+        with pytest.raises(UnregisteredTypeError, match=f"{name}|this:s") as info:
+            from_json(json.dumps(cfg))
+        assert isinstance(info.value, ValueError) and "not registered" in str(info.value)
+    doc = tmp_path / "hostile.json"
+    doc.write_text(json.dumps(export_doc([entry(200 + i, cfg) for i, cfg in enumerate(configs)])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert [e.call_key for e in cache.entries()] == [KEY]  # the usable entry only
+        listed = cache.entries(include_undecodable=True)
+        assert cache.get(DEV, "good@v1", call_key(100)) is None
+        assert cache.import_(doc) == len(configs)  # kept as data, listed as undecodable
+        cache.export(tmp_path / "out.json")
+    bad = [e for e in listed if e.status == "undecodable"]
+    assert len(bad) == len(configs) and all(e.config is None and "not registered" in e.error for e in bad)
+    assert [e.status for e in listed if e.call_key == KEY] == ["ok"]
+    for path in (f"{name}:geohash", "antigravity:geohash", "os:system"):
+        with pytest.raises(UnregisteredTypeError):
+            resolve_path(path)
+        with pytest.raises(UnregisteredTypeError, match="--import"):
+            registered_kernel(path)
+    assert not marker.exists() and name not in sys.modules and "this" not in sys.modules
+    assert "antigravity" not in sys.modules
+
+
+def test_cache_ls_of_a_hostile_cache_imports_nothing(tmp_path: pathlib.Path, evil_module) -> None:
+    name, marker = evil_module
+    with PersistentCache(tmp_path / "c") as c:
+        c.put(DEV, "good@v1", KEY, GoodConfig(1))
+        for i, cfg in enumerate(hostile_configs(name)):
+            raw_insert(c.path, (DEV, "good@v1", call_key(i + 1)), json.dumps(cfg))
+    env = subprocess_env(PYTHONPATH=os.pathsep.join([str(marker.parent), subprocess_env()["PYTHONPATH"]]))
+    proc = subprocess.run([EJLABEL, "--cache-dir", str(tmp_path / "c"), "cache", "ls"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists()
+    assert "Zen of Python" not in proc.stdout + proc.stderr
+
+
+def test_kernels_register_themselves_with_their_config_types() -> None:
+    import toy_kernels
+
+    import ejlabel.kernels as builtin
+    from ejlabel.utils.params import FwdParams
+
+    assert registered_kernel("toy_kernels:ScaleKernel") is toy_kernels.ScaleKernel
+    assert kernel_config_types(toy_kernels.ScaleKernel) == (toy_kernels.ScaleConfig,)
+    assert registered_kernel("ejlabel.kernels.norms:RMSNormKernel") is builtin.RMSNormKernel
+    assert kernel_config_types(builtin.RMSNormKernel) == (builtin.NormConfig,)  # through _NormKernel
+    assert kernel_config_types(builtin.AttentionKernel) == (builtin.AttentionConfig,)
+    assert is_registered(builtin.AttentionConfig) and is_registered(FwdParams)  # nested field types too
+    cfg = builtin.AttentionConfig()
+    assert from_json(to_json(cfg)) == cfg
+
+    class Local(Kernel[GoodConfig, object]):
+        def run(self, x, *, cfg):
+            return x
+
+    assert kernel_config_types(Local) == (GoodConfig,)  # usable in-process ...
+    with pytest.raises(UnregisteredTypeError):  # ... but data cannot name it
+        registered_kernel(f"{__name__}:Local")
+
+    @dataclasses.dataclass(frozen=True)
+    class LocalConfig:
+        n: int = 1
+
+    class LocalToo(Kernel[LocalConfig, object]):  # a config class with no name: still definable
+        def run(self, x, *, cfg):
+            return x
+
+    assert kernel_config_types(LocalToo) == (LocalConfig,) and not is_registered(LocalConfig)
+
+
+def test_explicit_registration_and_user_modules() -> None:
+    class Layout(enum.Enum):
+        ROW = 1
+
+    @dataclasses.dataclass(frozen=True)
+    class Unregistered:
+        n: int = 1
+
+    with pytest.raises(TypeError, match="importable name"):
+        register_config_type(Unregistered)  # a local class: no name data could use
+    (toy,) = import_user_modules(["toy_kernels"])
+    assert toy.__name__ == "toy_kernels"
+    with pytest.raises(ValueError, match="module name"):
+        import_user_modules(["some/file.py"])
+    with pytest.raises(ImportError, match="no_such_module_for_ejlabel"):
+        import_user_modules(["no_such_module_for_ejlabel"])
+
+
+@dataclasses.dataclass(frozen=True)
+class UnregisteredConfig:  # module level, so it has a name, but nothing registered it
+    n: int = 1
+
+
+def test_put_refuses_a_config_that_would_not_read_back(cache: PersistentCache) -> None:
+    with pytest.raises(UnregisteredTypeError, match="UnregisteredConfig is not registered"):
+        cache.put(DEV, "good@v1", call_key(5), UnregisteredConfig())
+    with pytest.raises(UnregisteredTypeError):
+        cache.put(DEV, "good@v1", call_key(6), GoodConfig(tile=UnregisteredConfig()))  # nested
+    assert [e.call_key for e in cache.entries(include_undecodable=True)] == [KEY]
+
+
+def test_config_of_another_kernel_type_is_not_served(tmp_path: pathlib.Path) -> None:
+    import jax.numpy as jnp
+
+    from ejlabel.kernels.matmul import MatmulKernel
+    from ejlabel.kernels.norms import NormConfig
+
+    inv = Invocation(MatmulKernel(), (jnp.ones((4, 8)), jnp.ones((8, 4))))
+    assert config_type_problem(inv.op_id, NormConfig("xla")) is not None
+    with PersistentCache(tmp_path / "c") as pc:
+        pc.put(*inv.cache_key, NormConfig("xla"))  # a NormConfig under a matmul key
+        selector = ConfigSelectorChain(persistent=pc)
+        with pytest.warns(RuntimeWarning, match="NormConfig"):
+            chosen = selector.select(inv)
+        assert chosen.provenance == "heuristic" and type(chosen.cfg).__name__ == "MatmulConfig"
+        assert selector.cache.get(*inv.cache_key) is None  # not promoted to memory either
+
+
+# ---------------------------------------------------------------- 2. a fresh cache opened by many processes
+
+
+def _open_together(path: str, barrier, results) -> None:
+    try:
+        barrier.wait(60)
+        with PersistentCache(path) as c:
+            c.put(DEV, "race@v1", f"{os.getpid():016x}", {"pid": os.getpid()})
+        results.put(None)
+    except BaseException as err:  # reported to the parent, which asserts on it
+        results.put(f"{type(err).__name__}: {err}")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forks workers (fast start); Linux only")
+def test_32_processes_open_a_fresh_cache_at_once(tmp_path: pathlib.Path) -> None:
+    # Forked after the parent imported everything, so 32 workers start in milliseconds on a
+    # small machine and really race; before the fix, 16 workers failed in ~20% of trials.
+    ctx = multiprocessing.get_context("fork")
+    n_proc, trials = 32, 8
+    errors = []
+    for trial in range(trials):
+        path = str(tmp_path / f"fresh{trial}" / "c.sqlite")
+        barrier, results = ctx.Barrier(n_proc), ctx.Queue()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # JAX warns about fork; the workers only use SQLite
+            procs = [ctx.Process(target=_open_together, args=(path, barrier, results)) for _ in range(n_proc)]
+            for p in procs:
+                p.start()
+        outcomes = [results.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
+        errors += [f"trial {trial}: {o}" for o in outcomes if o is not None]
+        with PersistentCache(path) as c:
+            assert c.stats()["entries"] == n_proc - sum(o is not None for o in outcomes)
+    assert errors == []
+
+
+# ---------------------------------------------------------------- 3. deep nesting
+
+
+def nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 500, 995, 100_000])
+def test_import_refuses_deep_nesting_naming_the_entry(cache: PersistentCache, tmp_path: pathlib.Path, depth: int) -> None:
+    doc = tmp_path / "deep.json"
+    text = json.dumps(export_doc([entry(1), entry(2, config={"deep": 0})]))
+    # Written by hand: json.dumps itself stops near depth 1000.
+    text = text.replace('{"deep": 0}', "[" * depth + "1" + "]" * depth)
+    doc.write_text(text)
+    before = cache.entries(include_undecodable=True)
+    with pytest.raises(CacheError, match="deep.json") as info:
+        cache.import_(doc)
+    assert "entries[1].config" in str(info.value) or "nested too deeply" in str(info.value)
+    assert cache.entries(include_undecodable=True) == before
+
+
+def test_a_deep_entry_in_the_file_is_skipped_not_fatal(cache: PersistentCache, tmp_path: pathlib.Path) -> None:
+    raw_insert(cache.path, (DEV, "good@v1", call_key(1)), json.dumps(nested(500)))
+    raw_insert(cache.path, (DEV, "good@v1", call_key(2)), "[" * 100_000 + "]" * 100_000)
+    with pytest.warns(RuntimeWarning, match="cannot decode"):
+        assert [e.call_key for e in cache.entries()] == [KEY]
+    assert cache.get(DEV, "good@v1", call_key(1)) is None and cache.get(DEV, "good@v1", call_key(2)) is None
+    listed = {e.call_key: e for e in cache.entries(include_undecodable=True)}
+    assert listed[call_key(1)].status == "undecodable" and "deeper than" in listed[call_key(1)].error
+    assert listed[call_key(2)].status == "undecodable" and listed[KEY].config == GoodConfig(3)
+    with pytest.warns(RuntimeWarning, match="not exporting"):
+        assert cache.export(tmp_path / "out.json") == 1  # the good entry still moves
+    with pytest.raises(DecodeError, match="deeper than"):
+        from_jsonable(nested(MAX_DEPTH + 1))
+    assert from_jsonable(nested(MAX_DEPTH - 1)) == nested(MAX_DEPTH - 1)
+
+
+# ---------------------------------------------------------------- 4. non-finite numbers
+
+
+@pytest.mark.parametrize("created", ["1e999", "-1e999", "NaN", "Infinity", "1" + "0" * 400])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_import_refuses_non_finite_created(cache: PersistentCache, tmp_path: pathlib.Path, created: str, overwrite: bool) -> None:
+    doc = tmp_path / "nonfinite.json"
+    doc.write_text(json.dumps(export_doc([entry(1), entry(2, created=123.0)])).replace("123.0", created))
+    before = cache.entries(include_undecodable=True)
+    with pytest.raises(CacheError, match=r"entries\[1\]\.created .*finite"):
+        cache.import_(doc, overwrite=overwrite)
+    assert cache.entries(include_undecodable=True) == before
+    assert cache.export(tmp_path / "out.json") == 1
+
+
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e400"])
+def test_import_refuses_non_finite_numbers_in_configs_and_stats(cache: PersistentCache, tmp_path: pathlib.Path, number: str) -> None:
+    for field in ("config", "stats"):
+        doc = tmp_path / f"{field}.json"
+        doc.write_text(json.dumps(export_doc([entry(1, **{field: {"x": "HERE"}})])).replace('"HERE"', number))
+        with pytest.raises(CacheError, match=rf"entries\[0\]\.{field}\.x"):
+            cache.import_(doc)
+    assert [e.call_key for e in cache.entries(include_undecodable=True)] == [KEY]
+
+
+def test_old_rows_with_non_finite_time_do_not_break_export(cache: PersistentCache, tmp_path: pathlib.Path) -> None:
+    raw_insert(cache.path, (DEV, "good@v1", call_key(9)), to_json(GoodConfig(9)), created=float("inf"))
+    with pytest.warns(RuntimeWarning, match="not exporting"):
+        assert cache.export(tmp_path / "out.json") == 1
+    assert json.loads((tmp_path / "out.json").read_text())["entries"][0]["call_key"] == KEY
+
+
+# ---------------------------------------------------------------- 5. unbounded reads
+
+
+def test_import_refuses_special_files(cache: PersistentCache, tmp_path: pathlib.Path) -> None:
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | int] = []
+    worker = threading.Thread(target=lambda: _capture(outcome, lambda: cache.import_(fifo)), daemon=True)
+    worker.start()
+    worker.join(20)
+    if worker.is_alive():  # blocked opening the FIFO: release it, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(5)
+        pytest.fail("import blocked on a FIFO")
+    (err,) = outcome
+    assert isinstance(err, CacheError) and "not a regular file" in str(err) and "FIFO" in str(err)
+    with pytest.raises(CacheError, match="directory, not a regular file"):
+        cache.import_(tmp_path)
+
+
+def _capture(outcome: list, fn) -> None:
+    try:
+        outcome.append(fn())
+    except BaseException as err:
+        outcome.append(err)
+
+
+def test_import_of_dev_zero_is_refused_at_once(tmp_path: pathlib.Path) -> None:
+    # In a child with a memory limit: the old reader grew without bound on /dev/zero.
+    code = textwrap.dedent(
+        f"""
+        import resource, sys
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+        from ejlabel.config.persistent import CacheError, PersistentCache
+        c = PersistentCache({str(tmp_path / "c")!r})
+        try:
+            c.import_("/dev/zero")
+        except CacheError as err:
+            print("REFUSED", err)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert "REFUSED" in proc.stdout and "character device" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_import_caps_file_size(cache: PersistentCache, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = tmp_path / "big.json"
+    doc.write_text(json.dumps(export_doc([entry(i) for i in range(1, 40)])))
+    monkeypatch.setattr(persistent_module, "MAX_IMPORT_BYTES", doc.stat().st_size - 1)
+    with pytest.raises(CacheError, match="limit"):
+        cache.import_(doc)
+    assert [e.call_key for e in cache.entries()] == [KEY]
+    monkeypatch.setattr(persistent_module, "MAX_IMPORT_BYTES", doc.stat().st_size)
+    assert cache.import_(doc) == 39
+
+
+# ---------------------------------------------------------------- 6. export targets
+
+
+def test_export_through_a_symlink_keeps_the_link(cache: PersistentCache, tmp_path: pathlib.Path) -> None:
+    real = tmp_path / "real" / "configs.json"
+    real.parent.mkdir()
+    real.write_text("old")
+    os.chmod(real, 0o640)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    assert cache.export(link) == 1
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert json.loads(real.read_text())["entries"][0]["call_key"] == KEY
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640  # a replaced file keeps its mode
+    assert sorted(p.name for p in real.parent.iterdir()) == ["configs.json"]  # no temporary left
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_export_honours_the_umask_for_new_files(cache: PersistentCache, tmp_path: pathlib.Path, umask: int, mode: int) -> None:
+    old = os.umask(umask)
+    try:
+        cache.export(tmp_path / "new.json")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == mode
+
+
+def test_export_refuses_special_targets(cache: PersistentCache, tmp_path: pathlib.Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    targets = [fifo, tmp_path]
+    device = tmp_path / "null"
+    try:
+        os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # /dev/null's numbers
+        targets.append(device)
+    except (PermissionError, OSError):
+        pass  # not root: the FIFO and the directory still show the rule
+    link = tmp_path / "to-pipe"
+    link.symlink_to(fifo)
+    targets.append(link)
+    for target in targets:
+        with pytest.raises(CacheError, match="not a regular file"):
+            cache.export(target)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and link.is_symlink()
+    if device.exists():
+        assert stat.S_ISCHR(device.stat().st_mode)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+# ---------------------------------------------------------------- 7. call keys independent of call order
+
+
+ORDER_PROBE = """
+import json, sys
+import jax.numpy as jnp
+import numpy as np
+from ejlabel import Invocation
+from toy_kernels import ScaleKernel
+k, x = ScaleKernel(), jnp.ones((2,))
+nan_a = np.frombuffer(np.uint64(0x7FF8000000000001).tobytes(), np.float64)[0]
+nan_b = np.frombuffer(np.uint64(0x7FF8000000000002).tobytes(), np.float64)[0]
+values = {{"0.0": 0.0, "-0.0": -0.0, "0j": 0j, "-0j": complex(0.0, -0.0), "np0": np.float64(0.0),
+          "np-0": np.float64(-0.0), "nan_a": nan_a, "nan_b": nan_b}}
+order = list(values) if {forward} else list(reversed(values))
+print(json.dumps({{name: Invocation(k, (x,), {{"offset": values[name]}}).call_key for name in order}}))
+"""
+
+
+def test_call_keys_do_not_depend_on_call_order() -> None:
+    forward = json.loads(run_python(ORDER_PROBE.format(forward=True)).strip().splitlines()[-1])
+    backward = json.loads(run_python(ORDER_PROBE.format(forward=False)).strip().splitlines()[-1])
+    assert forward == backward
+    for a, b in [("0.0", "-0.0"), ("0j", "-0j"), ("np0", "np-0"), ("nan_a", "nan_b")]:
+        assert forward[a] != forward[b], (a, b)
+
+
+# ---------------------------------------------------------------- fuzz: import never breaks the cache
+
+
+TAG_KEYS = ["$ref", "$dataclass", "$enum", "$tuple", "$float", "$dict", "$set", "$bytes", "$dtype", "$array", "$slice", "fields", "name"]
+json_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6), st.sampled_from([f"{__name__}:GoodConfig", "os:system", "antigravity:geohash", "\ud800"]),
+)
+
+
+def _json_containers(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.one_of(st.text(max_size=4), st.sampled_from(TAG_KEYS)), inner, max_size=3),
+    )
+
+
+json_value = st.recursive(json_leaf, _json_containers, max_leaves=12)
+FIELDS = ["device", "op_id", "call_key", "config", "config_type", "provenance", "stats", "kernel_version",
+          "jax_version", "jaxlib_version", "created"]
+fuzz_entry = st.one_of(
+    # Well-formed entries around an arbitrary config (which import stores without decoding) ...
+    st.builds(lambda i, cfg: entry(i, config=cfg), st.integers(0, 6), json_value),
+    st.builds(lambda i, stats: entry(i, stats=stats), st.integers(0, 6), st.dictionaries(st.text(max_size=3), json_value, max_size=2)),
+    # ... and entries with arbitrary fields replaced or missing.
+    st.builds(
+        lambda i, changes, dropped: {k: v for k, v in {**entry(i), **changes}.items() if k not in dropped},
+        st.integers(0, 6),
+        st.dictionaries(st.sampled_from(FIELDS), json_value, max_size=2),
+        st.sets(st.sampled_from(FIELDS), max_size=1),
+    ),
+)
+fuzz_document = st.one_of(
+    st.builds(lambda entries: json.dumps(export_doc(entries)), st.lists(fuzz_entry, max_size=3)),
+    st.builds(lambda entries: json.dumps(export_doc(entries)), st.lists(fuzz_entry, max_size=3)),
+    st.builds(lambda doc: json.dumps(doc), st.fixed_dictionaries({"format": st.sampled_from(["ejlabel-configs", "x"]),
+                                                                  "version": json_value, "entries": json_value})),
+    json_value.map(json.dumps),
+    st.integers(0, 3000).map(lambda n: json.dumps(export_doc([entry(1, config={"d": 0})])).replace('{"d": 0}', "[" * n + "]" * n)),
+    st.binary(max_size=64).map(lambda b: b.decode("latin-1")),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(text=fuzz_document, overwrite=st.booleans())
+def test_fuzz_import_succeeds_or_raises_cache_error_and_keeps_entries(tmp_path: pathlib.Path, text: str, overwrite: bool) -> None:
+    with tempfile.TemporaryDirectory(dir=tmp_path) as work:
+        work_dir = pathlib.Path(work)
+        doc = work_dir / "doc.json"
+        doc.write_bytes(text.encode("utf-8", "surrogatepass"))
+        with PersistentCache(work_dir / "c.sqlite") as c, warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for i in range(3):  # previously committed; call keys 0-2 also occur in the documents
+                c.put(DEV, "good@v1", call_key(i), GoodConfig(100 + i))
+            before = {(e.device, e.op_id, e.call_key): e for e in c.entries(include_undecodable=True)}
+            try:
+                c.import_(doc, overwrite=overwrite)
+            except CacheError:
+                event("refused")
+                assert {(e.device, e.op_id, e.call_key): e for e in c.entries(include_undecodable=True)} == before
+                return
+            event("imported")
+            after = {(e.device, e.op_id, e.call_key): e for e in c.entries(include_undecodable=True)}
+            assert set(before) <= set(after)
+            if not overwrite:
+                assert all(after[k] == e for k, e in before.items())
+            # Whatever was imported lists, looks up and exports, and the export imports again.
+            for key in after:
+                c.get(key)
+            count = c.export(work_dir / "again.json")
+            assert count == len(after)
+            with PersistentCache(work_dir / "d.sqlite") as d:
+                assert d.import_(work_dir / "again.json") == count
