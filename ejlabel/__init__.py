@@ -36,6 +36,7 @@ from ejlabel.core.calls import (  # noqa: E402
     invocations_from_program,
 )
 from ejlabel.core.kernel import Invocation, Kernel  # noqa: E402
+from ejlabel.core.registry import import_user_modules, register_config_type  # noqa: E402
 from ejlabel.core.label_format import LABEL_RE  # noqa: E402
 from ejlabel.core.labels import (  # noqa: E402
     extract_labels_from_hlo_text,
@@ -120,6 +121,7 @@ __all__ = [
     "get_default_executor",
     "get_device_platform",
     "get_invocations",
+    "import_user_modules",
     "invocations_from_program",
     "label",
     "label_scope",
@@ -129,6 +131,7 @@ __all__ = [
     "policy_override",
     "record_invocation",
     "recording",
+    "register_config_type",
     "register_fingerprint",
     "select_num_stages",
     "select_num_warps",

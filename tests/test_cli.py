@@ -14,8 +14,10 @@ from conftest import run_python, subprocess_env
 EJLABEL = str(Path(sys.executable).with_name("ejlabel"))
 
 
-def cli(*args: str, cache: Path, check: int | None = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([EJLABEL, "--cache-dir", str(cache), *args], capture_output=True, text=True, env=subprocess_env(), timeout=600)
+def cli(*args: str, cache: Path, check: int | None = 0, register: bool = True) -> subprocess.CompletedProcess:
+    """Run the command; ``register``: name the test kernels' module with ``--import``, as a user must."""
+    imports = ["--import", "toy_kernels"] if register else []
+    proc = subprocess.run([EJLABEL, "--cache-dir", str(cache), *imports, *args], capture_output=True, text=True, env=subprocess_env(), timeout=600)
     if check is not None:
         assert proc.returncode == check, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}"
     return proc
@@ -63,6 +65,9 @@ def test_audit_tune_audit_and_cache_commands(program, tmp_path):
     assert {call["op"] for call in before["calls"]} == {"scale", "loopsum"}
     assert len(before["calls"]) == 3  # loopsum is called at two places with the same signature
     assert len(before["unseen"]) == 2  # ...so it is one distinct call to tune
+    # The program names its kernels, but a process imports only what the user names.
+    unregistered = cli("tune", str(program), "--iters", "3", cache=cache, check=1, register=False)
+    assert "toy_kernels" in unregistered.stderr and "--import" in unregistered.stderr
     tuned = cli("tune", str(program), "--iters", "3", cache=cache)
     assert "tuned 2 distinct calls" in tuned.stdout
     assert "isolated timings" in tuned.stdout and "not confirmed in context" in tuned.stdout
@@ -73,6 +78,7 @@ def test_audit_tune_audit_and_cache_commands(program, tmp_path):
 
     listing = cli("cache", "ls", cache=cache).stdout
     assert "loopsum@v1" in listing and "autotuned" in listing
+    assert "UNDECODABLE" in cli("cache", "ls", cache=cache, register=False).stdout  # listed, not hidden
     key = after["calls"][0]["call_key"]
     shown = json.loads(cli("cache", "show", key, cache=cache).stdout)
     assert shown["call_key"] == key and shown["stats"]["median_ms"] > 0

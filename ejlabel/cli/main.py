@@ -15,6 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import ejlabel.kernels  # noqa: F401  (registers the library's kernels and their config types)
+from ejlabel.core.registry import import_user_modules
+from ejlabel.utils.version import VERSION
+
 __all__ = ["main", "build_parser"]
 
 _SPEC_RE = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9, ]*)\]")
@@ -160,10 +164,14 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     cache = PersistentCache(args.cache_dir)
     action = args.action
     if action == "ls":
-        for entry in cache.entries():
+        entries = cache.entries(include_undecodable=True)
+        if not entries:
+            print(f"no entries in {cache.path}")
+        for entry in entries:
             median = (entry.stats or {}).get("median_ms")
             timing = f"{median:.4g} ms" if isinstance(median, (int, float)) else "-"
-            print(f"{entry.op_id:28} {entry.call_key}  {entry.provenance:10} {timing:>12}  {entry.device}  {entry.config!r}")
+            config = repr(entry.config) if entry.status == "ok" else f"UNDECODABLE: {entry.error}"
+            print(f"{entry.op_id:28} {entry.call_key}  {entry.provenance:10} {timing:>12}  {entry.device}  {config}")
     elif action == "show":
         matches = [e for e in cache.entries() if args.key in (e.call_key, f"{e.op_id}:{e.call_key}") or args.key.endswith(f"{e.op_id}:{e.call_key}")]
         if not matches:
@@ -196,6 +204,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ejlabel", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"ejlabel {VERSION}")
+    parser.add_argument(
+        "--import", dest="imports", action="append", default=[], metavar="MODULE",
+        help="import MODULE first, registering its kernels and config types (repeatable); "
+        "ejlabel.kernels is always imported. Nothing read from a program or cache is ever imported.",
+    )
     parser.add_argument("--cache-dir", default=None, help="persistent cache directory (default: $EJLABEL_CACHE_DIR or ~/.cache/ejlabel)")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -256,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        # The registry that decoding programs and cache entries consults is filled by the
+        # library's own kernels (imported above) and the modules the user named, never by data.
+        import_user_modules(args.imports)
         return args.run(args)
     except UsageError as err:
         if args.debug:
