@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import ejlabel
+
 from conftest import run_python, subprocess_env
 
 EJLABEL = str(Path(sys.executable).with_name("ejlabel"))
@@ -116,3 +118,26 @@ def test_tune_module_function_in_context(program, tmp_path):
     assert entry.config == toy_kernels.LoopConfig(entry.config.block) and entry.stats["step_ms"] < entry.stats["floor_step_ms"]
     assert "--samples" in cli("tune", str(program), "--samples", "3", cache=tmp_path, check=2).stderr
     assert "--example-args" in cli("tune", "toy_kernels:loopsum", cache=tmp_path, check=2).stderr
+
+
+def test_bad_values_name_their_flag_and_debug_and_version_work_anywhere(tmp_path):
+    bad = cli("tune", "model.hlo", "--iters", "0", cache=tmp_path, check=2)
+    assert "--iters" in bad.stderr and "num_iters" not in bad.stderr
+    assert "--budget" in cli("tune", "model.hlo", "--budget", "-1", cache=tmp_path, check=2).stderr
+    late_debug = subprocess.run([EJLABEL, "--cache-dir", str(tmp_path), "audit", str(tmp_path / "missing.hlo"), "--debug"], capture_output=True, text=True, env=subprocess_env())
+    assert late_debug.returncode != 0 and "Traceback" in late_debug.stderr
+    assert cli("--version", cache=tmp_path).stdout.startswith("ejlabel ")
+    assert "no entries" in cli("cache", "ls", cache=tmp_path).stdout
+
+
+def test_cache_show_takes_a_unique_key_prefix_and_a_closed_pipe_is_quiet(tmp_path):
+    import toy_kernels  # registers ScaleConfig here
+
+    cache = ejlabel.PersistentCache(tmp_path)
+    cache.put("cpu|cpu|cpu", "scale@v1", "0123456789abcdef", toy_kernels.ScaleConfig(), provenance="autotuned")
+    cache.put("cpu|cpu|cpu", "scale@v1", "0123fedcba987654", toy_kernels.ScaleConfig(2, "add"), provenance="autotuned")
+    shown = json.loads(cli("cache", "show", "01234567", cache=tmp_path).stdout)
+    assert shown["call_key"] == "0123456789abcdef"
+    assert "several" in cli("cache", "show", "0123", cache=tmp_path, check=2).stderr
+    head = subprocess.run(f"{EJLABEL} --cache-dir {tmp_path} --import toy_kernels cache ls | head -c 10", shell=True, capture_output=True, text=True, env=subprocess_env())
+    assert head.returncode == 0 and "BrokenPipe" not in head.stderr and "Traceback" not in head.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -23,6 +24,22 @@ __all__ = ["main", "build_parser"]
 
 _SPEC_RE = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9, ]*)\]")
 _DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64", "i32": "int32", "s32": "int32", "i64": "int64", "s64": "int64", "i8": "int8", "u8": "uint8", "bool": "bool", "pred": "bool"}
+
+
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of ``kind`` greater than 0 (argparse names the flag on error)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
 
 
 class UsageError(Exception):
@@ -173,9 +190,12 @@ def _cmd_cache(args: argparse.Namespace) -> int:
             config = repr(entry.config) if entry.status == "ok" else f"UNDECODABLE: {entry.error}"
             print(f"{entry.op_id:28} {entry.call_key}  {entry.provenance:10} {timing:>12}  {entry.device}  {config}")
     elif action == "show":
-        matches = [e for e in cache.entries() if args.key in (e.call_key, f"{e.op_id}:{e.call_key}") or args.key.endswith(f"{e.op_id}:{e.call_key}")]
+        matches = [e for e in cache.entries(include_undecodable=True) if _names_entry(args.key, e.op_id, e.call_key)]
         if not matches:
-            raise LookupError(f"KEY: no cache entry matches {args.key!r} (give a call key, op@vN:key or a label)")
+            raise LookupError(f"KEY: no cache entry matches {args.key!r} (give a call key or a unique prefix of one, op@vN:key or a label)")
+        if len({(e.op_id, e.call_key) for e in matches}) > 1:
+            listed = ", ".join(sorted({f"{e.op_id}:{e.call_key}" for e in matches}))
+            raise UsageError(f"KEY: {args.key!r} matches several calls ({listed}); give more of the key")
         from ejlabel.utils.serialize import to_jsonable
 
         for entry in matches:
@@ -187,12 +207,22 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     elif action == "export":
         print(f"exported {cache.export(args.file)} entries to {args.file}")
     elif action == "import":
-        print(f"imported {cache.import_(args.file, overwrite=args.overwrite)} entries from {args.file}")
+        count = cache.import_(args.file, overwrite=args.overwrite)
+        kept = "" if count or args.overwrite else " (entries already in the cache are kept; --overwrite replaces them)"
+        print(f"imported {count} entries from {args.file}{kept}")
     elif action == "clear":
         if not args.yes:
             raise UsageError(f"clear removes every entry of {cache.path}; pass --yes to confirm")
         print(f"removed {cache.clear()} entries from {cache.path}")
     return 0
+
+
+def _names_entry(key: str, op_id: str, call_key: str) -> bool:
+    """Whether ``key`` (a call key or a prefix of >= 4 of its digits, ``op@vN:key``, or a label)
+    names the entry."""
+    if len(key) >= 4 and call_key.startswith(key):
+        return True
+    return key == f"{op_id}:{call_key}" or key.endswith(f"#{op_id}:{call_key}")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -235,11 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("path", help="module:function (in context), or an HLO file / XLA dump directory (isolated)")
     tune.add_argument("--example-args", help="argument specs for module:function, e.g. 'f32[8,16] i32[8]'")
-    tune.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="in context: seconds for the whole search (default 300); isolated: seconds per call")
-    tune.add_argument("--iters", type=int, default=10, help="timed runs per candidate in isolation (default 10)")
-    tune.add_argument("--max-configs", type=int, default=None, help="candidates per call at most")
-    tune.add_argument("--samples", type=int, default=None, help="in context: timed steps per program and comparison (default 10)")
-    tune.add_argument("--candidates", type=int, default=None, help="in context: the fastest candidates in isolation confirmed per call (default 2)")
+    tune.add_argument("--budget", type=_positive(float), default=None, metavar="SECONDS", help="in context: seconds for the whole search (default 300); isolated: seconds per call")
+    tune.add_argument("--iters", type=_positive(int), default=10, help="timed runs per candidate in isolation (default 10)")
+    tune.add_argument("--max-configs", type=_positive(int), default=None, help="candidates per call at most")
+    tune.add_argument("--samples", type=_positive(int), default=None, help="in context: timed steps per program and comparison (default 10)")
+    tune.add_argument("--candidates", type=_positive(int), default=None, help="in context: the fastest candidates in isolation confirmed per call (default 2)")
     tune.add_argument("--confirm-slower", action="store_true", help="in context: also confirm candidates slower than XLA in isolation")
     tune.add_argument("--baseline", metavar="MODULE:FUNCTION", help="in context: the step in plain JAX, timed alongside")
     tune.set_defaults(run=_cmd_tune)
@@ -268,7 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug is accepted anywhere on the line, not only before the command.
+    debug = "--debug" in argv
+    args = parser.parse_args([a for a in argv if a != "--debug"])
+    args.debug = debug
     try:
         # The registry that decoding programs and cache entries consults is filled by the
         # library's own kernels (imported above) and the modules the user named, never by data.
@@ -279,6 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"ejlabel {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `ejlabel cache ls | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (Exception, KeyboardInterrupt) as err:  # the command line reports, it does not crash
         if args.debug:
             raise
