@@ -6,6 +6,7 @@ per call site and the audit shows it. The sequence and numerics helpers live her
 
 from .attention import AttentionConfig, AttentionKernel, cu_seqlens_to_segment_ids, flash_attention
 from .cross_entropy import CrossEntropyConfig, CrossEntropyKernel, softmax_cross_entropy
+from .linear_cross_entropy import LinearCrossEntropyConfig, LinearCrossEntropyKernel, linear_cross_entropy
 from .matmul import MatmulConfig, MatmulKernel, matmul
 from .norms import LayerNormKernel, NormConfig, RMSNormKernel, layer_norm, rms_norm
 from .sequence import (
@@ -27,6 +28,8 @@ __all__ = [
     "CrossEntropyConfig",
     "CrossEntropyKernel",
     "LayerNormKernel",
+    "LinearCrossEntropyConfig",
+    "LinearCrossEntropyKernel",
     "MatmulConfig",
     "MatmulKernel",
     "NormConfig",
@@ -36,6 +39,7 @@ __all__ = [
     "flash_attention",
     "identity_dtype_convert",
     "layer_norm",
+    "linear_cross_entropy",
     "log_sum_exp",
     "mask_to_segment_ids",
     "matmul",

@@ -1,0 +1,272 @@
+"""Fused linear cross-entropy: the loss of ``hidden @ weight`` without materialising the logits.
+
+In a language model the unembedding matmul writes a ``[tokens, vocab]`` logits array (1 GB in
+bf16 for 16384 tokens and a 32000-word vocabulary) that the loss reads once and the backward
+reads again. This kernel computes the per-token loss chunk by chunk over the vocabulary with an
+online log-sum-exp, so at most ``[tokens, chunk_vocab]`` logits exist at a time.
+
+Per token ``t`` with label ``y``, logits ``z = hidden[t] @ weight`` (optionally soft-capped,
+``z = cap * tanh(z / cap)``) and smoothing ``eps``::
+
+    loss[t] = lse(z) - (1 - eps) * z[y] - eps * mean(z)
+
+Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
+
+- ``"xla"``: the plain expression a JAX user writes (matmul, then a logsumexp loss),
+  differentiated by JAX itself: the floor.
+- ``"chunked"``: a ``lax.scan`` over vocabulary chunks of ``chunk_vocab`` columns keeping the
+  running max, the rescaled sum of exponentials, the label's logit and the sum of logits. Its
+  backward recomputes each chunk's logits from ``hidden`` and the saved log-sum-exp and
+  accumulates ``d_hidden += d_z @ w_c^T`` and ``d_weight[:, c] = hidden^T @ d_z``: the
+  logits never exist whole in either direction, the cost being one more pass of the matmul.
+
+Tokens labelled ``ignore_index`` get loss 0 and no gradient. Reduction (``"mean"`` over the
+tokens that count, ``"sum"`` or ``"none"``) is plain ``jax.numpy`` after the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+from ejlabel import Invocation, Kernel
+
+from ._checks import check_config, check_floating, check_integer
+from ._pallas import on_gpu
+
+__all__ = ["LinearCrossEntropyConfig", "LinearCrossEntropyKernel", "linear_cross_entropy"]
+
+_IMPLS = ("xla", "chunked")
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCrossEntropyConfig:
+    """How to run one fused linear cross-entropy.
+
+    Attributes:
+      impl: ``"xla"`` (the plain expression) or ``"chunked"`` (online over vocabulary chunks).
+      chunk_vocab: vocabulary columns per step of ``"chunked"``.
+    """
+
+    impl: str = "xla"
+    chunk_vocab: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.impl not in _IMPLS:
+            raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
+        if not isinstance(self.chunk_vocab, int) or self.chunk_vocab < 1:
+            raise ValueError(f"chunk_vocab: expected a positive int, got {self.chunk_vocab!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loss:
+    """The static parts of the loss: what every implementation computes."""
+
+    ignore_index: int | None
+    label_smoothing: float
+    logit_soft_cap: float | None
+
+    def cap(self, z: jax.Array) -> jax.Array:
+        return z if self.logit_soft_cap is None else self.logit_soft_cap * jnp.tanh(z / self.logit_soft_cap)
+
+    def cap_grad(self, capped: jax.Array) -> jax.Array | float:
+        """d capped / d raw, from the capped value: ``1 - tanh^2``."""
+        return 1.0 if self.logit_soft_cap is None else 1.0 - jnp.square(capped / self.logit_soft_cap)
+
+    def counts(self, labels: jax.Array) -> jax.Array:
+        return jnp.ones(labels.shape, bool) if self.ignore_index is None else labels != self.ignore_index
+
+
+def _loss_xla(hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss) -> jax.Array:
+    logits = loss.cap((hidden @ weight).astype(jnp.float32))
+    safe = labels if loss.ignore_index is None else jnp.where(loss.counts(labels), labels, 0)
+    picked = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
+    per_token = jax.nn.logsumexp(logits, axis=-1) - picked
+    if loss.label_smoothing:
+        per_token = per_token + loss.label_smoothing * (picked - jnp.mean(logits, axis=-1))
+    return per_token if loss.ignore_index is None else jnp.where(loss.counts(labels), per_token, 0.0)
+
+
+def _chunks(weight: jax.Array, chunk: int) -> tuple[jax.Array, int]:
+    """``weight [d, vocab]`` as ``[n, d, chunk]`` zero-padded chunks, and the true vocab size."""
+    d, vocab = weight.shape
+    n = -(-vocab // chunk)
+    padded = jnp.pad(weight, ((0, 0), (0, n * chunk - vocab)))
+    return jnp.moveaxis(padded.reshape(d, n, chunk), 1, 0), vocab
+
+
+def _chunk_logits(hidden: jax.Array, w_chunk: jax.Array, start: jax.Array, vocab: int, loss: _Loss) -> tuple[jax.Array, jax.Array]:
+    """Capped float32 logits of one chunk ``[tokens, chunk]`` and the mask of real columns."""
+    z = loss.cap(jnp.dot(hidden, w_chunk, preferred_element_type=jnp.float32))
+    real = (start + jnp.arange(w_chunk.shape[1])) < vocab
+    return z, real
+
+
+def _forward_chunked(hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """Per-token loss and log-sum-exp, one vocabulary chunk at a time."""
+    chunks, vocab = _chunks(weight, chunk)
+    tokens = hidden.shape[0]
+
+    def step(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[jax.Array, ...], None]:
+        running_max, running_sum, picked, total = carry
+        index, w_chunk = xs
+        start = index * chunk
+        z, real = _chunk_logits(hidden, w_chunk, start, vocab, loss)
+        masked = jnp.where(real, z, -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(masked, axis=-1))
+        running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(jnp.exp(masked - new_max[:, None]), axis=-1)
+        local = labels - start
+        inside = (local >= 0) & (local < chunk)
+        picked = picked + jnp.where(inside, jnp.take_along_axis(z, jnp.clip(local, 0, chunk - 1)[:, None], axis=-1)[:, 0], 0.0)
+        total = total + jnp.sum(jnp.where(real, z, 0.0), axis=-1)
+        return (new_max, running_sum, picked, total), None
+
+    init = (jnp.full((tokens,), -jnp.inf, jnp.float32), jnp.zeros((tokens,), jnp.float32), jnp.zeros((tokens,), jnp.float32), jnp.zeros((tokens,), jnp.float32))
+    (running_max, running_sum, picked, total), _ = lax.scan(step, init, (jnp.arange(chunks.shape[0]), chunks))
+    lse = running_max + jnp.log(running_sum)
+    per_token = lse - picked
+    if loss.label_smoothing:
+        per_token = per_token + loss.label_smoothing * (picked - total / vocab)
+    counts = loss.counts(labels)
+    return jnp.where(counts, per_token, 0.0), lse
+
+
+def _backward_chunked(
+    hidden: jax.Array, weight: jax.Array, labels: jax.Array, lse: jax.Array, g: jax.Array, loss: _Loss, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """``(d_hidden, d_weight)`` of ``sum(g * loss)``, recomputing each chunk's logits."""
+    chunks, vocab = _chunks(weight, chunk)
+    eps = loss.label_smoothing
+    scale = jnp.where(loss.counts(labels), g.astype(jnp.float32), 0.0)
+
+    def step(d_hidden: jax.Array, xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        index, w_chunk = xs
+        start = index * chunk
+        z, real = _chunk_logits(hidden, w_chunk, start, vocab, loss)
+        probs = jnp.where(real, jnp.exp(z - lse[:, None]), 0.0)
+        onehot = (labels - start)[:, None] == jnp.arange(chunk)[None, :]
+        d_z = probs - (1.0 - eps) * onehot - jnp.where(real, eps / vocab, 0.0)
+        d_z = (d_z * scale[:, None] * loss.cap_grad(z)).astype(hidden.dtype)
+        d_hidden = d_hidden + jnp.dot(d_z, w_chunk.T, preferred_element_type=jnp.float32)
+        return d_hidden, jnp.dot(hidden.T, d_z, preferred_element_type=jnp.float32).astype(weight.dtype)
+
+    d_hidden, d_chunks = lax.scan(step, jnp.zeros(hidden.shape, jnp.float32), (jnp.arange(chunks.shape[0]), chunks))
+    d_weight = jnp.moveaxis(d_chunks, 0, 1).reshape(weight.shape[0], -1)[:, :vocab]
+    return d_hidden.astype(hidden.dtype), d_weight
+
+
+class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
+    """Per-token cross-entropy of ``hidden @ weight``; see the module docstring."""
+
+    version = "1"
+
+    def __init__(self) -> None:
+        super().__init__("linear_cross_entropy")
+
+    def run(
+        self, hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], *, labels: Int[Array, "tokens"],
+        cfg: LinearCrossEntropyConfig, ignore_index: int | None = -100, label_smoothing: float = 0.0, logit_soft_cap: float | None = None,
+    ) -> Float[Array, "tokens"]:
+        loss = _Loss(ignore_index, label_smoothing, logit_soft_cap)
+        if cfg.impl == "xla":
+            return _loss_xla(hidden, weight, labels, loss)
+        return _forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)[0]
+
+    def custom_vjp(
+        self, primals: tuple[Any, ...], cfg: LinearCrossEntropyConfig, kwargs: dict[str, Any], cotangents: tuple[Any, ...]
+    ) -> tuple[jax.Array, jax.Array]:
+        # Only the chunked path gets here: the XLA one is differentiated by JAX.
+        hidden, weight = primals
+        (g,) = cotangents
+        loss = _Loss(kwargs.get("ignore_index", -100), kwargs.get("label_smoothing", 0.0), kwargs.get("logit_soft_cap"))
+        labels = kwargs["labels"]
+        _, lse = _forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)
+        return _backward_chunked(hidden, weight, labels, lse, g, loss, cfg.chunk_vocab)
+
+    def differentiated_by_jax(self, cfg: LinearCrossEntropyConfig) -> bool:
+        return cfg.impl == "xla"
+
+    def reference(
+        self, hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], *, labels: Int[Array, "tokens"],
+        ignore_index: int | None = -100, label_smoothing: float = 0.0, logit_soft_cap: float | None = None,
+    ) -> Float[Array, "tokens"]:
+        return _loss_xla(hidden.astype(jnp.float32), weight.astype(jnp.float32), labels, _Loss(ignore_index, label_smoothing, logit_soft_cap))
+
+    def make_inputs(self, inv: Invocation[LinearCrossEntropyConfig, jax.Array], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        hidden, weight = inv.args
+        k_h, k_w, k_y = jax.random.split(key, 3)
+        args = (
+            jax.random.normal(k_h, hidden.shape, jnp.float32).astype(hidden.dtype),
+            (jax.random.normal(k_w, weight.shape, jnp.float32) / jnp.sqrt(weight.shape[0])).astype(weight.dtype),
+        )
+        labels = inv.kwargs["labels"]
+        return args, {**inv.kwargs, "labels": jax.random.randint(k_y, labels.shape, 0, weight.shape[1], labels.dtype)}
+
+    def heuristic_cfg(self, inv: Invocation[LinearCrossEntropyConfig, jax.Array]) -> LinearCrossEntropyConfig:
+        # The plain expression until tuning in context shows the chunked one is faster.
+        return LinearCrossEntropyConfig("xla")
+
+    def config_space(self, inv: Invocation[LinearCrossEntropyConfig, jax.Array]) -> list[LinearCrossEntropyConfig]:
+        vocab = inv.args[1].shape[1]
+        sizes = (1024, 2048, 4096, 8192) if on_gpu() else (16, 64)
+        return [LinearCrossEntropyConfig("xla")] + [LinearCrossEntropyConfig("chunked", c) for c in sizes if c < 2 * vocab]
+
+
+_LINEAR_CROSS_ENTROPY = LinearCrossEntropyKernel()
+
+
+def _reduce(per_token: jax.Array, counts: jax.Array, reduction: str) -> jax.Array:
+    if reduction == "none":
+        return per_token
+    total = jnp.sum(per_token)
+    return total if reduction == "sum" else total / jnp.maximum(jnp.sum(counts), 1)
+
+
+def linear_cross_entropy(
+    hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], labels: Int[Array, "tokens"], *,
+    ignore_index: int | None = -100, label_smoothing: float = 0.0, logit_soft_cap: float | None = None,
+    reduction: str = "mean", cfg: LinearCrossEntropyConfig | None = None,
+) -> Float[Array, "..."]:
+    """Cross-entropy of the logits ``hidden @ weight`` against ``labels``, in float32.
+
+    Args:
+      hidden: ``[tokens, d]`` final hidden states.
+      weight: ``[d, vocab]`` unembedding, the dtype of ``hidden``.
+      labels: ``[tokens]`` integer classes in ``[0, vocab)``, or ``ignore_index``.
+      ignore_index: tokens with this label count nowhere (loss 0, no gradient); None: all count.
+      label_smoothing: ``eps`` in ``[0, 1)``: the target puts ``eps`` uniformly over the vocabulary.
+      logit_soft_cap: if given, logits pass through ``cap * tanh(z / cap)`` first.
+      reduction: ``"mean"`` over the tokens that count, ``"sum"``, or ``"none"`` (per token).
+      cfg: force a config; by default the executor picks one.
+
+    Returns:
+      A float32 scalar, or ``[tokens]`` losses with ``reduction="none"``.
+    """
+    check_floating(hidden, "hidden")
+    check_floating(weight, "weight")
+    check_integer(labels, "labels")
+    check_config(cfg, LinearCrossEntropyConfig)
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[0] or labels.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden, weight, labels: expected [tokens, d], [d, vocab], [tokens], got {hidden.shape}, {weight.shape}, {labels.shape}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden, weight: expected one dtype, got {jnp.dtype(hidden.dtype).name} and {jnp.dtype(weight.dtype).name}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) < 1.0:
+        raise ValueError(f"label_smoothing: expected a number in [0, 1), got {label_smoothing!r}")
+    if logit_soft_cap is not None and not float(logit_soft_cap) > 0:
+        raise ValueError(f"logit_soft_cap: expected None or a number > 0, got {logit_soft_cap!r}")
+    if ignore_index is not None and not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int or None, got {type(ignore_index).__name__}")
+    cap = None if logit_soft_cap is None else float(logit_soft_cap)
+    per_token = _LINEAR_CROSS_ENTROPY(
+        hidden, weight, labels=labels, ignore_index=ignore_index, label_smoothing=float(label_smoothing), logit_soft_cap=cap, cfg=cfg
+    )
+    counts = jnp.ones(labels.shape, bool) if ignore_index is None else labels != ignore_index
+    return _reduce(per_token, counts, reduction)

@@ -1,0 +1,116 @@
+"""Fused linear cross-entropy: both implementations against float32 XLA, values and gradients,
+with ignored tokens, label smoothing, a logit soft cap, odd sizes and bf16 inputs; the chunked
+program never holds the whole logits array."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejlabel
+from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linear_cross_entropy
+
+from kernel_checks import assert_close
+
+CONFIGS = {"xla": LinearCrossEntropyConfig("xla"), "chunked": LinearCrossEntropyConfig("chunked", 16), "one-chunk": LinearCrossEntropyConfig("chunked", 128)}
+
+
+def inputs(tokens: int, d: int, vocab: int, dtype, ignored: int = 3, seed: int = 0):
+    kh, kw, ky = jax.random.split(jax.random.key(seed), 3)
+    hidden = jax.random.normal(kh, (tokens, d), jnp.float32).astype(dtype)
+    weight = (jax.random.normal(kw, (d, vocab), jnp.float32) / np.sqrt(d)).astype(dtype)
+    labels = jax.random.randint(ky, (tokens,), 0, vocab, jnp.int32).at[:ignored].set(-100)
+    return hidden, weight, labels
+
+
+def reference(hidden, weight, labels, *, ignore_index=-100, label_smoothing=0.0, logit_soft_cap=None, reduction="mean"):
+    """The loss written out in float32, independently of the kernel's code."""
+    z = hidden.astype(jnp.float32) @ weight.astype(jnp.float32)
+    if logit_soft_cap is not None:
+        z = logit_soft_cap * jnp.tanh(z / logit_soft_cap)
+    counts = labels != ignore_index if ignore_index is not None else jnp.ones(labels.shape, bool)
+    target = (1 - label_smoothing) * jax.nn.one_hot(jnp.where(counts, labels, 0), z.shape[1]) + label_smoothing / z.shape[1]
+    per_token = jnp.where(counts, -jnp.sum(target * jax.nn.log_softmax(z), axis=-1), 0.0)
+    if reduction == "none":
+        return per_token
+    return jnp.sum(per_token) if reduction == "sum" else jnp.sum(per_token) / jnp.maximum(jnp.sum(counts), 1)
+
+
+OPTIONS = [
+    {},
+    {"label_smoothing": 0.1},
+    {"logit_soft_cap": 3.0},
+    {"ignore_index": None},
+    {"reduction": "sum", "label_smoothing": 0.2, "logit_soft_cap": 5.0},
+    {"reduction": "none"},
+]
+
+
+@pytest.mark.parametrize("impl", list(CONFIGS))
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_values_and_gradients_match_float32(impl: str, options: dict):
+    hidden, weight, labels = inputs(13, 24, 70, jnp.float32, ignored=0 if options.get("ignore_index", -100) is None else 3)
+    got = linear_cross_entropy(hidden, weight, labels, cfg=CONFIGS[impl], **options)
+    assert_close(got, reference(hidden, weight, labels, **options), jnp.float32)
+
+    cot = jax.random.normal(jax.random.key(5), got.shape)
+    loss = lambda f: lambda h, w: jnp.sum(f(h, w) * cot)
+    ours = jax.grad(loss(lambda h, w: linear_cross_entropy(h, w, labels, cfg=CONFIGS[impl], **options)), argnums=(0, 1))(hidden, weight)
+    ref = jax.grad(loss(lambda h, w: reference(h, w, labels, **options)), argnums=(0, 1))(hidden, weight)
+    for g, r in zip(ours, ref):
+        assert_close(g, r, jnp.float32)
+    if options.get("ignore_index", -100) is not None:
+        assert np.all(np.asarray(jax.grad(loss(lambda h, w: linear_cross_entropy(h, w, labels, cfg=CONFIGS[impl], **options)))(hidden, weight))[:3] == 0)
+
+
+def test_bf16_inputs_and_odd_sizes():
+    hidden, weight, labels = inputs(37, 40, 301, jnp.bfloat16)
+    for cfg in CONFIGS.values():
+        got = linear_cross_entropy(hidden, weight, labels, cfg=cfg)
+        assert got.dtype == jnp.float32
+        assert_close(got, reference(hidden, weight, labels), jnp.bfloat16)
+        d_hidden = jax.grad(lambda h: linear_cross_entropy(h, weight, labels, cfg=cfg))(hidden)
+        assert d_hidden.dtype == jnp.bfloat16
+        assert_close(d_hidden, jax.grad(lambda h: reference(h, weight, labels))(hidden.astype(jnp.float32)), jnp.bfloat16)
+
+
+def test_chunked_program_never_holds_the_logits():
+    tokens, d, vocab = 512, 64, 8192
+    hidden, weight, labels = inputs(tokens, d, vocab, jnp.float32)
+
+    def temp_bytes(cfg):
+        step = jax.jit(jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, labels, cfg=cfg), argnums=(0, 1)))
+        return step.lower(hidden, weight).compile().memory_analysis().temp_size_in_bytes
+
+    # XLA keeps the float32 logits (and their gradient); the chunked program keeps one chunk of
+    # them and weight-sized buffers (the padded chunks and d_weight: 2 MiB each here).
+    logits_bytes, weight_bytes = tokens * vocab * 4, d * vocab * 4
+    xla = temp_bytes(LinearCrossEntropyConfig("xla"))
+    chunked = temp_bytes(LinearCrossEntropyConfig("chunked", 512))
+    assert xla >= 2 * logits_bytes
+    assert chunked < 3 * weight_bytes and chunked < xla / 6
+
+
+def test_calls_are_labelled_and_tune():
+    hidden, weight, labels = inputs(16, 8, 40, jnp.float32)
+    lowered = jax.jit(lambda h, w: linear_cross_entropy(h, w, labels, cfg=LinearCrossEntropyConfig("chunked", 16))).lower(hidden, weight)
+    assert any("#linear_cross_entropy@v1:" in lab for lab in ejlabel.find_labels_in_lowered(lowered))
+    inv = ejlabel.Invocation(
+        linear_cross_entropy.__globals__["_LINEAR_CROSS_ENTROPY"], (hidden, weight),
+        {"labels": labels, "ignore_index": -100, "label_smoothing": 0.0, "logit_soft_cap": None},
+    )
+    result = ejlabel.Autotuner(ejlabel.AutotunePolicy(num_warmup=1, num_iters=3)).tune(inv)
+    assert {c.cfg.impl for c in result.candidates} == {"xla", "chunked"}
+    assert all(c.status in ("ok", "pruned") for c in result.candidates)
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [({"reduction": "avg"}, "reduction"), ({"label_smoothing": 1.0}, "label_smoothing"), ({"logit_soft_cap": 0.0}, "logit_soft_cap"), ({"cfg": "fast"}, "cfg")],
+)
+def test_bad_arguments_name_themselves(kwargs: dict, argument: str):
+    hidden, weight, labels = inputs(4, 8, 16, jnp.float32)
+    with pytest.raises((TypeError, ValueError), match=f"^{argument}:"):
+        linear_cross_entropy(hidden, weight, labels, **kwargs)
