@@ -215,7 +215,9 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
     def config_space(self, inv: Invocation[LinearCrossEntropyConfig, jax.Array]) -> list[LinearCrossEntropyConfig]:
         vocab = inv.args[1].shape[1]
         sizes = (1024, 2048, 4096, 8192) if on_gpu() else (16, 64)
-        return [LinearCrossEntropyConfig("xla")] + [LinearCrossEntropyConfig("chunked", c) for c in sizes if c < 2 * vocab]
+        # A chunk much wider than the vocabulary is padding, but at least one chunked candidate stays.
+        fitting = [c for c in sizes if c < 2 * vocab] or [sizes[0]]
+        return [LinearCrossEntropyConfig("xla")] + [LinearCrossEntropyConfig("chunked", c) for c in fitting]
 
 
 _LINEAR_CROSS_ENTROPY = LinearCrossEntropyKernel()
