@@ -35,7 +35,7 @@ from ejlabel.core.calls import (  # noqa: E402
     encode_call,
     invocations_from_program,
 )
-from ejlabel.core.kernel import Invocation, Kernel  # noqa: E402
+from ejlabel.core.kernel import Cfg, Invocation, Kernel, Out  # noqa: E402
 from ejlabel.core.registry import import_user_modules, register_config_type  # noqa: E402
 from ejlabel.core.label_format import LABEL_RE  # noqa: E402
 from ejlabel.core.labels import (  # noqa: E402
@@ -61,6 +61,7 @@ from ejlabel.execution.tuning import (  # noqa: E402
     AutotuneError,
     Autotuner,
     Timing,
+    Tuner,
     autotune,
     autotune_recorded,
     benchmark,
@@ -92,6 +93,7 @@ __all__ = [
     "BwdParams",
     "CacheEntry",
     "CacheError",
+    "Cfg",
     "ConfigCache",
     "ConfigSelectorChain",
     "ContextTuneReport",
@@ -101,9 +103,11 @@ __all__ = [
     "Kernel",
     "LABEL_RE",
     "LabelConfig",
+    "Out",
     "PersistentCache",
     "Selection",
     "Timing",
+    "Tuner",
     "abstractify",
     "autotune",
     "autotune_recorded",

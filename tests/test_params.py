@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from ejlabel.utils.params import BwdParams, FwdParams, select_num_stages, select_num_warps
 
 _FIELDS = ("q_blocksize", "kv_blocksize", "num_warps", "num_stages")
+# ejkernel's further tile fields, after ours.
+_ALL_FIELDS = _FIELDS + ("blocksize_m", "blocksize_k", "blocksize_n", "blocksize_heads", "blocksize_keys")
 
 powers_of_two = st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
 
@@ -38,8 +40,8 @@ params_kwargs = st.fixed_dictionaries(
 @pytest.mark.parametrize("cls", [FwdParams, BwdParams])
 def test_defaults_are_all_none(cls):
     p = cls()
-    assert p.to_dict() == dict.fromkeys(_FIELDS)
-    assert tuple(f.name for f in dataclasses.fields(p)) == _FIELDS
+    assert p.to_dict() == dict.fromkeys(_ALL_FIELDS)
+    assert tuple(f.name for f in dataclasses.fields(p)) == _ALL_FIELDS
 
 
 @pytest.mark.parametrize("cls", [FwdParams, BwdParams])
@@ -60,7 +62,7 @@ def test_forward_and_backward_params_are_not_equal():
 def test_to_dict_round_trip(kwargs):
     for cls in (FwdParams, BwdParams):
         p = cls(**kwargs)
-        assert p.to_dict() == kwargs
+        assert p.to_dict() == {**dict.fromkeys(_ALL_FIELDS), **kwargs}
         assert cls(**p.to_dict()) == p
 
 
@@ -96,6 +98,7 @@ def test_merge_keeps_own_class_and_accepts_the_other():
 @given(a=params_kwargs, b=params_kwargs)
 def test_merge_property(a, b):
     merged = FwdParams(**a).merge(b)
+    assert all(getattr(merged, name) is None for name in _ALL_FIELDS[len(_FIELDS):])
     for name in _FIELDS:
         expected = b[name] if b[name] is not None else a[name]
         assert getattr(merged, name) == expected

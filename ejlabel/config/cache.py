@@ -81,6 +81,15 @@ class ConfigCache:
         with self._lock:
             return list(self._entries.items())
 
+    def keys(self) -> list[Key]:
+        """A snapshot of the stored ``(device, op_id, call_key)`` keys (ejkernel's ``keys()``)."""
+        with self._lock:
+            return list(self._entries)
+
+    def size(self) -> int:
+        """The number of entries (ejkernel's ``size()``; ``len(cache)`` is the same)."""
+        return len(self)
+
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, tuple):
             return False
@@ -117,6 +126,22 @@ class AutotunePolicy:
       compile_workers: threads that compile candidates ahead of time.
       tune_backward: for kernels with a custom VJP, time and check forward and backward
         together (what a training step runs); turn off to tune for serving.
+
+    ejkernel's names are accepted as keywords and read back as properties, with ejlabel's
+    meaning where it is stronger:
+
+    - ``allow_autotune`` is ``enabled``.
+    - ``cache_miss_fallback="heuristics"`` / ``"autotune"`` is ``on_miss="heuristic"`` /
+      ``"autotune"``.
+    - ``allow_heuristics=False`` is ``on_miss="error"`` (a miss raises instead of using the
+      heuristic; with ``cache_miss_fallback="autotune"`` the miss tunes, and a tuning failure
+      raises, as in ejkernel).
+    - ``validate_backward`` is ``tune_backward``: ejlabel always checks candidates against the
+      reference; with it on, the backward pass is checked *and timed* together with the forward.
+
+    Arguments are keyword-only: ejkernel's positional order differs from ejlabel's fields, so a
+    positional call is refused rather than mis-assigned. Unlike ejkernel's, a policy is frozen:
+    change it with ``dataclasses.replace`` or ``policy_override``.
     """
 
     enabled: bool = True
@@ -145,6 +170,74 @@ class AutotunePolicy:
     @property
     def tunes_on_miss(self) -> bool:
         return self.enabled and self.on_miss == "autotune"
+
+    # ejkernel's names, read back.
+    @property
+    def allow_autotune(self) -> bool:
+        return self.enabled
+
+    @property
+    def allow_heuristics(self) -> bool:
+        return self.on_miss != "error"
+
+    @property
+    def cache_miss_fallback(self) -> str:
+        return "autotune" if self.on_miss == "autotune" else "heuristics"
+
+    @property
+    def validate_backward(self) -> bool:
+        return self.tune_backward
+
+
+_FALLBACKS = {"heuristics": "heuristic", "heuristic": "heuristic", "autotune": "autotune", "error": "error"}
+_EJKERNEL_POLICY_NAMES = ("allow_autotune", "allow_heuristics", "cache_miss_fallback", "validate_backward")
+
+
+def translate_policy_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """``AutotunePolicy`` field values with ejkernel's names mapped to ejlabel's (see its docstring)."""
+    updates = dict(fields)
+    if "allow_autotune" in updates:
+        if "enabled" in updates:
+            raise TypeError("give either enabled or allow_autotune (the same field), not both")
+        updates["enabled"] = updates.pop("allow_autotune")
+    if "validate_backward" in updates:
+        if "tune_backward" in updates:
+            raise TypeError("give either tune_backward or validate_backward (the same field), not both")
+        updates["tune_backward"] = updates.pop("validate_backward")
+    fallback = updates.pop("cache_miss_fallback", None)
+    allow_heuristics = updates.pop("allow_heuristics", None)
+    if fallback is not None:
+        if "on_miss" in updates:
+            raise TypeError("give either on_miss or cache_miss_fallback (the same field), not both")
+        if fallback not in _FALLBACKS:
+            raise ValueError(f"cache_miss_fallback: expected 'heuristics' or 'autotune', got {fallback!r}")
+        updates["on_miss"] = _FALLBACKS[fallback]
+    if allow_heuristics is not None:
+        if not isinstance(allow_heuristics, bool):
+            raise TypeError(f"allow_heuristics: expected a bool, got {allow_heuristics!r}")
+        on_miss = updates.get("on_miss", "heuristic")
+        if not allow_heuristics and on_miss == "heuristic":
+            updates["on_miss"] = "error"
+        elif allow_heuristics and on_miss == "error":
+            raise ValueError("allow_heuristics=True contradicts on_miss='error'")
+    return updates
+
+
+_dataclass_init = AutotunePolicy.__init__
+
+
+def _policy_init(self: AutotunePolicy, *args: Any, **fields: Any) -> None:
+    if args:
+        raise TypeError(
+            "AutotunePolicy takes keyword arguments only (ejkernel's positional order "
+            "allow_autotune, allow_heuristics, cache_miss_fallback differs from ejlabel's fields); "
+            f"got {len(args)} positional argument(s)"
+        )
+    _dataclass_init(self, **translate_policy_fields(fields))
+
+
+_policy_init.__doc__ = _dataclass_init.__doc__
+AutotunePolicy.__init__ = _policy_init  # type: ignore[method-assign]
 
 
 _overlays: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("ejlabel_overlays", default=())
@@ -198,33 +291,60 @@ def active_overlays() -> tuple[Any, ...]:
 _POLICY_FIELDS = {f.name for f in dataclasses.fields(AutotunePolicy)}
 
 
-@contextlib.contextmanager
-def policy_override(**fields: Any) -> Iterator[None]:
-    """Override fields of every selector's ``AutotunePolicy`` inside the block.
+_policy_layers: contextvars.ContextVar[tuple[tuple[Any, dict[str, Any]], ...]] = contextvars.ContextVar(
+    "ejlabel_policy_layers", default=()
+)
 
-    ``autotune=False`` disables tuning; ``autotune=True`` enables it and tunes on a miss.
-    Any other keyword must be an ``AutotunePolicy`` field.
+
+@contextlib.contextmanager
+def policy_override(selector: Any = None, /, **fields: Any) -> Iterator[None]:
+    """Override fields of ``AutotunePolicy`` inside the block.
+
+    ``policy_override(**fields)`` applies to every selector; ejkernel's form
+    ``policy_override(selector, **fields)`` applies to that selector only. Either way the
+    override is local to the thread or task that enters the block (ejkernel mutates the
+    selector's policy for every thread; ejlabel never does). ``autotune=False`` disables
+    tuning; ``autotune=True`` enables it and tunes on a miss. Any other keyword must be an
+    ``AutotunePolicy`` field or one of ejkernel's names for one (``allow_autotune``,
+    ``allow_heuristics``, ``cache_miss_fallback``, ``validate_backward``).
     """
+    if selector is not None and not hasattr(selector, "policy"):
+        raise TypeError(f"selector: expected a ConfigSelectorChain, got {type(selector).__name__}")
     updates = dict(fields)
     if "autotune" in updates:
         flag = updates.pop("autotune")
         if not isinstance(flag, bool):
             raise TypeError(f"autotune: expected a bool, got {flag!r}")
         updates["enabled"] = flag
-        if flag:
+        if flag and "cache_miss_fallback" not in updates:
             updates.setdefault("on_miss", "autotune")
-    unknown = set(updates) - _POLICY_FIELDS
+    unknown = set(updates) - _POLICY_FIELDS - set(_EJKERNEL_POLICY_NAMES)
     if unknown:
-        raise TypeError(f"policy_override: unknown field(s) {sorted(unknown)}; expected {sorted(_POLICY_FIELDS)} or autotune")
+        raise TypeError(
+            f"policy_override: unknown field(s) {sorted(unknown)}; expected {sorted(_POLICY_FIELDS)}, "
+            f"autotune or one of ejkernel's {list(_EJKERNEL_POLICY_NAMES)}"
+        )
+    updates = translate_policy_fields(updates)
     dataclasses.replace(AutotunePolicy(), **updates)  # validates the values now, not at first use
-    token = _policy_fields.set({**_policy_fields.get(), **updates})
-    try:
-        yield
-    finally:
-        _policy_fields.reset(token)
+    if selector is None:
+        token = _policy_fields.set({**_policy_fields.get(), **updates})
+        try:
+            yield
+        finally:
+            _policy_fields.reset(token)
+    else:
+        token = _policy_layers.set((*_policy_layers.get(), (selector, updates)))
+        try:
+            yield
+        finally:
+            _policy_layers.reset(token)
 
 
-def effective_policy(policy: AutotunePolicy) -> AutotunePolicy:
-    """``policy`` with the active ``policy_override`` fields applied."""
+def effective_policy(policy: AutotunePolicy, selector: Any = None) -> AutotunePolicy:
+    """``policy`` with the active ``policy_override`` fields applied (those of ``selector`` last)."""
     overrides = _policy_fields.get()
+    if selector is not None:
+        for owner, updates in _policy_layers.get():
+            if owner is selector:
+                overrides = {**overrides, **updates}
     return dataclasses.replace(policy, **overrides) if overrides else policy

@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 import jax
 import jaxlib
 
+from ejlabel.core.registry import register_config_type
 from ejlabel.utils.serialize import (
     MAX_DEPTH,
     DecodeError,
@@ -199,6 +200,15 @@ def _resolve_file(path: str | os.PathLike[str] | None) -> pathlib.Path:
     return (p / DEFAULT_FILENAME).absolute()
 
 
+def _is_op_name(value: Any) -> bool:
+    """Whether a first argument reads as ejkernel's op name rather than a location."""
+    if not isinstance(value, str) or not value or value in (".", ".."):
+        return False
+    if "/" in value or os.sep in value or (os.altsep and os.altsep in value) or value.startswith("~"):
+        return False
+    return pathlib.Path(value).suffix.lower() not in FILE_SUFFIXES and not os.path.isdir(value)
+
+
 def _ensure_wal(conn: sqlite3.Connection) -> None:
     """Put the database in WAL mode, waiting out other processes that hold it meanwhile.
 
@@ -229,9 +239,46 @@ class PersistentCache:
 
     Safe to share between threads (one connection guarded by a lock) and between processes
     (SQLite locking; WAL lets readers run while one writer commits).
+
+    ``PersistentCache(path)``: a directory (the file inside it is created) or a ``.sqlite`` /
+    ``.db`` file; None is the default cache (``$EJLABEL_CACHE_DIR`` or the user cache dir).
+    ejkernel's form ``PersistentCache(opname, path=None, cfg_type=None)`` keeps ejkernel's
+    meaning for the op name: a first argument that is a bare name (no path separator, no
+    ``~``, no file suffix, not an existing directory) names an op, not a folder, and selects
+    the default cache (ejlabel keeps every op in one database, keyed by op id); write
+    ``./name`` for a folder in the current directory. ``cfg_type`` registers the config type
+    (``register_config_type``), which is how ejlabel decodes entries. ejkernel's ``loader`` and
+    ``dumper`` are refused: entries are typed JSON, decoded through the registry, never by
+    user code.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        location: str | os.PathLike[str] | None = None,
+        /,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        loader: Callable[[Any], Any] | None = None,
+        dumper: Callable[[Any], Any] | None = None,
+        cfg_type: type | None = None,
+    ) -> None:
+        if loader is not None or dumper is not None:
+            raise TypeError(
+                "loader/dumper: ejlabel stores configs as typed JSON and decodes them through its registry; "
+                "pass cfg_type= (or call ejlabel.register_config_type) instead"
+            )
+        self.opname: str | None = None
+        if location is not None and _is_op_name(location):
+            self.opname = str(location)
+        elif location is not None:
+            if path is not None:
+                raise TypeError(
+                    f"PersistentCache({location!r}, path={path!r}): two locations; ejkernel's form is "
+                    "PersistentCache(opname, path) with a bare op name first"
+                )
+            path = location
+        if cfg_type is not None:
+            register_config_type(cfg_type)
         self.path: pathlib.Path = _resolve_file(path)
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import warnings
 from operator import itemgetter
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, Protocol
 
 from ejlabel.config.cache import (
@@ -28,27 +29,28 @@ from ejlabel.core.registry import config_type_problem
 from ejlabel.core.labels import find_labels_in_lowered
 from ejlabel.utils.fingerprint import device_fingerprint
 
-__all__ = ["ConfigSelectorChain", "Selection", "LabelConfig", "labels_to_configs", "Provenance", "Tuner"]
+__all__ = ["ConfigSelectorChain", "Selection", "LabelConfig", "labels_to_configs", "Provenance", "TuneHook"]
 
 Provenance = Literal["forced", "override", "memory", "persistent", "autotuned", "heuristic"]
 Key = tuple[str, str, str]
 
 
-class Tuner(Protocol):
+class TuneHook(Protocol):
     """What the selector calls on a cache miss when the policy tunes: tune ``inv``, store the
     winner in ``cache`` (and ``persistent`` when given), return the winning config.
 
     Tuning lives in a layer above this one (:mod:`ejlabel.execution.tuning`), which registers its
-    tuner with :func:`set_default_tuner` when it is imported; a selector may also be given its own.
+    tuner with :func:`set_default_tuner` when it is imported; a selector may also be given its own
+    (``ejlabel.Tuner(warmup, iters)``, ejkernel's name, is one).
     """
 
     def __call__(self, inv: Invocation[Any, Any], *, policy: AutotunePolicy, cache: ConfigCache, persistent: PersistentCache | None) -> Any: ...
 
 
-_default_tuner: Tuner | None = None
+_default_tuner: TuneHook | None = None
 
 
-def set_default_tuner(tuner: Tuner | None) -> None:
+def set_default_tuner(tuner: TuneHook | None) -> None:
     """The tuner selectors use when they were given none (set by :mod:`ejlabel.execution.tuning`)."""
     global _default_tuner
     _default_tuner = tuner
@@ -65,25 +67,66 @@ class UntunedCallError(LookupError):
     """A cache miss under a policy whose ``on_miss`` is ``"error"``."""
 
 
+_EVENT_OF = {"forced": "override", "override": "override", "memory": "cache_hit", "persistent": "cache_hit", "heuristic": "heuristics"}
+
+
 class ConfigSelectorChain:
     """Override → memory → persistent → autotune (if allowed) → heuristic.
 
+    The positional order is ejkernel's: ``ConfigSelectorChain(cache, policy, tuner, persistent,
+    persist_autotune, on_event, forbid_reautotune)``; every slot is type-checked, so an argument
+    in the wrong slot (a ``PersistentCache`` where the policy goes) is a ``TypeError``, never a
+    silent mis-assignment.
+
     Args:
       cache: the in-memory cache (a fresh ``ConfigCache`` if None).
-      persistent: a ``PersistentCache``, or None for none.
-      autotune: shorthand for ``policy=AutotunePolicy(on_miss="autotune")``.
       policy: what a miss does; ``policy_override`` adjusts it inside a block.
-      tuner: what tunes a miss when the policy says so (the library's autotuner if None).
+      tuner: what tunes a miss when the policy says so (the library's autotuner if None;
+        ``ejlabel.Tuner(warmup, iters)`` sets the run counts).
+      persistent: a ``PersistentCache``, or None for none.
+      persist_autotune: store tuning winners in ``persistent`` (ejkernel also stores heuristic
+        choices there; ejlabel never caches a heuristic, so a later tuning run can improve it).
+      on_event: ``on_event(event, **data)`` after each decision, with ejkernel's event names:
+        ``override``, ``cache_hit`` (``level="memory"|"persistent"``; overlay hits count as memory),
+        ``autotune_start``, ``autotune_finish``, ``heuristics``, ``error``; data holds
+        ``device``, ``op_id``, ``call_key`` and ``cfg`` (ejlabel adds ``provenance``).
+      forbid_reautotune: raise if a key this selector tuned is asked to be tuned again (only
+        possible after its memory cache was cleared).
+      autotune: keyword-only shorthand for ``policy=AutotunePolicy(on_miss="autotune")``.
     """
 
     def __init__(
         self,
         cache: ConfigCache | None = None,
-        persistent: PersistentCache | None = None,
-        autotune: bool = False,
         policy: AutotunePolicy | None = None,
-        tuner: Tuner | None = None,
+        tuner: TuneHook | None = None,
+        persistent: PersistentCache | None = None,
+        persist_autotune: bool = True,
+        on_event: Callable[..., Any] | None = None,
+        forbid_reautotune: bool = True,
+        *,
+        autotune: bool = False,
     ) -> None:
+        if cache is not None and (
+            isinstance(cache, (AutotunePolicy, PersistentCache)) or not (hasattr(cache, "get") and hasattr(cache, "put"))
+        ):
+            raise TypeError(f"cache: expected a ConfigCache, got {type(cache).__name__}")
+        if policy is not None and not isinstance(policy, AutotunePolicy):
+            raise TypeError(
+                f"policy: expected an AutotunePolicy, got {type(policy).__name__} (the positional order is "
+                "cache, policy, tuner, persistent, as in ejkernel; pass persistent= by keyword)"
+            )
+        if tuner is not None and (isinstance(tuner, (AutotunePolicy, PersistentCache, ConfigCache)) or not callable(tuner)):
+            raise TypeError(f"tuner: expected an ejlabel.Tuner or a tuning callable, got {type(tuner).__name__}")
+        if persistent is not None and (
+            isinstance(persistent, (AutotunePolicy, ConfigCache)) or not (hasattr(persistent, "get") and hasattr(persistent, "put"))
+        ):
+            raise TypeError(f"persistent: expected a PersistentCache, got {type(persistent).__name__}")
+        for name, flag in (("persist_autotune", persist_autotune), ("forbid_reautotune", forbid_reautotune), ("autotune", autotune)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {flag!r}")
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event: expected a callable, got {type(on_event).__name__}")
         if policy is None:
             policy = AutotunePolicy(on_miss="autotune" if autotune else "heuristic")
         elif autotune and not policy.tunes_on_miss:
@@ -92,19 +135,43 @@ class ConfigSelectorChain:
         self.persistent = persistent
         self.policy = policy
         self.tuner = tuner
+        self.persist_autotune = persist_autotune
+        self.on_event = on_event
+        self.forbid_reautotune = forbid_reautotune
+        self._tuned: set[Key] = set()
         self._decisions: dict[Key, Selection] = {}
         self._lock = threading.Lock()
 
     def select(self, inv: Invocation[Any, Any]) -> Selection:
         """Choose the config for ``inv`` and record the decision."""
         key = inv.cache_key
-        selection = self._choose(inv, key)
+        try:
+            selection = self._choose(inv, key)
+        except Exception as err:
+            if self.on_event is not None:
+                self._emit("error", key, reason=str(err))
+            raise
         with self._lock:
             self._decisions[key] = selection
+        if self.on_event is not None:
+            provenance = selection.provenance
+            extra = {"level": provenance} if provenance in ("memory", "persistent") else {}
+            if provenance != "autotuned":
+                self._emit(_EVENT_OF[provenance], key, cfg=selection.cfg, provenance=provenance, **extra)
         return selection
+
+    def choose(self, inv: Invocation[Any, Any], kernel: Any = None) -> Any:
+        """ejkernel's name: the config for ``inv`` (``kernel``, if given, must be ``inv.kernel``)."""
+        if kernel is not None and kernel is not inv.kernel:
+            raise ValueError(f"kernel: {kernel!r} is not the kernel of this invocation ({inv.kernel!r})")
+        return self.select(inv).cfg
 
     def __call__(self, inv: Invocation[Any, Any]) -> Any:
         return self.select(inv).cfg
+
+    def _emit(self, event: str, key: Key, **data: Any) -> None:
+        assert self.on_event is not None
+        self.on_event(event, device=key[0], op_id=key[1], call_key=key[2], **data)
 
     def _choose(self, inv: Invocation[Any, Any], key: Key) -> Selection:
         forced = forced_implementation()
@@ -117,12 +184,20 @@ class ConfigSelectorChain:
         cached = self.lookup(key)
         if cached is not None:
             return cached
-        policy = effective_policy(self.policy)
+        policy = effective_policy(self.policy, self)
         if policy.tunes_on_miss:
             tuner = self.tuner if self.tuner is not None else _default_tuner
             if tuner is None:
                 raise RuntimeError("the policy tunes on a miss but no tuner is registered; import ejlabel")
-            return Selection(tuner(inv, policy=policy, cache=self.cache, persistent=self.persistent), "autotuned")
+            if self.forbid_reautotune and key in self._tuned:
+                raise RuntimeError(f"re-autotune requested for {key}, which this selector tuned already (forbid_reautotune=True)")
+            if self.on_event is not None:
+                self._emit("autotune_start", key)
+            cfg = tuner(inv, policy=policy, cache=self.cache, persistent=self.persistent if self.persist_autotune else None)
+            self._tuned.add(key)
+            if self.on_event is not None:
+                self._emit("autotune_finish", key, cfg=cfg, provenance="autotuned")
+            return Selection(cfg, "autotuned")
         if policy.on_miss == "error" and policy.enabled:
             raise UntunedCallError(
                 f"no tuned config for {inv.op_id} call {inv.call_key} on {key[0]} and the policy's "
@@ -191,17 +266,35 @@ class LabelConfig(tuple):
         return f"LabelConfig(label={self[0]!r}, cfg={self[1]!r}, provenance={self.provenance!r})"
 
 
-def labels_to_configs(x: Any, selector: ConfigSelectorChain, device: str | None = None) -> list[LabelConfig]:
+_default_selector: Callable[[], ConfigSelectorChain] | None = None
+
+
+def set_default_selector(get_selector: Callable[[], ConfigSelectorChain] | None) -> None:
+    """What ``labels_to_configs(x)`` without a selector consults (the default executor's;
+    registered by :mod:`ejlabel.execution.executor`, a layer above this one)."""
+    global _default_selector
+    _default_selector = get_selector
+
+
+def labels_to_configs(x: Any, selector: ConfigSelectorChain | None = None, device: str | None = None) -> list[LabelConfig]:
     """For each distinct label in ``x``, the config it maps to (None when nothing is cached).
 
-    ``x`` is anything :func:`find_labels_in_lowered` accepts. ``device`` defaults to the
+    ``x`` is anything :func:`find_labels_in_lowered` accepts, or a list of labels (its
+    result, as ejkernel's docs pass it). ``selector`` defaults to the
+    default executor's (the one ``kernel(*args)`` runs through). ``device`` defaults to the
     fingerprint of this process's default device.
     """
+    if selector is None:
+        if _default_selector is None:
+            raise RuntimeError("labels_to_configs: no selector given and none registered; import ejlabel")
+        selector = _default_selector()
     if not isinstance(selector, ConfigSelectorChain):
         raise TypeError(f"selector: expected a ConfigSelectorChain, got {type(selector).__name__}")
     dev = device if device is not None else device_fingerprint()
     pairs = []
-    for lab in find_labels_in_lowered(x):
+    # A list of labels (what find_labels_in_lowered returns) is taken as it is.
+    found_labels = list(dict.fromkeys(x)) if isinstance(x, (list, tuple)) and all(isinstance(i, str) for i in x) else find_labels_in_lowered(x)
+    for lab in found_labels:
         op_id, call_key = parse_label(lab)
         found = selector.resolve((dev, op_id, call_key))
         pairs.append(LabelConfig(lab, found.cfg if found else None, found.provenance if found else None))

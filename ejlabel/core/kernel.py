@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -35,21 +36,30 @@ from ejlabel.utils.fingerprint import (
     abstractify,
     default_key_builder_with_sharding,
     device_fingerprint,
+    get_device_platform,
     scalar_memo_key,
 )
 
-__all__ = ["Kernel", "Invocation", "PLATFORM_METHODS", "is_array", "abstract_invocation", "random_inputs"]
+__all__ = ["Kernel", "Invocation", "Cfg", "Out", "PLATFORM_METHODS", "is_array", "abstract_invocation", "random_inputs"]
 
 Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
 
 PLATFORM_METHODS: dict[str, tuple[str, ...]] = {
-    "gpu": ("run_triton", "run_pallas", "run_xla", "run"),
-    "tpu": ("run_pallas", "run_xla", "run"),
-    "cpu": ("run_xla", "run"),
+    "gpu": ("run_gpu", "run_triton", "run_pallas", "run_xla", "run"),
+    "tpu": ("run_tpu", "run_pallas", "run_xla", "run"),
+    "cpu": ("run_cpu", "run_xla", "run"),
     "unknown": ("run_xla", "run"),
 }
-_ALL_RUN_METHODS = ("run", "run_xla", "run_pallas", "run_triton")
+_ALL_RUN_METHODS = ("run", "run_xla", "run_pallas", "run_triton", "run_gpu", "run_tpu", "run_cpu")
+_PLATFORMS = ("gpu", "tpu", "cpu")
+# ejkernel's per-platform hooks: ``<hook>_<platform>`` wins over ``<hook>`` on that platform.
+_PLATFORM_HOOKS = ("heuristic_cfg", "candidate_cfgs", "fwd_with_residuals", "vjp")
+_KNOWN_SUFFIXED = {
+    *_ALL_RUN_METHODS,
+    *(f"{hook}_{platform}" for hook in _PLATFORM_HOOKS for platform in _PLATFORMS),
+}
+_HOOK_PREFIXES = ("run_", "heuristic_cfg_", "candidate_cfgs_", "fwd_with_residuals_", "vjp_")
 
 
 def is_array(x: Any) -> bool:
@@ -91,6 +101,7 @@ class Kernel(Generic[Cfg, Out]):
     """
 
     version: ClassVar[str] = "1"
+    key_builder: ClassVar[Any] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -99,15 +110,54 @@ class Kernel(Generic[Cfg, Out]):
         register_kernel(cls, Kernel)
 
     def __init__(self, op_id: str | None = None, *, name: str | None = None) -> None:
+        if op_id is None and name is None and isinstance(type(self).__dict__.get("op_id", getattr(type(self), "op_id", None)), str):
+            op_id = type(self).op_id  # ejkernel's class attribute ``op_id = "..."``
+        elif op_id is None and name is None:
+            # ejkernel's default op id: the class's module and name.
+            op_id = f"{type(self).__module__}.{type(self).__name__}".lstrip("_.")
         op_id = check_op_name(op_id if op_id is not None else name)
         check_version(type(self).version, f"{type(self).__qualname__}.version")
-        if not any(self._defines(method) for method in _ALL_RUN_METHODS):
+        cls_name = type(self).__qualname__
+        if type(self).key_builder is not None:
             raise TypeError(
-                f"{type(self).__qualname__} defines no run method: define at least one of "
-                f"{', '.join(_ALL_RUN_METHODS)}"
+                f"{cls_name}.key_builder: ejlabel computes the call key itself (it is written into the "
+                "label and rebuilt from the program alone), so a custom key builder cannot hold; remove it"
             )
+        pairs = [p for p in ("", *(f"_{q}" for q in _PLATFORMS)) if self._defines(f"fwd_with_residuals{p}") != self._defines(f"vjp{p}")]
+        if pairs:
+            raise TypeError(f"{cls_name}: fwd_with_residuals{pairs[0]} and vjp{pairs[0]} go together; define both or neither")
+        if self._defines("custom_vjp") and self._defines_residual_vjp():
+            raise TypeError(f"{cls_name}: define either custom_vjp or fwd_with_residuals/vjp, not both")
+        if self._defines("candidate_cfgs") and self._defines("config_space"):
+            raise TypeError(f"{cls_name}: define either config_space (ejlabel) or candidate_cfgs (ejkernel), not both")
+        if not any(self._defines(method) for method in _ALL_RUN_METHODS) and not self._defines_residual_vjp():
+            raise TypeError(
+                f"{cls_name} defines no run method: define at least one of "
+                f"{', '.join(_ALL_RUN_METHODS)} (or fwd_with_residuals with vjp)"
+            )
+        _warn_unknown_hooks(type(self))
         self.op_id = op_id
+        # ejkernel's ``heuristic_cfg_<platform>`` / ``candidate_cfgs_<platform>`` win on their
+        # platform: bound here, once, as instance attributes.
+        platform = get_device_platform()
+        for hook in ("heuristic_cfg", "candidate_cfgs"):
+            if self._defines(f"{hook}_{platform}"):
+                setattr(self, hook, getattr(self, f"{hook}_{platform}"))
         note_kernel_instance(self)  # op id -> config types, to check configs read from caches
+
+    def _defines_residual_vjp(self) -> bool:
+        return any(self._defines(f"fwd_with_residuals{p}") for p in ("", *(f"_{q}" for q in _PLATFORMS)))
+
+    def residual_vjp(self, platform: str) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+        """ejkernel's ``(fwd_with_residuals, vjp)`` pair for ``platform`` (``_<platform>`` first), or None."""
+        for suffix in (f"_{platform}", ""):
+            if self._defines(f"fwd_with_residuals{suffix}"):
+                return getattr(self, f"fwd_with_residuals{suffix}"), getattr(self, f"vjp{suffix}")
+        return None
+
+    def prepare(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """ejkernel's hook: rewrite ``(args, kwargs)`` before the call is keyed and run."""
+        return args, kwargs
 
     @property
     def versioned_id(self) -> str:
@@ -122,11 +172,17 @@ class Kernel(Generic[Cfg, Out]):
         for method in PLATFORM_METHODS.get(platform, PLATFORM_METHODS["unknown"]):
             if self._defines(method):
                 return getattr(self, method)
+        pair = self.residual_vjp(platform)
+        if pair is not None:  # an ejkernel kernel with only fwd_with_residuals: its output part
+            fwd = pair[0]
+            return lambda *args, cfg, **kwargs: fwd(*args, cfg=cfg, **kwargs)[0]
         raise NotImplementedError(f"{type(self).__qualname__} has no implementation for platform {platform!r}")
 
     @property
     def has_custom_vjp(self) -> bool:
-        return self._defines("custom_vjp")
+        """Whether the kernel has its own backward: ``custom_vjp``, or ejkernel's
+        ``fwd_with_residuals`` with ``vjp``."""
+        return self._defines("custom_vjp") or self._defines_residual_vjp()
 
     # The run methods are declared here so that subclasses can override any subset of them.
     def run(self, *args: Any, cfg: Cfg, **kwargs: Any) -> Out:
@@ -149,7 +205,11 @@ class Kernel(Generic[Cfg, Out]):
         raise NotImplementedError(f"{type(self).__qualname__} defines no heuristic_cfg")
 
     def config_space(self, inv: Invocation[Cfg, Out]) -> Iterable[Cfg]:
-        """Candidate configs for tuning; by default only the heuristic one."""
+        """Candidate configs for tuning: ejkernel's ``candidate_cfgs[_<platform>]`` when the
+        kernel defines it, else only the heuristic one."""
+        candidates = getattr(self, "candidate_cfgs", None)
+        if candidates is not None and (self._defines("candidate_cfgs") or "candidate_cfgs" in self.__dict__):
+            return list(candidates(inv))
         return [self.heuristic_cfg(inv)]
 
     def make_inputs(self, inv: Invocation[Cfg, Out], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -194,6 +254,31 @@ class Kernel(Generic[Cfg, Out]):
 
     def __repr__(self) -> str:
         return f"{type(self).__qualname__}({self.versioned_id!r})"
+
+
+_warned_classes: set[type] = set()
+
+
+def _warn_unknown_hooks(cls: type) -> None:
+    """Warn once per class about ``run_*``-style methods ejlabel will never call."""
+    if cls in _warned_classes:
+        return
+    _warned_classes.add(cls)
+    unknown = sorted(
+        name
+        for klass in cls.__mro__
+        if klass is not Kernel and klass is not object
+        for name in vars(klass)
+        if name.startswith(_HOOK_PREFIXES) and name not in _KNOWN_SUFFIXED and callable(vars(klass)[name])
+    )
+    if unknown:
+        warnings.warn(
+            f"{cls.__qualname__} defines {unknown}, which ejlabel never calls (it dispatches run_<platform>, "
+            "run_triton/run_pallas/run_xla/run and <hook>_<platform> for gpu/tpu/cpu; shard_map variants and "
+            "create_shard_map_wrapper are not supported)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 class _cached_property:
@@ -304,6 +389,7 @@ class Invocation(Generic[Cfg, Out]):
     batch_axes: Any = None
     override_cfg: Cfg | None = None
     known_call_key: str | None = dataclasses.field(default=None, repr=False)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernel, Kernel):
@@ -346,6 +432,12 @@ class Invocation(Generic[Cfg, Out]):
     @_cached_property
     def device_fingerprint(self) -> str:
         return device_fingerprint()
+
+    def make_key(self, key_builder: Callable[[Invocation[Cfg, Out]], str] | None = None) -> str:
+        """ejkernel's name: the call key (``key_builder``, if given, must give ejlabel's key)."""
+        if key_builder is None or key_builder is default_key_builder_with_sharding:
+            return self.call_key
+        raise TypeError("make_key: ejlabel's call key is fixed (it is part of the label); custom key builders are not supported")
 
     @property
     def cache_key(self) -> tuple[str, str, str]:

@@ -65,17 +65,50 @@ def _mapped(
     return call
 
 
+def _order(first: Any, second: Any, rest: tuple[Any, ...], executor: Executor | None, name: str) -> tuple[Any, tuple[Any, ...], Executor | None]:
+    """Accept ejkernel's ``(executor, kernel, ...)`` order as well as ejlabel's ``(kernel, ...)``."""
+    if isinstance(first, Executor):
+        if executor is not None:
+            raise TypeError(f"{name}: give the executor either first (ejkernel's order) or as executor=, not both")
+        if second is _MISSING:
+            raise TypeError(f"{name}(executor, kernel, ...): the kernel is missing")
+        return second, rest, first
+    return first, ((second,) if second is not _MISSING else ()) + rest, executor
+
+
+_MISSING = object()
+
+
 def vmap_with_config(
-    kernel: Kernel[Any, Any], in_axes: Any = 0, out_axes: Any = 0, executor: Executor | None = None
+    kernel: Any, *args: Any, executor: Executor | None = None, **kwargs: Any
 ) -> Callable[..., Any]:
     """``jax.vmap`` of ``kernel`` with one config chosen for the per-example signature.
 
-    Keyword arguments of the returned function are passed unmapped to every example.
+    ``vmap_with_config(kernel, in_axes=0, out_axes=0, executor=None)``; ejkernel's order
+    ``vmap_with_config(executor, kernel, in_axes=0, out_axes=0)`` is accepted too. Keyword
+    arguments of the returned function are passed unmapped to every example.
     """
+    kernel, rest, executor = _order(kernel, args[0] if args else _MISSING, tuple(args[1:]), executor, "vmap_with_config")
+    return _vmap(kernel, *rest, executor=executor, **kwargs)
+
+
+def _vmap(kernel: Kernel[Any, Any], in_axes: Any = 0, out_axes: Any = 0, executor: Executor | None = None) -> Callable[..., Any]:
     return _mapped(jax.vmap, kernel, in_axes, executor, ("vmap", in_axes, out_axes), {"out_axes": out_axes})
 
 
 def pmap_with_config(
+    kernel: Any, *args: Any, executor: Executor | None = None, **kwargs: Any
+) -> Callable[..., Any]:
+    """``jax.pmap`` of ``kernel`` with one config chosen for all devices.
+
+    ``pmap_with_config(kernel, axis_name="devices", in_axes=0, out_axes=0, executor=None,
+    **pmap_kwargs)``; ejkernel's order ``pmap_with_config(executor, kernel, ...)`` is accepted too.
+    """
+    kernel, rest, executor = _order(kernel, args[0] if args else _MISSING, tuple(args[1:]), executor, "pmap_with_config")
+    return _pmap(kernel, *rest, executor=executor, **kwargs)
+
+
+def _pmap(
     kernel: Kernel[Any, Any],
     axis_name: str = "devices",
     in_axes: Any = 0,
@@ -83,7 +116,6 @@ def pmap_with_config(
     executor: Executor | None = None,
     **pmap_kwargs: Any,
 ) -> Callable[..., Any]:
-    """``jax.pmap`` of ``kernel`` with one config chosen for all devices."""
     return _mapped(
         jax.pmap,
         kernel,

@@ -10,17 +10,18 @@ call description goes only onto the first site of each call key in a traced func
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
-from typing import Any
+from typing import Any, Generic
 
 import jax
 from jax._src import core as jax_core  # the current trace: no public API names it
 
 from ejlabel.config.persistent import open_default_persistent
-from ejlabel.config.selection import ConfigSelectorChain
+from ejlabel.config.selection import ConfigSelectorChain, set_default_selector
 from ejlabel.core.calls import encode_call
-from ejlabel.core.kernel import Invocation, Kernel, is_array, set_default_runner
+from ejlabel.core.kernel import Cfg, Invocation, Kernel, Out, is_array, set_default_runner
 from ejlabel.core.label_format import backward_op_id
 from ejlabel.core.labels import label, label_scope
 from ejlabel.execution.recording import maybe_record
@@ -29,26 +30,110 @@ from ejlabel.utils.fingerprint import get_device_platform
 __all__ = ["Executor", "get_default_executor", "set_default_executor"]
 
 
-class Executor:
+# ejkernel's executor keywords that ejlabel cannot honour: its shard_map dispatch.
+_SHARD_MAP_KEYWORDS = ("method", "mesh", "in_specs", "out_specs", "check_vma")
+
+
+class Executor(Generic[Cfg, Out]):
     """Runs kernels with configs chosen by ``selector``.
 
     ``executor(kernel, *args, cfg=None, **kwargs)`` works eagerly and inside ``jax.jit``;
-    ``cfg=`` forces a config (provenance ``override``).
+    ``cfg=`` forces a config (provenance ``override``). ejkernel's forms are accepted:
+    ``Executor(chooser, stamp_prefix=...)``, ``_cfg=`` for ``cfg=``, ``stamp=True``,
+    ``choose_config``, ``compile`` and ``Executor[Cfg, Out]``; ``kernel.prepare(*args,
+    **kwargs)`` rewrites the arguments first. What cannot hold is refused, never ignored:
+    ``stamp=False`` (ejlabel always writes the label: it is what the tools read),
+    ``stamp_prefix`` other than the label prefix in use, and ejkernel's shard_map keywords
+    ``method``, ``mesh``, ``in_specs``, ``out_specs``, ``check_vma`` (unless the kernel's run
+    method itself takes that keyword).
     """
 
-    def __init__(self, selector: ConfigSelectorChain | None = None) -> None:
+    def __init__(self, selector: ConfigSelectorChain | None = None, stamp_prefix: str | None = None) -> None:
         if selector is not None and not isinstance(selector, ConfigSelectorChain):
-            raise TypeError(f"selector: expected a ConfigSelectorChain, got {type(selector).__name__}")
+            raise TypeError(
+                f"selector: expected a ConfigSelectorChain, got {type(selector).__name__} (ejlabel's executor needs "
+                "the selector's provenance records for labels_to_configs; other ConfigChooser objects are not supported)"
+            )
+        if stamp_prefix is not None:
+            prefix = stamp_prefix if stamp_prefix.endswith("#") else stamp_prefix + "#"
+            if label("x@v1", "0" * 16).split("x@v1")[0] != prefix:
+                raise ValueError(
+                    f"stamp_prefix={stamp_prefix!r}: ejlabel writes labels with the prefix of ejlabel.label "
+                    "(ejkernel_ops#, or $EJLABEL_PREFIX); set EJLABEL_PREFIX to change it for every reader"
+                )
         self.selector = selector if selector is not None else ConfigSelectorChain()
 
+    @property
+    def chooser(self) -> ConfigSelectorChain:
+        """ejkernel's name for ``selector``."""
+        return self.selector
+
+    def _invocation(self, kernel: Kernel[Any, Any], args: tuple[Any, ...], cfg: Any, kwargs: dict[str, Any]) -> Invocation[Any, Any]:
+        if not isinstance(kernel, Kernel):
+            raise TypeError(f"kernel: expected a Kernel instance, got {type(kernel).__name__}")
+        if "_cfg" in kwargs:
+            override = kwargs.pop("_cfg")
+            if cfg is not None and override is not None:
+                raise TypeError("give either cfg= or _cfg= (the same override), not both")
+            cfg = override if override is not None else cfg
+        if "stamp" in kwargs and not _takes_keyword(kernel, "stamp"):
+            if kwargs.pop("stamp") is not True:
+                raise ValueError("stamp=False: ejlabel always labels kernel calls (the label is what its tools read)")
+        refused = [name for name in _SHARD_MAP_KEYWORDS if name in kwargs and not _takes_keyword(kernel, name)]
+        if refused:
+            raise TypeError(
+                f"{refused}: ejkernel's shard_map dispatch (run_shard_map*, create_shard_map_wrapper) is not "
+                "implemented by ejlabel; wrap the executor call in jax.shard_map yourself"
+            )
+        prepared = kernel.prepare(*args, **kwargs)
+        try:
+            args, kwargs = prepared
+            args, kwargs = tuple(args), dict(kwargs)
+        except (TypeError, ValueError):
+            raise TypeError(f"{type(kernel).__qualname__}.prepare must return (args, kwargs), got {prepared!r}") from None
+        return Invocation(kernel, args, kwargs, override_cfg=cfg)
+
     def __call__(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
-        return self.run_invocation(Invocation(kernel, args, kwargs, override_cfg=cfg))
+        return self.run_invocation(self._invocation(kernel, args, cfg, kwargs))
 
     def run_invocation(self, inv: Invocation[Any, Any]) -> Any:
         """Select a config for ``inv``, then run it labelled."""
         selection = self.selector.select(inv)
         maybe_record(inv)
         return run_labelled(inv, selection.cfg)
+
+    def choose_config(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
+        """The config a call with these arguments gets, without running it (ejkernel's name)."""
+        return self.selector.select(self._invocation(kernel, args, cfg, kwargs)).cfg
+
+    def compile(self, kernel: Kernel[Any, Any], *example_args: Any, cfg: Any = None, **example_kwargs: Any) -> Any:
+        """A jitted function running ``kernel`` with the config chosen for the example call.
+
+        Unlike ejkernel's (which runs ``kernel.run`` bare), the call stays labelled, custom
+        backward included, and keyed like the example call.
+        """
+        inv = self._invocation(kernel, example_args, cfg, dict(example_kwargs))
+        chosen = self.selector.select(inv).cfg
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return run_labelled(Invocation(kernel, args, kwargs), chosen)
+
+        return jax.jit(run)
+
+
+_takes_cache: dict[tuple[type, str], bool] = {}
+
+
+def _takes_keyword(kernel: Kernel[Any, Any], name: str) -> bool:
+    """Whether the kernel's implementation names keyword ``name`` (then it is the kernel's own)."""
+    key = (type(kernel), name)
+    if key not in _takes_cache:
+        try:
+            params = inspect.signature(kernel.implementation(get_device_platform())).parameters
+            _takes_cache[key] = name in params
+        except (TypeError, ValueError, NotImplementedError):
+            _takes_cache[key] = False
+    return _takes_cache[key]
 
 
 def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
@@ -64,6 +149,9 @@ def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
 
     backward_label = label(backward_op_id(inv.op_id), call_key)
     static_kwargs = inv.static_kwargs
+    pair = kernel.residual_vjp(get_device_platform())
+    if pair is not None:
+        return _run_residual_vjp(inv, cfg, pair, forward_label, backward_label, description)
 
     @jax.custom_vjp
     def call(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> Any:
@@ -83,6 +171,39 @@ def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
                 f"{type(kernel).__qualname__}.custom_vjp returned {len(grads)} cotangents for {len(args)} positional arguments"
             )
         return tuple(_cotangent_for(arg, g) for arg, g in zip(args, grads)), jax.tree_util.tree_map(lambda _: None, array_kwargs)
+
+    call.defvjp(call_fwd, call_bwd)
+    return call(inv.args, inv.array_kwargs)
+
+
+def _run_residual_vjp(inv: Invocation[Any, Any], cfg: Any, pair: Any, forward_label: str, backward_label: str, description: Any) -> Any:
+    """ejkernel's ``fwd_with_residuals(*args, cfg, **kw) -> (y, res)`` and
+    ``vjp(res, y, dy, *args, cfg, **kw) -> grads`` wired through ``jax.custom_vjp``, labelled."""
+    fwd, vjp = pair
+    kernel, static_kwargs = inv.kernel, inv.static_kwargs
+
+    def forward(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        with label_scope(forward_label, description):
+            return fwd(*args, cfg=cfg, **array_kwargs, **static_kwargs)
+
+    @jax.custom_vjp
+    def call(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> Any:
+        return forward(args, array_kwargs)[0]
+
+    def call_fwd(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        y, res = forward(args, array_kwargs)
+        return y, (res, y, args, array_kwargs)
+
+    def call_bwd(saved: Any, dy: Any) -> tuple[Any, Any]:
+        res, y, args, array_kwargs = saved
+        with label_scope(backward_label):
+            grads = vjp(res, y, dy, *args, cfg=cfg, **array_kwargs, **static_kwargs)
+        if isinstance(grads, dict):
+            raise TypeError(f"{type(kernel).__qualname__}.vjp must return a tuple of grads for the positional arguments")
+        grads = tuple(grads)
+        if len(grads) != len(args):
+            raise ValueError(f"{type(kernel).__qualname__}.vjp returned {len(grads)} cotangents for {len(args)} positional arguments")
+        return tuple(_cotangent_for(a, g) for a, g in zip(args, grads)), jax.tree_util.tree_map(lambda _: None, array_kwargs)
 
     call.defvjp(call_fwd, call_bwd)
     return call(inv.args, inv.array_kwargs)
@@ -142,3 +263,4 @@ def set_default_executor(executor: Executor | None) -> None:
 
 
 set_default_runner(get_default_executor)
+set_default_selector(lambda: get_default_executor().selector)

@@ -19,27 +19,48 @@ __all__ = ["record_invocation", "get_invocations", "clear_invocations", "recordi
 
 _lock = threading.Lock()
 _records: dict[tuple[str, str], Invocation[Any, Any]] = {}
+_devices: dict[tuple[str, str], str] = {}
 _recording: contextvars.ContextVar[bool] = contextvars.ContextVar("ejlabel_recording", default=False)
 
 
-def record_invocation(kernel: Kernel[Any, Any], inv: Invocation[Any, Any]) -> None:
-    """Record ``inv`` (of ``kernel``) for a later ``autotune_recorded``; duplicates collapse."""
+def record_invocation(*args: Any) -> None:
+    """Record a call for a later ``autotune_recorded``; duplicates collapse.
+
+    Forms: ``record_invocation(kernel, inv)`` (ejlabel) and ejkernel's
+    ``record_invocation(dev, op_id_v, call_key, kernel, args, kwargs)``, whose ``op_id_v`` and
+    ``call_key`` must be the ones ejlabel computes for that call (a mismatch is an error: the
+    record would tune a key no call looks up) and whose ``dev`` must be this process's device.
+    """
+    if len(args) == 2:
+        kernel, inv = args
+    elif len(args) == 6:
+        dev, op_id_v, call_key, kernel, call_args, call_kwargs = args
+        inv = Invocation(kernel, tuple(call_args), dict(call_kwargs))
+        if (dev, op_id_v, call_key) != inv.cache_key:
+            raise ValueError(f"record_invocation: key {(dev, op_id_v, call_key)} is not this call's key {inv.cache_key}")
+    else:
+        raise TypeError(f"record_invocation takes (kernel, inv) or (dev, op_id_v, call_key, kernel, args, kwargs), got {len(args)} arguments")
+    if not isinstance(inv, Invocation):
+        raise TypeError(f"inv: expected an Invocation, got {type(inv).__name__}")
     if inv.kernel is not kernel:
         raise ValueError(f"inv: it is a call of {inv.kernel!r}, not of kernel {kernel!r}")
     record = abstract_invocation(inv)
     with _lock:
         _records.setdefault((record.op_id, record.call_key), record)
+        _devices[(record.op_id, record.call_key)] = record.device_fingerprint
 
 
-def get_invocations() -> list[Invocation[Any, Any]]:
-    """The recorded calls, one per distinct ``(op_id, call_key)``, in recording order."""
+def get_invocations(dev: str | None = None) -> list[Invocation[Any, Any]]:
+    """The recorded calls, one per distinct ``(op_id, call_key)``, in recording order; with
+    ``dev`` (ejkernel's argument), only those recorded on that device fingerprint."""
     with _lock:
-        return list(_records.values())
+        return [inv for key, inv in _records.items() if dev is None or _devices.get(key) == dev]
 
 
 def clear_invocations() -> None:
     with _lock:
         _records.clear()
+        _devices.clear()
 
 
 @contextlib.contextmanager

@@ -35,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejlabel.config.cache import AutotunePolicy, ConfigCache
-from ejlabel.config.selection import set_default_tuner
+from ejlabel.config.selection import ConfigSelectorChain, set_default_tuner
 from ejlabel.core.kernel import Invocation, Kernel, abstract_invocation, random_inputs
 from ejlabel.execution.executor import get_default_executor, run_labelled
-from ejlabel.utils.fingerprint import get_device_platform
+from ejlabel.execution.recording import get_invocations
+from ejlabel.utils.fingerprint import device_fingerprint, get_device_platform
 from ejlabel.utils.serialize import to_jsonable
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "TuneResult",
     "Autotuner",
     "AutotuneError",
+    "Tuner",
     "autotune",
     "autotune_recorded",
     "tune_invocation",
@@ -95,13 +97,31 @@ def _timed_runs(fn: Callable[[], Any], count: int) -> list[float]:
     return samples
 
 
-def benchmark(fn: Callable[..., Any], *args: Any, num_warmup: int = 3, num_iters: int = 10, **kwargs: Any) -> Timing:
+def benchmark(
+    fn: Callable[..., Any],
+    *args: Any,
+    num_warmup: int = 3,
+    num_iters: int = 10,
+    warmup: int | None = None,
+    iters: int | None = None,
+    **kwargs: Any,
+) -> Timing:
     """Median wall time of ``fn(*args, **kwargs)`` in milliseconds, device synchronised.
 
     At least one untimed call runs first, so compilation is never timed. Every output leaf is
     waited on (``jax.block_until_ready``) before the clock stops. The result is a ``float``
     carrying ``median_ms``, ``mean_ms``, ``min_ms``, ``iqr_ms``, ``count`` and ``samples_ms``.
+    ``warmup=`` and ``iters=`` (ejkernel's names) are ``num_warmup`` and ``num_iters``; they are
+    never passed to ``fn`` (bind such arguments of ``fn`` with ``functools.partial``).
     """
+    if warmup is not None:
+        if num_warmup != 3:
+            raise TypeError("give either num_warmup or warmup (the same count), not both")
+        num_warmup = warmup
+    if iters is not None:
+        if num_iters != 10:
+            raise TypeError("give either num_iters or iters (the same count), not both")
+        num_iters = iters
     if num_iters < 1:
         raise ValueError(f"num_iters: expected >= 1, got {num_iters}")
     if num_warmup < 0:
@@ -237,14 +257,40 @@ class Autotuner:
 
     Args:
       policy: iteration counts, candidate cap, time budget, early stopping, compile threads.
+        ejkernel's form ``Autotuner(warmup, iters)`` (two ints, or ``warmup=``/``iters=``) is
+        the default policy with ``num_warmup=warmup`` and ``num_iters=iters``.
       progress: show a progress bar (None: only when stderr is a terminal).
       seed: seed of the random tuning inputs.
     """
 
-    def __init__(self, policy: AutotunePolicy | None = None, *, progress: bool | None = None, seed: int = 0) -> None:
-        self.policy = policy if policy is not None else AutotunePolicy()
+    def __init__(
+        self,
+        policy: AutotunePolicy | int | None = None,
+        iters: int | None = None,
+        *,
+        warmup: int | None = None,
+        progress: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(policy, int) and not isinstance(policy, bool):
+            if warmup is not None:
+                raise TypeError("give warmup either positionally or by keyword, not both")
+            policy, warmup = None, policy
+        if policy is not None and not isinstance(policy, AutotunePolicy):
+            raise TypeError(f"policy: expected an AutotunePolicy or ejkernel's warmup count, got {type(policy).__name__}")
+        policy = policy if policy is not None else AutotunePolicy()
+        counts = {k: v for k, v in (("num_warmup", warmup), ("num_iters", iters)) if v is not None}
+        self.policy = dataclasses.replace(policy, **counts) if counts else policy
         self.progress = progress
         self.seed = seed
+
+    @property
+    def warmup(self) -> int:
+        return self.policy.num_warmup
+
+    @property
+    def iters(self) -> int:
+        return self.policy.num_iters
 
     def tune(self, inv: Invocation[Any, Any], configs: Iterable[Any] | None = None) -> TuneResult:
         return self.tune_many([inv], configs=None if configs is None else {0: list(configs)})[0]
@@ -511,6 +557,44 @@ def tune_invocation(
     return result
 
 
+class Tuner:
+    """ejkernel's ``Tuner(warmup, iters)``: what a ``ConfigSelectorChain`` tunes a miss with.
+
+    As a selector's ``tuner`` it runs ejlabel's autotuner (ahead-of-time compiles, checks every
+    candidate against the reference, successive halving) with ``num_warmup=warmup`` and
+    ``num_iters=iters``; the candidates are the kernel's ``config_space`` (ejkernel's
+    ``candidate_cfgs[_<platform>]`` when defined). ``measure`` and ``autotune`` keep ejkernel's
+    stand-alone forms; ``measure`` returns the median time in seconds.
+    """
+
+    def __init__(self, warmup: int = 1, iters: int = 3) -> None:
+        AutotunePolicy(num_warmup=warmup, num_iters=iters)  # validates both counts
+        self.warmup, self.iters = warmup, iters
+
+    def __call__(self, inv: Invocation[Any, Any], *, policy: AutotunePolicy, cache: ConfigCache, persistent: Any) -> Any:
+        policy = dataclasses.replace(policy, num_warmup=self.warmup, num_iters=self.iters)
+        return tune_invocation(inv, policy=policy, cache=cache, persistent=persistent).best_cfg
+
+    def measure(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+        """Median seconds per call of ``jax.jit(fn)(*args, **kwargs)``, compile excluded."""
+        compiled = jax.jit(fn).lower(*args, **kwargs).compile()
+        return benchmark(compiled, *args, num_warmup=self.warmup, num_iters=self.iters, **kwargs) / 1e3
+
+    def autotune(self, make_fn: Callable[[Any], Callable[..., Any]], args: Sequence[Any], kwargs: dict[str, Any], candidates: Iterable[Any]) -> Any:
+        """The candidate ``cfg`` whose ``make_fn(cfg)`` runs fastest on ``(args, kwargs)``."""
+        best_cfg, best_t = None, math.inf
+        for cfg in candidates:
+            t = self.measure(make_fn(cfg), *args, **kwargs)
+            if t < best_t:
+                best_cfg, best_t = cfg, t
+        if best_cfg is None:
+            raise AutotuneError("no candidates to tune")
+        return best_cfg
+
+    def __repr__(self) -> str:
+        return f"Tuner(warmup={self.warmup}, iters={self.iters})"
+
+
 def _tune_on_miss(inv: Invocation[Any, Any], *, policy: AutotunePolicy, cache: ConfigCache, persistent: Any) -> Any:
     return tune_invocation(inv, policy=policy, cache=cache, persistent=persistent).best_cfg
 
@@ -536,6 +620,12 @@ def autotune(
     The winner is stored in ``selector``'s caches (the default executor's when None), so later
     calls with the same signature use it.
     """
+    if not isinstance(kernel, Kernel):
+        raise TypeError(
+            f"autotune(kernel, *args): expected a Kernel, got {type(kernel).__name__}; ejlabel's autotune tunes "
+            "one kernel call (ejkernel's function-decorator form is not supported: make the function a Kernel "
+            "with candidate_cfgs)"
+        )
     selector = selector if selector is not None else _default_selector()
     policy = dataclasses.replace(selector.policy, num_warmup=num_warmup, num_iters=num_iters)
     inv = Invocation(kernel, args, kwargs)
@@ -543,17 +633,36 @@ def autotune(
 
 
 def autotune_recorded(
-    invocations: Iterable[Invocation[Any, Any]],
+    invocations: Iterable[Invocation[Any, Any]] | ConfigSelectorChain | None = None,
     *,
     selector: Any = None,
     policy: AutotunePolicy | None = None,
     progress: bool | None = None,
+    show_progress: bool | None = None,
+    repetition_count: int = 1,
 ) -> dict[tuple[str, str], Any]:
     """Tune many calls in one batch; returns ``{(op_id, call_key): winning config}``.
 
     Calls are deduplicated by ``(op_id, call_key)``; every candidate of every call compiles in
     one pool; each winner is stored in ``selector``'s memory and persistent caches.
+
+    ejkernel's form ``autotune_recorded(selector, show_progress=..., repetition_count=1)`` tunes
+    every call recorded on this device (``get_invocations(device_fingerprint())``) with that
+    selector; ``invocations=None`` does the same with ``selector=``. ``repetition_count`` other
+    than 1 is refused: set ``policy.num_iters`` instead.
     """
+    if isinstance(invocations, ConfigSelectorChain):
+        if selector is not None:
+            raise TypeError("give the selector either positionally (ejkernel's form) or as selector=, not both")
+        invocations, selector = None, invocations
+    if invocations is None:
+        invocations = get_invocations(device_fingerprint())
+    if show_progress is not None:
+        if progress is not None:
+            raise TypeError("give either progress or show_progress (the same flag), not both")
+        progress = show_progress
+    if repetition_count != 1:
+        raise ValueError("repetition_count: ejlabel times each candidate policy.num_iters times; set that instead")
     selector = selector if selector is not None else _default_selector()
     unique: dict[tuple[str, str], Invocation[Any, Any]] = {}
     for inv in invocations:

@@ -34,6 +34,9 @@ def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
+_EXTRA_TILES = ("blocksize_m", "blocksize_k", "blocksize_n", "blocksize_heads", "blocksize_keys")
+
+
 @dataclass(frozen=True)
 class _LaunchParams:
     """Fields and behaviour shared by :class:`FwdParams` and :class:`BwdParams`."""
@@ -42,8 +45,18 @@ class _LaunchParams:
     kv_blocksize: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    # ejkernel's further tile sizes (matmul-style m/k/n tiles, head and key blocks): positive ints.
+    blocksize_m: int | None = None
+    blocksize_k: int | None = None
+    blocksize_n: int | None = None
+    blocksize_heads: int | None = None
+    blocksize_keys: int | None = None
 
     def __post_init__(self) -> None:
+        for name in _EXTRA_TILES:
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value >= 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         for name in ("q_blocksize", "kv_blocksize"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and _is_power_of_two(int(value))):
@@ -106,6 +119,8 @@ class FwdParams(_LaunchParams):
         kv_blocksize: rows of the key/value tile per loop step, a power of two.
         num_warps: warps per program, one of 1, 2, 4, 8, 16.
         num_stages: software-pipelining depth, >= 1.
+        blocksize_m, blocksize_k, blocksize_n, blocksize_heads, blocksize_keys: ejkernel's
+            further tile sizes, positive ints (not necessarily powers of two).
     """
 
 
