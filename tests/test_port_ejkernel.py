@@ -258,3 +258,89 @@ def test_record_and_autotune_recorded(m, tmp_path):
     # Later calls use the tuned config without tuning again.
     executor(kernel, x, w)
     assert "autotune_start" not in [e for e, _ in events]
+
+
+# ---------------------------------------------------------------------------------------------
+# What cannot hold in ejlabel is refused with a clear error (never silently dropped).
+
+
+def test_positional_selector_misuse_is_an_error(tmp_path):
+    cache = ejlabel.PersistentCache(path=tmp_path)
+    with pytest.raises(TypeError, match="policy: expected an AutotunePolicy"):
+        ejlabel.ConfigSelectorChain(ejlabel.ConfigCache(), cache)
+    selector = ejlabel.ConfigSelectorChain(ejlabel.ConfigCache(), ejlabel.AutotunePolicy())  # ejkernel's order
+    assert selector.persistent is None and isinstance(selector.policy, ejlabel.AutotunePolicy)
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        ejlabel.AutotunePolicy(True, True, "heuristics")
+
+
+def test_refused_executor_keywords(m):
+    executor = ejlabel.Executor()
+    kernel = m.ScaledMatmul()
+    x, w = _inputs()
+    with pytest.raises(ValueError, match="stamp=False"):
+        executor(kernel, x, w, stamp=False)
+    np.testing.assert_allclose(executor(kernel, x, w, stamp=True), x @ w, rtol=1e-5, atol=1e-5)
+    for name in ("method", "mesh", "in_specs", "out_specs", "check_vma"):
+        with pytest.raises(TypeError, match="shard_map"):
+            executor(kernel, x, w, **{name: None})
+    with pytest.raises(TypeError, match="not both"):
+        executor(kernel, x, w, cfg=m.ScaledMatmulConfig(2), _cfg=m.ScaledMatmulConfig(4))
+    with pytest.raises(ValueError, match="stamp_prefix"):
+        ejlabel.Executor(stamp_prefix="eformer_ops")
+    assert ejlabel.Executor(stamp_prefix="ejkernel_ops").selector is not None
+
+
+def test_refused_kernel_hooks():
+    class WithKeyBuilder(ejlabel.Kernel):
+        key_builder = staticmethod(lambda inv: "0" * 16)
+
+        def run(self, x, *, cfg):
+            return x
+
+    with pytest.raises(TypeError, match="key_builder"):
+        WithKeyBuilder("kb")
+
+    class WithShardMap(ejlabel.Kernel):
+        def run(self, x, *, cfg):
+            return x
+
+        def run_shard_map_gpu(self, x, *, cfg):
+            return x
+
+    with pytest.warns(RuntimeWarning, match="run_shard_map_gpu"):
+        WithShardMap("sm")
+
+    class HalfVjp(ejlabel.Kernel):
+        def fwd_with_residuals(self, x, *, cfg):
+            return x, None
+
+    with pytest.raises(TypeError, match="go together"):
+        HalfVjp("half")
+
+
+def test_persistent_cache_op_name_and_loaders(tmp_path, monkeypatch, isolated_cache_dir):
+    monkeypatch.chdir(tmp_path)
+    cache = ejlabel.PersistentCache("pooling")  # ejkernel's op name: the default cache, no ./pooling
+    assert not (tmp_path / "pooling").exists() and cache.opname == "pooling"
+    assert cache.path.parent == isolated_cache_dir
+    assert ejlabel.PersistentCache("pooling", path=tmp_path / "p").path.parent == tmp_path / "p"
+    assert ejlabel.PersistentCache("./here").path.parent == tmp_path / "here"
+    with pytest.raises(TypeError, match="loader/dumper"):
+        ejlabel.PersistentCache("pooling", loader=lambda raw: raw)
+
+
+def test_small_compat_forms():
+    t = ejlabel.benchmark(lambda: jnp.ones(3) + 1, warmup=1, iters=4)
+    assert t.count == 4
+    tuner = ejlabel.Autotuner(2, 5)
+    assert (tuner.warmup, tuner.iters) == (2, 5)
+    policy = ejlabel.AutotunePolicy(allow_autotune=False, allow_heuristics=False, validate_backward=False)
+    assert (policy.enabled, policy.on_miss, policy.tune_backward) == (False, "error", False)
+    assert (policy.allow_autotune, policy.allow_heuristics, policy.cache_miss_fallback) == (False, False, "heuristics")
+    with pytest.raises(TypeError, match="decorator"):
+        ejlabel.autotune(lambda x: x)
+    fwd = ejlabel.FwdParams(blocksize_m=64, blocksize_k=32, blocksize_n=48, blocksize_heads=2, blocksize_keys=128)
+    assert fwd.blocksize_n == 48
+    with pytest.raises(ValueError, match="blocksize_heads"):
+        ejlabel.BwdParams(blocksize_heads=0)
