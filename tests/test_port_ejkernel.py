@@ -344,3 +344,22 @@ def test_small_compat_forms():
     assert fwd.blocksize_n == 48
     with pytest.raises(ValueError, match="blocksize_heads"):
         ejlabel.BwdParams(blocksize_heads=0)
+
+
+def test_compile_choose_and_standalone_tuner(m):
+    executor = ejlabel.Executor()
+    kernel = m.ScaledMatmul()
+    x, w = _inputs()
+    compiled = executor.compile(kernel, x, w, _cfg=m.ScaledMatmulConfig(block_k=2))
+    np.testing.assert_allclose(compiled(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    assert ejlabel.find_labels_in_lowered(compiled.lower(x, w)) == [ejlabel.label("scaled_matmul@v1", m.Invocation(kernel, (x, w)).call_key)]
+    inv = m.Invocation(kernel, (x, w))
+    assert executor.selector.choose(inv, kernel) == kernel.heuristic_cfg(inv)
+    with pytest.raises(ValueError, match="not the kernel"):
+        executor.selector.choose(inv, m.RowNorm())
+
+    tuner = ejlabel.Tuner(warmup=1, iters=2)
+    seconds = tuner.measure(lambda a, b: a @ b, x, w)
+    assert 0 < seconds < 10
+    mk = lambda cfg: (lambda a, b: kernel.run(a, b, cfg=cfg))
+    assert tuner.autotune(mk, (x, w), {}, kernel.candidate_cfgs(inv)) in kernel.candidate_cfgs(inv)
