@@ -98,6 +98,15 @@ class Kernel(Generic[Cfg, Out]):
     - ``make_inputs(inv, key)``: concrete arguments for tuning, for kernels whose inputs must
       satisfy constraints (integer segment ids, positive lengths).
     - ``reference(*args, **kwargs)``: the output tuning checks candidates against.
+
+    ejkernel's hooks are honoured too: ``prepare(*args, **kwargs) -> (args, kwargs)`` (run by
+    the executor before the call is keyed), ``candidate_cfgs[_<platform>](inv)`` (the config
+    space when defined; the heuristic config is always a candidate as well),
+    ``heuristic_cfg_<platform>`` and ``run_<platform>`` (gpu, tpu, cpu: first on their
+    platform), ``fwd_with_residuals[_<platform>]`` with ``vjp[_<platform>]`` (the backward, labelled
+    like ``custom_vjp``), a class attribute ``op_id`` and, with no op id at all, ejkernel's
+    default ``<module>.<ClassName>``. ``key_builder`` is refused (the call key is part of the
+    label), and other ``run_*``-style methods (shard_map variants) warn: ejlabel never calls them.
     """
 
     version: ClassVar[str] = "1"
