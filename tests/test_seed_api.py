@@ -335,7 +335,8 @@ def test_batch_autotuning():
     # Autotune all at once
     results = autotune_recorded(invocations)
     assert set(results) == {(inv.op_id, inv.call_key)}
-    assert results[(inv.op_id, inv.call_key)] in kernel.config_space(inv)
+    # ejlabel always races the heuristic config too
+    assert results[(inv.op_id, inv.call_key)] in [*kernel.config_space(inv), kernel.heuristic_cfg(inv)]
 
 
 # ---------------------------------------------------------------------------------------------
