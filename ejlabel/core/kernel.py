@@ -40,7 +40,7 @@ from ejlabel.utils.fingerprint import (
     scalar_memo_key,
 )
 
-__all__ = ["Kernel", "Invocation", "Cfg", "Out", "PLATFORM_METHODS", "is_array", "abstract_invocation", "random_inputs"]
+__all__ = ["Kernel", "Invocation", "Cfg", "Out", "PLATFORM_METHODS", "is_array", "abstract_invocation", "random_inputs", "random_values"]
 
 Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
@@ -474,12 +474,19 @@ def random_inputs(inv: Invocation[Any, Any], key: jax.Array) -> tuple[tuple[Any,
     """Concrete arguments for ``inv``: standard normal floats, small non-negative integers."""
     seed = int(jax.random.randint(key, (), 0, 2**31 - 1)) if isinstance(key, jax.Array) else int(key)
     rng = np.random.default_rng(seed)
+    spec = abstract_invocation(inv)
+    return random_values(spec.args, rng), random_values(spec.kwargs, rng)
+
+
+def random_values(tree: Any, rng: np.random.Generator) -> Any:
+    """``tree`` with every ``ShapeDtypeStruct`` leaf replaced by random values of its spec:
+    standard normal floats, integers in [0, 8), random booleans; other leaves stay."""
 
     def make(leaf: Any) -> Any:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             return leaf
         dtype = np.dtype(leaf.dtype)
-        if jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating):
+        if jnp.issubdtype(dtype, jnp.inexact):  # jnp's issubdtype: it knows bfloat16
             value = rng.standard_normal(leaf.shape, dtype=np.float32)
         elif dtype == np.bool_:
             value = rng.integers(0, 2, leaf.shape).astype(bool)
@@ -487,5 +494,4 @@ def random_inputs(inv: Invocation[Any, Any], key: jax.Array) -> tuple[tuple[Any,
             value = rng.integers(0, 8, leaf.shape)
         return jnp.asarray(value, dtype=dtype)
 
-    spec = abstract_invocation(inv)
-    return jax.tree_util.tree_map(make, spec.args), jax.tree_util.tree_map(make, spec.kwargs)
+    return jax.tree_util.tree_map(make, tree)

@@ -54,13 +54,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ejlabel.config.cache import AutotunePolicy, overlay_cache, policy_override
 from ejlabel.config.persistent import CacheError
 from ejlabel.config.selection import ConfigSelectorChain
-from ejlabel.core.kernel import Invocation
+from ejlabel.core.kernel import Invocation, random_values
 from ejlabel.core.label_format import is_backward, parse_label
 from ejlabel.core.labels import find_labels_in_lowered
 from ejlabel.execution.executor import get_default_executor
@@ -339,23 +338,8 @@ def _noise(incumbent: Timing, challenger: Timing, min_gain: float) -> float:
 
 
 def _concrete(args: Sequence[Any], seed: int) -> tuple[Any, ...]:
-    """``args`` with every ``ShapeDtypeStruct`` leaf replaced by random values of its spec:
-    standard normal floats, integers in [0, 8), random booleans (as tuning's inputs)."""
-    rng = np.random.default_rng(seed)
-
-    def make(leaf: Any) -> Any:
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
-        dtype = np.dtype(leaf.dtype)
-        if jnp.issubdtype(dtype, jnp.inexact):  # jnp's: it knows bfloat16
-            value = rng.standard_normal(leaf.shape, dtype=np.float32)
-        elif dtype == np.bool_:
-            value = rng.integers(0, 2, leaf.shape).astype(bool)
-        else:
-            value = rng.integers(0, 8, leaf.shape)
-        return jnp.asarray(value, dtype=dtype)
-
-    return tuple(jax.tree_util.tree_map(make, tuple(args)))
+    """``args`` with every ``ShapeDtypeStruct`` leaf replaced by random values (as tuning's inputs)."""
+    return tuple(random_values(tuple(args), np.random.default_rng(seed)))
 
 
 # ---------------------------------------------------------------------------- isolated ranking
