@@ -33,7 +33,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .hlo import HloInstruction, HloModule
+from .hlo import HloComputation, HloInstruction, HloModule
 
 __all__ = [
     "ELEMENTWISE",
@@ -151,16 +151,37 @@ def tuple_elements(shape: str) -> tuple[str, ...] | None:
 class InstructionFacts:
     """The four attributes the parser skips, by instruction name (names are unique in a module).
 
-    ``exact`` is False when they were inferred from shapes (:func:`infer_facts`): then
-    ``tuple_index`` may hold several candidate elements and ``parameter_number`` several candidate
-    operand positions, and a missing contracting-dims entry means the shapes left a choice.
+    Read from the text (:func:`read_facts`), or, for a module without its text
+    (:func:`infer_facts`), inferred from shapes where first asked for (``index_of``,
+    ``parameter_of``; dot dims by :func:`instruction_flops`): then ``exact`` is False, a
+    get-tuple-element may name several candidate elements and a parameter several candidate
+    operands (empty: unknown, any).
     """
 
     tuple_index: dict[str, tuple[int, ...]] = field(default_factory=dict)
     parameter_number: dict[str, tuple[int, ...]] = field(default_factory=dict)
     lhs_contracting: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dim_labels: dict[str, str] = field(default_factory=dict)
-    exact: bool = True
+    module: HloModule | None = None  # the module to infer from; None when read from the text
+
+    @property
+    def exact(self) -> bool:
+        return self.module is None
+
+    def index_of(self, instr: HloInstruction, comp: HloComputation) -> tuple[int, ...] | None:
+        """The tuple element(s) a get-tuple-element picks."""
+        found = self.tuple_index.get(instr.name)
+        if found is None and self.module is not None:
+            found = self.tuple_index[instr.name] = _infer_tuple_index(instr, comp)
+        return found
+
+    def parameter_of(self, instr: HloInstruction, comp: HloComputation) -> tuple[int, ...] | None:
+        """The operand position(s) of its caller a parameter takes."""
+        found = self.parameter_number.get(instr.name)
+        if found is None and self.module is not None:
+            self.parameter_number.update(_infer_parameters(comp, self.module))
+            found = self.parameter_number.setdefault(instr.name, ())
+        return found
 
 
 def read_facts(text: str) -> InstructionFacts:
@@ -185,43 +206,46 @@ def read_facts(text: str) -> InstructionFacts:
 
 
 def infer_facts(module: HloModule) -> InstructionFacts:
-    """Facts of a module given without its text, inferred from shapes (see the module docstring).
+    """Facts of a module given without its text, inferred from shapes where first needed:
 
     * ``get-tuple-element``: the elements of its operand's tuple shape equal to its own shape.
     * ``parameter``: the operand positions of its computation's callers (calls, fusions) whose
       shape equals the parameter's, and among several the one its name gives (XLA names them
       ``param_1.196``, ``Arg_0.2``); a while body or condition, a branch, has one parameter
       (number 0); callers that disagree on their operands' shapes leave it unknown.
-    * ``dot``: inferred where its flops are needed (:func:`instruction_flops`): the split of
-      its shapes into batch, contracting and free dimensions that fits, the one with the most
-      batch dims that still contracts something where several do.
+    * ``dot``: where its flops are needed (:func:`instruction_flops`): the split of its shapes
+      into batch, contracting and free dimensions that fits, the one with the most batch dims
+      that still contracts something where several do.
     * ``convolution``: not inferred (its flops count 0 without the text).
     """
-    facts = InstructionFacts(exact=False)
-    callers = module.callers()
-    for comp in module.computations.values():
-        operand_shapes: tuple[str, ...] | None | bool = False  # False: not looked up yet
-        for instr in comp.instructions:
-            opcode = instr.opcode
-            if opcode == "get-tuple-element" and instr.operands:
-                source = comp.instruction(instr.operands[0])
-                parts = tuple_elements(source.shape) if source is not None else None
-                if parts is not None:
-                    found = tuple(k for k, part in enumerate(parts) if _same_shape(part, instr.shape))
-                    facts.tuple_index[instr.name] = found or tuple(range(len(parts)))
-            elif opcode == "parameter":
-                if operand_shapes is False:
-                    operand_shapes = _caller_operand_shapes(callers.get(comp.name, ()), module)
-                if operand_shapes:
-                    found = tuple(k for k, shape in enumerate(operand_shapes) if _same_shape(shape, instr.shape))
-                    if len(found) > 1:
-                        # XLA names parameters after their number (``param_1.196``, ``Arg_0.2``):
-                        # the tie-breaker between operands of one shape.
-                        named = _NUMBERED_PARAMETER.fullmatch(instr.name)
-                        if named is not None and int(named.group(1)) in found:
-                            found = (int(named.group(1)),)
-                    facts.parameter_number[instr.name] = found or tuple(range(len(operand_shapes)))
-    return facts
+    return InstructionFacts(module=module)
+
+
+def _infer_tuple_index(instr: HloInstruction, comp: HloComputation) -> tuple[int, ...]:
+    source = comp.instruction(instr.operands[0]) if instr.operands else None
+    parts = tuple_elements(source.shape) if source is not None else None
+    if parts is None:
+        return ()
+    return tuple(k for k, part in enumerate(parts) if _same_shape(part, instr.shape)) or tuple(range(len(parts)))
+
+
+def _infer_parameters(comp: HloComputation, module: HloModule) -> dict[str, tuple[int, ...]]:
+    operand_shapes = _caller_operand_shapes(module.callers().get(comp.name, ()), module)
+    found: dict[str, tuple[int, ...]] = {}
+    if not operand_shapes:
+        return found
+    for instr in comp.instructions:
+        if instr.opcode != "parameter":
+            continue
+        candidates = tuple(k for k, shape in enumerate(operand_shapes) if _same_shape(shape, instr.shape))
+        if len(candidates) > 1:
+            # XLA names parameters after their number (``param_1.196``, ``Arg_0.2``): the
+            # tie-breaker between operands of one shape.
+            named = _NUMBERED_PARAMETER.fullmatch(instr.name)
+            if named is not None and int(named.group(1)) in candidates:
+                candidates = (int(named.group(1)),)
+        found[instr.name] = candidates or tuple(range(len(operand_shapes)))
+    return found
 
 
 def _caller_operand_shapes(callers: list[HloInstruction] | tuple[()], module: HloModule) -> tuple[str, ...] | None:

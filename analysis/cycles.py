@@ -6,48 +6,116 @@ site then reads what later calls computed from its own output (the cotangent), a
 cycle: norm → matmul → ... → matmul's backward → norm. Within one instruction graph (a DAG) such a
 cycle can only come from grouping instructions: the fix is to group less.
 
-:func:`sites_on_cycles` finds the sites on cycles: cheaply none when every data edge goes forward
-in program order (sites ranked by the positions of their enclosing while/conditional/call
-instructions, then of their first member), else by strongly connected components.
+:func:`sites_on_cycles` finds the sites on cycles. A data edge between sites that are single
+instructions of their own, in computations called from one place, is a path of the instruction
+graph, which has no cycle: so every cycle passes through a *complex* site (several instructions, an
+instruction shared with another site, or a computation called from several places), and only the
+sites that reach a complex site are searched, for strongly connected components.
 :func:`split_by_level` splits each of them by *level*: a member's level is the largest number of
 times a path from the site's members to it leaves the site through another site's instruction (or
 a loop, branch or call holding sites). The forward is level 0; the backward, which reads the
-cotangent other calls computed from the forward's output, level 1. Every part is convex (no path
-leaves it and comes back), so the parts close no cycle. The graph builder repeats find → split
-until no cycle is left (one round for real programs).
+cotangent other calls computed from the forward's output, level 1: no path leaves a part and
+comes back to it. Parts can still close a cycle without such a path (two sites each holding
+members that are not connected to each other); when a round of level splits leaves a cycle and
+splits nothing, :func:`split_apart` makes each member of the sites on it a site of its own, which
+closes none. The graph builder repeats find → split until no cycle is left (one round of level
+splits for the programs we have seen).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import chain
 
-import networkx as nx
-
-from .hlo import HloInstruction
+from .hlo import HloComputation, HloInstruction
 from .sites import NESTING_KIND, Site, SiteFinder
 
-__all__ = ["sites_on_cycles", "split_by_level"]
+__all__ = ["sites_on_cycles", "split_apart", "split_by_level"]
 
 
-def sites_on_cycles(finder: SiteFinder, upstream: list[frozenset]) -> list[int]:
-    """Uids of the sites on cycles of data edges (``upstream[uid]``: the sites ``uid`` reads)."""
-    prefixes: dict[str, tuple[int, ...]] = {}
-    keys = []
-    for site in finder.sites:
-        prefix = prefixes.get(site.comp.name)
-        if prefix is None:
-            context = finder.context(site.comp.name)
-            prefix = prefixes[site.comp.name] = tuple(finder.positions.get(c.name, 0) for c in context)
-        keys.append((*prefix, site.first))
-    rank = [0] * len(keys)
-    for position, uid in enumerate(sorted(range(len(keys)), key=keys.__getitem__)):
-        rank[uid] = position
-    at = rank.__getitem__
-    if all(not up or max(map(at, up)) < rank[uid] for uid, up in enumerate(upstream)):
-        return []  # every edge goes forward: no cycle
-    graph = nx.DiGraph()
-    graph.add_edges_from((u, uid) for uid, up in enumerate(upstream) for u in up)
-    return [uid for component in nx.strongly_connected_components(graph) if len(component) > 1 for uid in component]
+def sites_on_cycles(finder: SiteFinder, incoming: list[list[frozenset]]) -> list[int]:
+    """Uids of the sites on cycles of data edges (``incoming[uid]``: the upstream sets ``uid`` read).
+
+    A cycle needs a *complex* site (module docstring), so only the sites that reach one (found
+    walking the edges back from them) are searched, by Tarjan's algorithm on the reversed edges.
+    """
+    complex_sites = _complex_sites(finder)
+    if not complex_sites:
+        return []
+    reach = set(complex_sites)
+    stack = list(complex_sites)
+    while stack:
+        for upstream in incoming[stack.pop()]:
+            for u in upstream:
+                if u not in reach:
+                    reach.add(u)
+                    stack.append(u)
+    return _strongly_connected(reach, incoming)
+
+
+def _complex_sites(finder: SiteFinder) -> list[int]:
+    """Sites of several instructions, sharing an instruction with another site, or in a
+    computation called from several places (one node for all its callers)."""
+    shared = {name for name in finder.site_sets if _is_shared(finder, name)}
+    found = [site.uid for site in finder.sites if len(site.members) > 1 or (shared and site.comp.name in shared)]
+    single = finder.singles
+    for sets in finder.site_sets.values():
+        for uids in sets.values():
+            if uids is not single.get(next(iter(uids))):  # members of one site share its one-site set
+                found.extend(uids)
+    return sorted(set(found))
+
+
+def _is_shared(finder: SiteFinder, comp_name: str) -> bool:
+    """Whether several while/conditional/call instructions call the computation."""
+    return sum(c.opcode in NESTING_KIND for c in finder.callers.get(comp_name, ())) > 1
+
+
+def _strongly_connected(nodes: set[int], incoming: list[list[frozenset]]) -> list[int]:
+    """Nodes of ``nodes`` in strongly connected components of more than one node, edges followed
+    backwards (``uid`` → the sites in ``incoming[uid]``, which gives the same components):
+    iterative Tarjan."""
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    on_stack: set[int] = set()
+    stack: list[int] = []
+    cyclic: list[int] = []
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, chain.from_iterable(incoming[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in nodes:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, chain.from_iterable(incoming[child])))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        cyclic.extend(component)
+    return cyclic
 
 
 def split_by_level(finder: SiteFinder, uids: Iterable[int]) -> int:
@@ -64,11 +132,6 @@ def split_by_level(finder: SiteFinder, uids: Iterable[int]) -> int:
     created = 0
     for sites in by_comp.values():
         comp = sites[0].comp
-        uid_of: dict[tuple[str, str], int] = {}
-        for site in finder.sites:
-            if site.comp is comp:
-                for member in site.members:
-                    uid_of[(member.name, site.label)] = site.uid
         for site in sites:
             levels = member_levels(finder, site)
             parts: dict[int, list[HloInstruction]] = {}
@@ -80,17 +143,38 @@ def split_by_level(finder: SiteFinder, uids: Iterable[int]) -> int:
             joined = site.joined
             pieces = [site]
             for members in ordered[1:]:
-                part = Site(len(finder.sites), site.label, comp, members, [], first=finder.positions[members[0].name])
+                part = Site(len(finder.sites), site.label, comp, members, [])
                 finder.sites.append(part)
                 pieces.append(part)
                 created += 1
-                for member in members:
-                    uid_of[(member.name, site.label)] = part.uid
             site.members = ordered[0]
             for piece in pieces:
                 piece.joined = frozenset(m.name for m in piece.members if m.name in joined)
                 piece.attributed = [m.custom_call_target or "" for m in piece.members if m.name in finder.attributed_names]
-        finder.index_memberships(comp, uid_of)
+        finder.index_memberships(comp, [site for site in finder.sites if site.comp is comp])
+    return created
+
+
+def split_apart(finder: SiteFinder, uids: Iterable[int]) -> int:
+    """The last resort: each member of the given sites becomes a site of its own (one per
+    instruction, the label kept); the number of new sites."""
+    by_comp: dict[str, HloComputation] = {}
+    created = 0
+    for uid in uids:
+        site = finder.sites[uid]
+        if len(site.members) < 2:
+            continue
+        by_comp[site.comp.name] = site.comp
+        members = site.members
+        site.members = members[:1]
+        for member in members[1:]:
+            finder.sites.append(Site(len(finder.sites), site.label, site.comp, [member], []))
+            created += 1
+        for piece in [site, *finder.sites[len(finder.sites) - len(members) + 1 :]]:
+            piece.joined = frozenset(m.name for m in piece.members if m.name in site.joined)
+            piece.attributed = [m.custom_call_target or "" for m in piece.members if m.name in finder.attributed_names]
+    for comp in by_comp.values():
+        finder.index_memberships(comp, [site for site in finder.sites if site.comp is comp])
     return created
 
 
@@ -99,8 +183,9 @@ def member_levels(finder: SiteFinder, site: Site) -> dict[str, int]:
     members = {m.name for m in site.members}
     memberships = finder.site_sets[site.comp.name]
     mine = site.uid
-    start = min(finder.positions[m] for m in members)
-    stop = max(finder.positions[m] for m in members)
+    at = finder.positions(site.comp)
+    start = min(at[m] for m in members)
+    stop = max(at[m] for m in members)
     clean: dict[str, int] = {}  # highest level reaching a value without leaving the site since
     crossed: dict[str, int] = {}  # highest level that left the site through another site's instruction
     levels: dict[str, int] = {}

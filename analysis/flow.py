@@ -211,8 +211,7 @@ class DataFlow:
         get = values.get
         incoming = self.target
         comp_sites = self.sites.site_sets.get(comp_name, _NO_SITES)
-        tuple_index = self.facts.tuple_index
-        parameter_number = self.facts.parameter_number
+        facts = self.facts
         merge = self.merge
         flatten = self.flatten
         union = self.union
@@ -243,13 +242,13 @@ class DataFlow:
             if opcode in _FLOW_SPECIAL:
                 if opcode == "parameter":
                     if seeds is None:
-                        value = self.placeholder(parameter_number.get(name), (), instr.shape)
+                        value = self.placeholder(facts.parameter_of(instr, comp), (), instr.shape)
                     elif not seeds:
                         value = _EMPTY
                     elif len(seeds) == 1:
                         value = seeds[0]
                     else:
-                        value = self.pick(seeds, parameter_number.get(name))
+                        value = self.pick(seeds, facts.parameter_of(instr, comp))
                 elif opcode == "tuple":
                     if len(operands) == 2:
                         value = (get(operands[0], _EMPTY), get(operands[1], _EMPTY))
@@ -257,7 +256,7 @@ class DataFlow:
                         value = tuple([get(o, _EMPTY) for o in operands])
                 elif opcode == "get-tuple-element":
                     source = get(operands[0], _EMPTY) if operands else _EMPTY
-                    value = self.pick(source, tuple_index.get(name)) if source.__class__ is tuple else source  # type: ignore[arg-type]
+                    value = self.pick(source, facts.index_of(instr, comp)) if source.__class__ is tuple else source  # type: ignore[arg-type]
                 else:
                     value = self.flow_nested(instr, values)
             elif len(operands) == 2:
@@ -483,13 +482,11 @@ class DataFlow:
         # Per value: (nearest labels upstream, parameters reaching it without a label between).
         flows: dict[str, tuple[frozenset[str], frozenset[int]]] = {}
         empty: tuple[frozenset[str], frozenset[int]] = (frozenset(), frozenset())
-        numbers = self.facts.parameter_number
-        unknown: set[int] = set()
+        unknown = False  # a parameter whose number is not known: any label inside may read any operand
         for instr in comp.instructions:
             if instr.opcode == "parameter":
-                positions = numbers.get(instr.name)
-                if positions is None:
-                    unknown.add(len(unknown))
+                positions = self.facts.parameter_of(instr, comp)
+                unknown = unknown or not positions
                 flows[instr.name] = (frozenset(), frozenset(positions or ()))
                 continue
             own = own_label(instr) if instr.frontend_attributes else None

@@ -20,8 +20,8 @@ bound). A computation called from several places takes the nesting of its first 
 *Data edges.* Site A → site B (``kind="data"``) when B reads a value A computed, directly or
 through unlabelled instructions (:mod:`.flow`). The data edges form a DAG: a site that would lie
 on a cycle (a kernel differentiated by JAX labels its backward ops like its forward ones, and the
-backward reads the forward's intermediates) is split by level into convex parts, its forward and
-its backward (:mod:`.cycles`).
+backward reads the forward's intermediates) is split by level into its forward and its backward
+(:mod:`.cycles`).
 
 *Costs.* ``flops`` counts the site's labelled instructions, inside fusions too
 (:func:`.costs.instruction_flops`): dots and library gemms 2 × result × contracted elements,
@@ -45,6 +45,9 @@ Which forms count what
   (``graph.graph["inferred_facts"]`` names such modules).
 * StableHLO the local jaxlib cannot convert gives a degraded graph: one node per distinct label
   with its op count in ``instructions``, no edges and no costs (``graph.graph["degraded"]``).
+
+``graph.graph`` also says what was read: ``"program"`` (the input's kind), ``"modules"`` and
+``"notes"`` (dump files left out, and why).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from ejlabel.core.label_format import (
 from ejlabel.utils.fingerprint import device_fingerprint
 
 from .costs import ELEMENTWISE, elements, instruction_flops, shape_info
-from .cycles import sites_on_cycles, split_by_level
+from .cycles import sites_on_cycles, split_apart, split_by_level
 from .export import draw, from_node_link_json, to_dot, to_node_link_json
 from .flow import MAX_UPSTREAM, DataFlow
 from .hlo import HloInstruction
@@ -137,23 +140,14 @@ class _Builder:
         finder.find_all()
         if not finder.sites:
             return
-        upstream = self.data_flow(finder)
-        for _ in range(_MAX_SPLIT_ROUNDS):
-            cyclic = sites_on_cycles(finder, upstream)
-            if not cyclic or not split_by_level(finder, cyclic):
-                break
-            upstream = self.data_flow(finder)
-        self.add_nodes(finder)
-        _add_data_edges(self.graph, [site.node for site in finder.sites], upstream)
-
-    def data_flow(self, finder: SiteFinder) -> list[frozenset]:
-        """Per site uid: the sites it reads from (itself excluded)."""
         incoming = DataFlow(self.module, self.facts, finder).run()
-        upstream: list[frozenset] = []
-        for uid, reads in enumerate(incoming):
-            found = reads[0] if len(reads) == 1 else frozenset().union(*reads)
-            upstream.append(found - {uid} if uid in found else found)
-        return upstream
+        for _ in range(_MAX_SPLIT_ROUNDS):
+            cyclic = sites_on_cycles(finder, incoming)
+            if not cyclic or not (split_by_level(finder, cyclic) or split_apart(finder, cyclic)):
+                break
+            incoming = DataFlow(self.module, self.facts, finder).run()
+        self.add_nodes(finder)
+        _add_data_edges(self.graph, [site.node for site in finder.sites], incoming)
 
     # -- nodes ---------------------------------------------------------------
 
@@ -410,34 +404,39 @@ def _add_nodes(graph: nx.DiGraph, nodes: list[tuple[str, dict[str, Any]]]) -> No
     _clear_cache(graph)
 
 
-def _add_data_edges(graph: nx.DiGraph, names: list[str], upstream: list[frozenset]) -> None:
-    """Add a ``kind="data"`` edge to each site from every site it reads (``upstream[uid]``).
+def _add_data_edges(graph: nx.DiGraph, names: list[str], incoming: list[list[frozenset]]) -> None:
+    """Add a ``kind="data"`` edge to each site from every site in the upstream sets it read.
 
-    A large program has millions of data edges, and this is the graph's biggest cost. Edges are
-    added grouped by their head, tails in uid order, so the adjacency dicts being filled stay
-    close together in memory (several times faster than inserting in hash order); for a plain
-    ``DiGraph`` they are written straight into its adjacency dicts, as ``add_edges_from`` itself
-    does, without its per-edge checks (about twice as fast), each site's successor dict looked up
-    once rather than once per edge. Each edge still gets its own attribute dict.
+    ``incoming[uid]`` holds the (shared, repeated) upstream sets read by the instructions of site
+    ``uid``, named ``names[uid]``. A large program has millions of data edges, and this is the
+    graph's biggest cost. Edges are added grouped by their head, tails in uid order, so the
+    adjacency dicts being filled stay close together in memory (several times faster than
+    inserting in hash order); for a plain ``DiGraph`` they are written straight into its
+    adjacency dicts, as ``add_edges_from`` itself does, without its per-edge checks (about twice
+    as fast), each site's successor dict looked up once rather than once per edge. Each edge
+    still gets its own attribute dict.
     """
     plain = _plain(graph)
     if plain is None:
-        for uid, tails in enumerate(upstream):
-            if tails:
+        for uid, reads in enumerate(incoming):
+            if reads:
+                upstream = reads[0] if len(reads) == 1 else frozenset().union(*reads)
                 head = names[uid]
-                graph.add_edges_from(((names[u], head) for u in sorted(tails)), kind="data")
+                graph.add_edges_from(((names[u], head) for u in sorted(upstream) if u != uid), kind="data")
         return
     _, succ, pred = plain
     out_of = [succ[name] for name in names]
-    for uid, tails in enumerate(upstream):
-        if not tails:
+    for uid, reads in enumerate(incoming):
+        if not reads:
             continue
+        upstream = reads[0] if len(reads) == 1 else frozenset().union(*reads)
         head = names[uid]
         into = pred[head]
-        for u in sorted(tails):
-            data = {"kind": "data"}
-            out_of[u][head] = data
-            into[names[u]] = data
+        for u in sorted(upstream):
+            if u != uid:
+                data = {"kind": "data"}
+                out_of[u][head] = data
+                into[names[u]] = data
     _clear_cache(graph)
 
 

@@ -64,17 +64,7 @@ from ejlabel.core.label_format import (
 )
 
 from .costs import InstructionFacts, infer_facts, read_facts
-from .hlo import HloModule, parse_hlo, stablehlo_frontend_attributes
-
-try:  # Note: hlo.py's rewrite exports program_kind; once it is committed, drop this fallback.
-    from .hlo import program_kind
-except ImportError:  # pragma: no cover - only with an hlo.py from before that rewrite
-
-    def program_kind(text: str) -> Literal["hlo", "stablehlo"]:
-        """``"stablehlo"`` when the first token after white space and comments starts an MLIR
-        module (``module``, ``func.func``, an alias ``#name = ...``), else ``"hlo"``."""
-        first = _FIRST_TOKEN.match(text)
-        return "stablehlo" if first is not None and first.group(1) is not None else "hlo"
+from .hlo import HloModule, parse_hlo, program_kind, stablehlo_frontend_attributes
 
 __all__ = ["Program", "ProgramModule", "UnreadModule", "invocations_from_program", "read_program"]
 
@@ -82,11 +72,6 @@ Stage = Literal["after", "before"]
 _PROGRAM_SUFFIXES = (".txt", ".hlo", ".mlir")
 _DUMP_MODULE = re.compile(r"(module_\d+)")
 _MLIR_MODULE_NAME = re.compile(r"module\s+@\"?([\w.$\-]+)")
-_FIRST_TOKEN = re.compile(
-    r"(?:\s+|//[^\n]*|/\*.*?\*/|#(?![\w.$\-]+\s*=)[^\n]*)*"  # white space, comments, HLO "#" comment lines
-    r"(?:(module\b(?!\s*\()|\"?builtin\.module|\"?func\.func|#[\w.$\-]+\s*=)|\S)",
-    re.DOTALL,
-)
 
 
 class ProgramModule:

@@ -8,18 +8,20 @@ sites are rebuilt from data flow with these rules:
 1. *Labelled instructions* of one label are linked when one reads the other, directly or through
    unlabelled tuples, get-tuple-elements, bitcasts, copies, reshapes or transposes (which XLA
    inserts between the ops of one call).
-2. *Unlabelled instructions inside a call join it*: an unlabelled instruction all of whose
-   operands come from sites of one label (directly or through such instructions) and all of whose
-   users are instructions of that label (or such instructions), transitively, belongs to that
-   label's site and links the pieces on both of its sides. These are the broadcasts and reshapes
-   JAX emits without attributes inside a kernel's region, and the copies XLA inserts; without the
-   rule one call falls apart into several sites in the lowered HLO while the compiled HLO,
-   where they are fused away, shows one. Custom-calls (see 4), parameters, constants and
-   while/conditional/call instructions never join this way.
-3. *Identical instructions* of one label (same opcode, shape and operands, for opcodes whose
-   result those determine: reshapes, converts, copies, elementwise ops) are one: XLA's common
-   subexpression elimination merges them in the compiled HLO, so the lowered HLO counts them as
-   merged too (the two products of a matmul's backward, which both reshape the cotangent).
+2. *Unlabelled data movement inside a call joins it*: an unlabelled instruction that moves data
+   (broadcast, reshape, transpose, copy, convert, slice, concatenate, pad, tuple..., or a fusion
+   of only such ops), all of whose operands come from sites of one label (directly or through
+   such instructions) and all of whose users are instructions of that label (or such
+   instructions), transitively, belongs to that label's site and links the pieces on both of its
+   sides. These are the broadcasts and reshapes JAX emits without attributes inside a kernel's
+   region, and the copies and bitcasts XLA inserts; without the rule one call falls apart into
+   several sites in the lowered HLO while the compiled HLO, where they are fused away, shows one.
+   Unlabelled arithmetic between two ops of one label stays out: it is more likely the user's
+   code between two calls.
+3. *Identical instructions* of one label (same opcode, shape and operands; reshapes, bitcasts,
+   copies and converts, whose result those determine) are one: XLA's common subexpression
+   elimination merges them in the compiled HLO, so the lowered HLO counts them as merged too (the
+   two products of a matmul's backward, which both reshape the cotangent).
 4. *Unlabelled custom-calls* that rewrites create (XLA's cuDNN attention rewrite drops the
    attributes) join the one label found among their neighbours (operands and users, through up
    to three transparent hops); their targets are listed in ``attributed_custom_calls``.
@@ -28,21 +30,22 @@ sites are rebuilt from data flow with these rules:
 *Fusions and other inlined computations.* Every computation called by an instruction other than
 ``while``/``conditional``/``call`` is *inlined*: its labelled instructions count in the site of
 the calling instruction (a fusion), which is a member of that site. A fusion holding several labels
-is a member of one site per label (each label's costs stay with its own call). A
+(XLA merged pieces of several calls, a forward's and a backward's say) is a member of one site per
+label, so each label's costs stay with its own call; in the data flow each of its operands feeds
+only the labels whose ops inside read it and its result comes only from the labels that produce it
+(:meth:`.flow.DataFlow.flow_fusion`), so the merged op closes no cycle between its sites. A
 ``while``/``conditional`` that itself carries a label (a loop inside a kernel) absorbs the
 same-label instructions of its bodies into its own site.
 
 *Forward and backward.* A kernel differentiated by JAX writes its forward label on its backward
-ops too, and the backward reads the forward's intermediates, so rule 1 links them. The call graph
-then splits any site that lies on a cycle of data edges into parts by *level*: a member's level is
-the largest number of times a path from the site's members to it leaves the site through another
-site's instruction (:meth:`SiteFinder.split_by_level`). The forward (level 0) and the backward
-(level 1, it reads the cotangent that other calls computed from the forward's output) become two
-sites and the graph a DAG. A site's parts are convex: no path leaves one and comes back.
+ops too, and the backward reads the forward's intermediates, so rule 1 links them. Where that site
+lies on a cycle of data edges (its backward reads what later calls computed from its forward's
+output), the call graph splits it by level into its forward and its backward (:mod:`.cycles`).
+The last call before the loss keeps its backward when nothing labelled lies between them.
 
 Limits: calls of one label that read each other's outputs directly (``f(f(x))``), or only
-through unlabelled reshapes, are one site; a call whose pieces never meet (a matmul's two gradient
-products when the cotangent is not reshaped) is several.
+through unlabelled data movement, are one site; a call whose pieces never meet (a
+JAX-differentiated matmul's forward and two gradient products) is several.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from dataclasses import dataclass, field
 
 from ejlabel.core.label_format import LABEL_ATTRIBUTE, LABEL_RE
 
-from .costs import ELEMENTWISE, InstructionFacts, instruction_flops
+from .costs import InstructionFacts, instruction_flops
 from .hlo import HloComputation, HloInstruction, HloModule
 
 __all__ = ["NESTING_KIND", "TRANSPARENT", "Site", "SiteFinder", "own_label"]
@@ -74,10 +77,35 @@ _BOOKKEEPING_TARGETS = frozenset(
         "LayoutConstraint",
     }
 )
-# Unlabelled instructions that never join a call by rule 2.
-_NEVER_JOIN = frozenset({"custom-call", "parameter", "constant", "iota", "rng", "rng-bit-generator", *NESTING_KIND})
-# Opcodes whose result is fixed by (opcode, shape, operands): rule 3 may merge them.
-_CSE_OPCODES = (ELEMENTWISE - {"compare"}) | {"reshape", "bitcast", "copy", "bitcast-convert"}
+# Unlabelled instructions that may join a call by rule 2: those that move data, which JAX writes
+# without attributes inside a kernel's region and XLA inserts (layout copies, bitcasts). An
+# unlabelled computation between two ops of one label is more likely the user's code between two
+# calls, and stays out. A fusion may join when all it calls moves data (``_moves_data``).
+_MOVES_DATA = frozenset(
+    {
+        "bitcast",
+        "bitcast-convert",
+        "broadcast",
+        "concatenate",
+        "convert",
+        "copy",
+        "copy-done",
+        "copy-start",
+        "dynamic-slice",
+        "get-tuple-element",
+        "opt-barrier",
+        "pad",
+        "reshape",
+        "reverse",
+        "slice",
+        "transpose",
+        "tuple",
+    }
+)
+_FUSED_MOVES_DATA = _MOVES_DATA | {"parameter", "constant", "iota"}
+# Opcodes whose result is fixed by (opcode, shape, operands) and that JAX writes once per use of a
+# value (a reshape or convert of one argument in each of two products): rule 3 merges them.
+_CSE_OPCODES = frozenset({"reshape", "bitcast", "copy", "convert", "bitcast-convert"})
 
 
 def own_label(instr: HloInstruction) -> str | None:
@@ -125,7 +153,6 @@ class Site:
     members: list[HloInstruction]
     attributed: list[str]
     joined: frozenset[str] = frozenset()  # unlabelled members that joined by rule 2
-    first: int = 0  # position of the first member in its computation
     node: str = ""
 
 
@@ -158,8 +185,8 @@ class _Memberships:
         if ra != rb:
             self.parent[max(ra, rb)] = min(ra, rb)
 
-    def groups(self) -> tuple[list[int], dict[int, list[int]]]:
-        """Each membership's root, and each root's memberships in id order."""
+    def groups(self) -> dict[int, list[int]]:
+        """Each root's memberships, in id order."""
         # Most memberships are their own root: call find only for the others.
         roots = [i if p == i else self.find(i) for i, p in enumerate(self.parent)]
         by_root: dict[int, list[int]] = {}
@@ -169,7 +196,7 @@ class _Memberships:
                 by_root[root] = [i]
             else:
                 found.append(i)
-        return roots, by_root
+        return by_root
 
 
 class SiteFinder:
@@ -195,9 +222,10 @@ class SiteFinder:
         self.members_of: dict[str, set[str]] = {}  # computation -> names of its site members
         self.label_sites: dict[str, dict[str, dict[str, int]]] = {}  # computation -> member -> label -> uid
         self.singles: dict[int, frozenset] = {}  # uid -> the shared one-site set
-        self.positions: dict[str, int] = {}  # member and nesting instruction -> position in its computation
+        self.position_maps: dict[str, dict[str, int]] = {}  # computation -> instruction -> position
         self.user_maps: dict[str, dict[str, list[str]]] = {}
         self.attributed_names: set[str] = set()  # unlabelled custom-calls attributed to a label (rule 4)
+        self.moving: dict[str, bool] = {}  # fused computation -> whether all it does is move data
 
     # -- computation roles ---------------------------------------------------
 
@@ -328,6 +356,27 @@ class SiteFinder:
                         found.setdefault(operand, []).append(instr.name)
         return found
 
+    def moves_data(self, instr: HloInstruction) -> bool:
+        """Whether an unlabelled instruction that calls computations only moves data (rule 2)."""
+        if instr.opcode != "fusion":
+            return False
+        for callee in instr.called_computations:
+            found = self.moving.get(callee)
+            if found is None:
+                comp = self.module.computations.get(callee)
+                found = comp is not None and all(i.opcode in _FUSED_MOVES_DATA for i in comp.instructions)
+                self.moving[callee] = found
+            if not found:
+                return False
+        return True
+
+    def positions(self, comp: HloComputation) -> dict[str, int]:
+        """Position of each instruction of ``comp``; built where needed (cycles, joined members)."""
+        found = self.position_maps.get(comp.name)
+        if found is None:
+            found = self.position_maps[comp.name] = {instr.name: i for i, instr in enumerate(comp.instructions)}
+        return found
+
     # -- sites -----------------------------------------------------------------
 
     def find_all(self) -> None:
@@ -340,7 +389,6 @@ class SiteFinder:
         """Union-find over (instruction, label) memberships linked by rules 1-4 (module docstring)."""
         absorbed = self.absorbed(comp.name)
         member_labels: dict[str, tuple[str, ...]] = {}
-        positions = self.positions
         # The union-find loop looks only at members, transparent ops and custom-calls.
         linking: list[HloInstruction] = []
         # Labels of an unlabelled fusion depend only on what it calls: look each callee tuple up once.
@@ -351,46 +399,41 @@ class SiteFinder:
         single: dict[str, str] = {}
         up_label: dict[str, str] = {}
         candidates: list[HloInstruction] = []
-        first_candidate = -1
-        for position, instr in enumerate(comp.instructions):
-            opcode = instr.opcode
-            # Most instructions carry no attributes and call nothing: skip them without a call.
-            if instr.frontend_attributes or opcode in NESTING_KIND:
+        for instr in comp.instructions:
+            # Most instructions carry no attributes and call nothing: one lookup of their first
+            # operand decides whether they may join a call, and they are done.
+            if not instr.frontend_attributes and not instr.called_computations and instr.opcode not in NESTING_KIND:
+                operands = instr.operands
+                if operands and operands[0] in single and instr.opcode in _MOVES_DATA:
+                    lab = single[operands[0]]
+                    for operand in operands[1:]:
+                        if single.get(operand) != lab:
+                            break
+                    else:
+                        single[instr.name] = up_label[instr.name] = lab
+                        candidates.append(instr)
+                if instr.opcode in _LINKING:
+                    linking.append(instr)
+                continue
+            if instr.frontend_attributes or instr.opcode in NESTING_KIND:
                 labels = self.labels_of(instr, absorbed)
-                if opcode in NESTING_KIND:
-                    positions[instr.name] = position
-            elif instr.called_computations:
+            else:
                 labels = by_callees.get(instr.called_computations)  # type: ignore[assignment]
                 if labels is None:
                     labels = by_callees[instr.called_computations] = self.labels_of(instr, absorbed)
-            else:
-                labels = ()
             if labels:
                 member_labels[instr.name] = labels
                 if len(labels) == 1:
                     single[instr.name] = labels[0]
-                positions[instr.name] = position
                 linking.append(instr)
-                continue
-            if opcode in _LINKING:
+            elif instr.opcode in _LINKING:
                 linking.append(instr)
-                if opcode == "custom-call":
-                    positions[instr.name] = position
-            operands = instr.operands
-            if not operands:
-                continue
-            lab = single.get(operands[0])
-            if lab is None or opcode in _NEVER_JOIN:
-                continue
-            for operand in operands[1:]:
-                if single.get(operand) != lab:
-                    break
-            else:
-                single[instr.name] = up_label[instr.name] = lab
-                positions[instr.name] = position
-                candidates.append(instr)
-                if first_candidate < 0:
-                    first_candidate = position
+            # An unlabelled fusion (or reduce...) may join a call too.
+            elif instr.operands and instr.operands[0] in single and self.moves_data(instr):
+                lab = single[instr.operands[0]]
+                if all(single.get(operand) == lab for operand in instr.operands[1:]):
+                    single[instr.name] = up_label[instr.name] = lab
+                    candidates.append(instr)
         if not member_labels:
             return
         by_name = {instr.name: instr for instr in comp.instructions}
@@ -398,6 +441,8 @@ class SiteFinder:
 
         groups = _Memberships()
         index = groups.index
+        owners = groups.owners
+        parent = groups.parent
         union = groups.union
 
         attributed: set[str] = set()  # rule 4
@@ -427,7 +472,10 @@ class SiteFinder:
                 self.attributed_names.add(instr.name)
             cse = instr.opcode in _CSE_OPCODES and not instr.called_computations
             for lab in labels:
-                me = groups.add(instr, lab)
+                me = len(parent)  # groups.add, inlined: it runs for every labelled instruction
+                index[(instr.name, lab)] = me
+                owners.append(instr)
+                parent.append(me)
                 for operand in instr.operands:
                     other = index.get((operand, lab))
                     if other is not None:
@@ -450,30 +498,30 @@ class SiteFinder:
                 other = index.get((linked, lab))
                 if other is not None:
                     union(me, other)
-        joined = self.join_unlabelled(comp, candidates, first_candidate, up_label, member_labels, groups)
+        joined = self.join_unlabelled(comp, candidates, up_label, member_labels, groups)
 
-        roots, by_root = groups.groups()
+        by_root = groups.groups()
         keys = list(index)
-        root_uid: dict[int, int] = {}
+        first_uid = len(self.sites)
         for root in sorted(by_root):
-            members = [groups.owners[i] for i in by_root[root]]
+            ids = by_root[root]
+            members = [owners[ids[0]]] if len(ids) == 1 else [owners[i] for i in ids]
             if joined:
-                members.sort(key=lambda m: positions[m.name])  # joined ones were added last
-            site = Site(len(self.sites), keys[root][1], comp, members, [], first=positions[members[0].name])
+                at = self.positions(comp)
+                members.sort(key=lambda m: at[m.name])  # joined ones were added last
+            site = Site(len(self.sites), keys[root][1], comp, members, [])
             if attributed:
                 site.attributed.extend(m.custom_call_target or "" for m in members if m.name in attributed)
             if joined:
                 site.joined = frozenset(m.name for m in members if m.name in joined)
-            root_uid[root] = site.uid
             self.sites.append(site)
         self.members_of[comp.name] = set(member_labels) | joined
-        self.index_memberships(comp, {key: root_uid[roots[i]] for key, i in index.items()})
+        self.index_memberships(comp, self.sites[first_uid:])
 
     def join_unlabelled(
         self,
         comp: HloComputation,
         candidates: list[HloInstruction],
-        first_candidate: int,
         up_label: Mapping[str, str],
         member_labels: Mapping[str, tuple[str, ...]],
         groups: _Memberships,
@@ -490,7 +538,8 @@ class SiteFinder:
         used: set[str] = set()
         after: dict[str, list[str]] = {}  # candidate -> candidates that use it
         downstream: dict[str, list[str]] = {}  # candidate -> members of its label that use it
-        for instr in comp.instructions[first_candidate + 1 :]:
+        first = comp.instructions.index(candidates[0])  # by identity (instructions compare so): a C loop
+        for instr in comp.instructions[first + 1 :]:
             for operand in instr.operands:
                 if operand not in ok:
                     continue
@@ -524,29 +573,31 @@ class SiteFinder:
                     groups.union(me, other)
         return joined
 
-    def index_memberships(self, comp: HloComputation, uid_of: Mapping[tuple[str, str], int]) -> None:
-        """Record which sites each member of ``comp`` is in (by ``(name, label) -> uid``)."""
-        per_name: dict[str, list[int]] = {}
-        for (name, _lab), uid in uid_of.items():
-            found = per_name.get(name)
-            if found is None:
-                per_name[name] = [uid]
-            elif uid not in found:
-                found.append(uid)
+    def index_memberships(self, comp: HloComputation, sites: Iterable[Site]) -> None:
+        """Record which of ``sites`` (all those of ``comp``) each member of ``comp`` is in."""
         singles = self.singles
-        for uids in per_name.values():
-            for uid in uids:
-                if uid not in singles:
-                    singles[uid] = frozenset((uid,))
-        self.site_sets[comp.name] = {
-            name: singles[uids[0]] if len(uids) == 1 else frozenset(uids) for name, uids in per_name.items()
-        }
+        site_sets: dict[str, frozenset] = {}
+        multi_names: list[str] = []
+        for site in sites:
+            mine = singles.get(site.uid)
+            if mine is None:
+                mine = singles[site.uid] = frozenset((site.uid,))
+            for member in site.members:
+                found = site_sets.get(member.name)
+                if found is None:
+                    site_sets[member.name] = mine
+                elif site.uid not in found:
+                    site_sets[member.name] = found | mine
+                    multi_names.append(member.name)
+        self.site_sets[comp.name] = site_sets
         # Members of several sites (a fusion holding several labels): which site is which label's.
         multi: dict[str, dict[str, int]] = {}
-        if len(per_name) < len(uid_of):  # else every member has one membership
-            for (name, lab), uid in uid_of.items():
-                if len(per_name[name]) > 1:
-                    multi.setdefault(name, {})[lab] = uid
+        if multi_names:
+            wanted = set(multi_names)
+            for site in sites:
+                for member in site.members:
+                    if member.name in wanted:
+                        multi.setdefault(member.name, {})[site.label] = site.uid
         self.label_sites[comp.name] = multi
 
 

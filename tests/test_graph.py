@@ -714,3 +714,48 @@ def test_shared_computation_nested_in_shared_computation() -> None:
         (inner, node("k.7")),
         (node("k.7"), node("y.9")),  # silu called from the entry too
     }
+
+
+LABEL_KV = "ejkernel_ops#matmul@v1:12976a181e727540"
+LABEL_Q = "ejkernel_ops#matmul@v1:f903ed8484ac6631"
+
+# Trimmed from the compiled TINY training step (CPU): XLA fused the cotangent sums of the k and v
+# projections (one label) and of the q projection (another) into one fusion, which holds both
+# labels and so is a member of both sites. Each of its operands feeds one label's add inside.
+MERGED_ACCUMULATION_HLO = textwrap.dedent(
+    f"""\
+    HloModule jit_step
+
+    %fused_add (param_0.1: f32[8], param_1.2: f32[8], param_2.3: f32[8]) -> f32[8] {{
+      %param_1.2 = f32[8]{{0}} parameter(1)
+      %param_2.3 = f32[8]{{0}} parameter(2)
+      %kv_sum = f32[8]{{0}} add(%param_1.2, %param_2.3), {_attrs(LABEL_KV)}
+      %param_0.1 = f32[8]{{0}} parameter(0)
+      ROOT %q_sum = f32[8]{{0}} add(%kv_sum, %param_0.1), {_attrs(LABEL_Q)}
+    }}
+
+    ENTRY %main (x: f32[8]) -> f32[8] {{
+      %x = f32[8]{{0}} parameter(0)
+      %q_grad = f32[8]{{0}} negate(%x), {_attrs(LABEL_Q)}
+      %k_grad = f32[8]{{0}} sine(%x), {_attrs(LABEL_KV)}
+      %v_grad = f32[8]{{0}} cosine(%x), {_attrs(LABEL_KV)}
+      %sums = f32[8]{{0}} fusion(%q_grad, %k_grad, %v_grad), kind=kLoop, calls=%fused_add
+      ROOT %out = f32[8]{{0}} exponential(%sums)
+    }}
+    """
+)
+
+
+@pytest.mark.parametrize("parsed", [False, True], ids=["text", "parsed-module"])
+def test_fusion_merging_two_calls_closes_no_cycle(parsed: bool) -> None:
+    from ejlabel.analysis.hlo import parse_hlo
+
+    graph = call_graph(parse_hlo(MERGED_ACCUMULATION_HLO) if parsed else MERGED_ACCUMULATION_HLO)
+    q_node, q = by_label(graph, LABEL_Q)
+    kv_node, kv = by_label(graph, LABEL_KV)
+    assert q["members"] == ["q_grad", "sums"] and kv["members"] == ["k_grad", "v_grad", "sums"]
+    assert q["flops"] == 8 + 8 and kv["flops"] == 8 + 8 + 8  # each label's ops, inside the fusion too
+    # The fusion's first operand feeds the q sum, the others the k/v sum, which feeds the q sum:
+    # k/v -> q only (reading every operand into both sites would give q -> k/v as well).
+    assert _data_edges(graph) == {(kv_node, q_node)}
+    assert nx.is_directed_acyclic_graph(graph)
