@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -119,6 +120,12 @@ def _short(cfg: Any, width: int = 48) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _markdown_cell(text: str) -> str:
+    """``text`` as one Markdown table cell: a ``|`` or a line break from data cannot add a column
+    or end the row."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
 def _human(n: float) -> str:
     for unit in ("", "K", "M", "G", "T", "P"):
         if abs(n) < 1000:
@@ -219,28 +226,35 @@ class Report:
 
     def to_markdown(self) -> str:
         lines = [f"**{self.summary()}**", "", "| " + " | ".join(self._HEADERS) + " |", "|" + "---|" * len(self._HEADERS)]
-        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in self._table_rows()]
+        lines += ["| " + " | ".join(_markdown_cell(cell) for cell in row) + " |" for row in self._table_rows()]
         lines += ["", "| op | sites | distinct calls | unseen | flops | bytes |", "|---|---|---|---|---|---|"]
         lines += [
-            f"| {op} | {t['sites']} | {t['labels']} | {t['unseen']} | {_human(t['flops'])} | {_human(t['bytes'])}B |"
+            f"| {_markdown_cell(op)} | {t['sites']} | {t['labels']} | {t['unseen']} | {_human(t['flops'])} | {_human(t['bytes'])}B |"
             for op, t in self.by_op.items()
         ]
         return "\n".join(lines)
 
     def render(self, width: int = 140) -> str:
-        """A terminal table (rich), as text."""
+        """A terminal table (rich), as text.
+
+        Every cell comes from data (argument values, configs, device names read from a program
+        or a cache), so each is a ``rich.text.Text``: rich never parses it as markup or emoji
+        codes, and a value such as ``"[/]"`` prints as itself instead of failing or restyling.
+        """
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
-        table = Table(title=self.summary(), title_justify="left")
+        table = Table(title=Text(self.summary()), title_justify="left")
         for header in self._HEADERS:
             table.add_column(header, no_wrap=header in ("op", "key", "provenance"))
         for cells in self._table_rows():
             style = "red" if cells[5] in ("UNSEEN", "heuristic") else None
-            table.add_row(*cells, style=style)
-        console = Console(width=width, record=True, file=open("/dev/null", "w"), color_system=None)  # noqa: SIM115
-        console.print(table)
-        return console.export_text()
+            table.add_row(*(Text(cell) for cell in cells), style=style)
+        with open(os.devnull, "w") as sink:
+            console = Console(width=width, record=True, file=sink, color_system=None, markup=False, emoji=False, highlight=False)
+            console.print(table)
+            return console.export_text()
 
     def __str__(self) -> str:
         return self.render()

@@ -571,3 +571,81 @@ def test_fuzz_import_succeeds_or_raises_cache_error_and_keeps_entries(tmp_path: 
             assert count == len(after)
             with PersistentCache(work_dir / "d.sqlite") as d:
                 assert d.import_(work_dir / "again.json") == count
+
+
+# ---------------------------------------------------------------- 10. markup in data renders as itself
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeConfig:
+    note: str = ""
+
+
+class ModeKernel(Kernel[ModeConfig, object]):
+    """2 * x; its static keyword ``mode`` is any string and only reaches the call description."""
+
+    def __init__(self) -> None:
+        super().__init__("modek")
+
+    def run(self, x, *, cfg: ModeConfig, mode: str = "plain"):
+        return x * 2.0
+
+    def heuristic_cfg(self, inv: Invocation) -> ModeConfig:
+        return ModeConfig()
+
+
+# Rich markup that fails ("[/]"), restyles ("[bold]"), links, or becomes an emoji (":smile:").
+MARKUP = "[/]x[bold]:smile:[link=a]"
+SAME_WIDTH = "y" * len(MARKUP)
+
+
+def _mode_program(mode: str) -> object:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda x: ModeKernel()(x, mode=mode)).lower(jnp.ones((4,), jnp.float32))
+
+
+def test_markup_in_static_arguments_and_configs_renders_as_itself(tmp_path: pathlib.Path) -> None:
+    from ejlabel.analysis import audit
+
+    reports = {}
+    for mode in (MARKUP, SAME_WIDTH):
+        with PersistentCache(tmp_path / mode[:1]) as pc:
+            probe = audit(_mode_program(mode), selector=ConfigSelectorChain(persistent=pc))
+            (row,) = probe.calls
+            pc.put(probe.device, "modek@v1", row.call_key, ModeConfig(mode))  # markup in the config too
+            reports[mode] = audit(_mode_program(mode), selector=ConfigSelectorChain(persistent=pc))
+    bad, good = reports[MARKUP], reports[SAME_WIDTH]
+    assert bad.calls[0].provenance == "persistent" and bad.calls[0].config == ModeConfig(MARKUP)
+    text = bad.render(width=200)  # wide enough that no cell wraps
+    assert f"mode='{MARKUP}'" in text and f"ModeConfig(note='{MARKUP}')" in text
+    # Same layout, cell for cell, as a value of the same width with no markup in it.
+    key_bad, key_good = bad.calls[0].call_key[:8], good.calls[0].call_key[:8]
+    assert text == good.render(width=200).replace(SAME_WIDTH, MARKUP).replace(key_good, key_bad)
+    assert bad.to_markdown() == good.to_markdown().replace(SAME_WIDTH, MARKUP).replace(key_good, key_bad)
+    assert json.loads(bad.to_json())["arguments"] == {bad.calls[0].label: f"f32[4] mode='{MARKUP}'"}
+
+
+def test_markdown_cells_keep_pipes_and_line_breaks_inside(tmp_path: pathlib.Path) -> None:
+    from ejlabel.analysis import audit
+
+    with PersistentCache(tmp_path / "c") as pc:
+        report = audit(_mode_program("a|b"), selector=ConfigSelectorChain(persistent=pc))
+        (row,) = report.calls
+        pc.put(report.device, "modek@v1", row.call_key, ModeConfig("x\ny|"))
+        report = audit(_mode_program("a|b"), selector=ConfigSelectorChain(persistent=pc))
+    table = report.to_markdown().split("\n\n")[1].splitlines()
+    assert len(table) == 3  # header, rule, one row: nothing from data ended the row
+    assert table[2].replace("\\|", "").count("|") == table[0].count("|")  # nor added a column
+
+
+def test_cli_audit_of_a_foreign_program_with_markup(tmp_path: pathlib.Path) -> None:
+    # The file comes from another process; the auditing one has never heard of ModeKernel.
+    program = tmp_path / "foreign.hlo.txt"
+    program.write_text(_mode_program(MARKUP).compiler_ir("hlo").as_hlo_text())
+    for form in ([], ["--markdown"]):
+        proc = subprocess.run([EJLABEL, "--cache-dir", str(tmp_path / "c"), "audit", str(program), *form],
+                              check=False, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert f"mode='{MARKUP}'" in proc.stdout and "MarkupError" not in proc.stderr
