@@ -12,12 +12,12 @@ is the compiled program's temporary allocation (``memory_analysis().temp_size_in
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+from _timing import time_interleaved
 
 
 def main() -> int:
@@ -57,18 +57,8 @@ def main() -> int:
     ref_loss, (ref_dh, ref_dw) = values["plain JAX (matmul + logsumexp)"]
     rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
 
-    times: dict[str, list[float]] = {name: [] for name in compiled}
-    for exe in compiled.values():
-        jax.block_until_ready(exe(hidden, weight))
-    for _ in range(args.samples):
-        for name, exe in compiled.items():
-            start = time.perf_counter()
-            out = None
-            for _ in range(5):
-                out = exe(hidden, weight)
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - start) * 1e3 / 5)
-    base = statistics.median(times["plain JAX (matmul + logsumexp)"])
+    times = time_interleaved({name: (lambda exe=exe: exe(hidden, weight)) for name, exe in compiled.items()}, args.samples, 5)
+    base = times["plain JAX (matmul + logsumexp)"]
     lines = [
         f"Device: {jax.devices()[0].device_kind}; jax {jax.__version__}; {time.strftime('%Y-%m-%d')}; "
         f"[{args.tokens}, {args.d}] x [{args.d}, {args.vocab}] {jnp.dtype(dtype).name}, value_and_grad; "
@@ -79,7 +69,7 @@ def main() -> int:
     ]
     for name in compiled:
         loss, (dh, dw) = values[name]
-        t = statistics.median(times[name])
+        t = times[name]
         lines.append(
             f"| {name} | {t:.3f} | {base / t:.2f}x | {memory[name] / 2**20:.1f} | {memory[name] / memory['plain JAX (matmul + logsumexp)']:.3f} | "
             f"{abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)):.1e} | {rel(dh, ref_dh):.1e} | {rel(dw, ref_dw):.1e} |"

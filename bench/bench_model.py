@@ -1,12 +1,13 @@
 """Whole-model step times against the model as a JAX user writes it, all variants in one run.
 
-Run on the GPU machine:  python bench/bench_model.py [--quick] [--out results.md]
+Run on the GPU machine:  python bench/bench_model.py [--packed] [--quick] [--out results.md]
 
 Variants of the example transformer (``ejlabel.cli.examples``), training step (value_and_grad +
 SGD) and serving step (forward):
 
 - ``plain``: ``examples.PLAIN_OPS``, the baseline: ``a @ b`` in the input dtype, ``jax.numpy``
-  RMSNorm, logsumexp cross-entropy, ``jax.nn.dot_product_attention`` on cuDNN.
+  RMSNorm, the unembedding matmul then a logsumexp cross-entropy, ``jax.nn.dot_product_attention``
+  on cuDNN (with ``--packed``: 4 documents per row, the dense block-diagonal causal mask on cuDNN).
 - ``ejlabel, all XLA``: every call labelled, under ``ejlabel.use_implementation("xla")``; the
   compiled program should be the plain one (the zero-cost path).
 - ``ejlabel, heuristic``: every call labelled, configs from the kernels' heuristics.
@@ -26,7 +27,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -35,29 +35,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-
-def time_interleaved(steps: dict[str, Callable[[], Any]], samples: int, per_sample: int) -> dict[str, float]:
-    """Median milliseconds per step of each zero-argument step function, sampled round-robin."""
-    for step in steps.values():  # warm-up: compilation and first-run costs stay out
-        jax.block_until_ready(step())
-        jax.block_until_ready(step())
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(samples):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            out = None
-            for _ in range(per_sample):
-                out = step()
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - start) * 1e3 / per_sample)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+from _timing import time_interleaved
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model (2 layers, seq 512)")
     parser.add_argument("--tiny", action="store_true", help="the TINY model (a CPU smoke run)")
+    parser.add_argument("--packed", action="store_true", help="packed documents: segment ids, several documents per row")
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--steps-per-sample", type=int, default=3)
     parser.add_argument("--tune-budget", type=float, default=200.0, help="seconds for tune_in_context; 0 skips it")
@@ -68,14 +53,14 @@ def main() -> int:
     import ejlabel
     from ejlabel.cli import examples
 
-    cfg = examples.GPU_125M
+    cfg = examples.GPU_125M_PACKED if args.packed else examples.GPU_125M
     if args.quick:
         cfg = dataclasses.replace(cfg, n_layers=2, seq_len=512, batch=4)
     if args.tiny:
-        cfg = examples.TINY
+        cfg = examples.TINY_PACKED if args.packed else examples.TINY
     params = examples.init_params(cfg, jax.random.key(0))
     batch = examples.example_batch(cfg, jax.random.key(1))
-    tokens = batch["tokens"]
+    serve_args = (batch["tokens"], batch.get("segment_ids"))
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     print(f"model: {n_params / 1e6:.1f}M parameters, {cfg}", flush=True)
 
@@ -86,7 +71,7 @@ def main() -> int:
         forced = ejlabel.use_implementation(implementation) if implementation else contextlib.nullcontext()
         with forced:
             train = jax.jit(examples.make_train_step(cfg, ops)).lower(params, batch).compile()
-            serve = jax.jit(examples.make_serve_step(cfg, ops)).lower(params, tokens).compile()
+            serve = jax.jit(examples.make_serve_step(cfg, ops)).lower(params, *serve_args).compile()
         return train, serve
 
     variants: dict[str, tuple[Any, Any]] = {}
@@ -128,7 +113,7 @@ def main() -> int:
             print(f"FAILED tuning: {failures['ejlabel, tuned in context']}", flush=True)
 
     train_ms = time_interleaved({n: (lambda s=v[0]: s(params, batch)) for n, v in variants.items()}, args.samples, args.steps_per_sample)
-    serve_ms = time_interleaved({n: (lambda s=v[1]: s(params, tokens)) for n, v in variants.items()}, args.samples, args.steps_per_sample)
+    serve_ms = time_interleaved({n: (lambda s=v[1]: s(params, *serve_args)) for n, v in variants.items()}, args.samples, args.steps_per_sample)
     first_loss = {n: float(v[0](params, batch)[1]) for n, v in variants.items()}
 
     plain = "plain JAX (baseline)"
@@ -136,6 +121,7 @@ def main() -> int:
     lines = [
         f"Device: {device.device_kind}; jax {jax.__version__}; {time.strftime('%Y-%m-%d')}; model {n_params / 1e6:.1f}M params, "
         f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), seq {cfg.seq_len}, batch {cfg.batch}, "
+        f"{cfg.documents} document(s) per row, "
         f"{jnp.dtype(cfg.dtype).name}; medians of {args.samples} interleaved samples of {args.steps_per_sample} steps",
         "",
         "| variant | train step ms | vs plain | serve step ms | vs plain | first-step loss (rel. to plain) |",

@@ -2,7 +2,8 @@
 to exactly the program of the plain model (labels are metadata, nothing else).
 
 Compared instruction by instruction (opcode and shape, in order, metadata and frontend
-attributes aside) on the compiled training and serving steps of the TINY example model.
+attributes aside) on the compiled training and serving steps of the TINY example model, with one
+document per row and with packed documents (segment ids; the plain model masks densely).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ejlabel.cli import examples
 from ejlabel.core.label_format import LABEL_ATTRIBUTE
 
 CFG = examples.TINY
+MODELS = {"one document per row": examples.TINY}
 
 
 def _instructions(text: str) -> list[tuple[str, str]]:
@@ -26,27 +28,29 @@ def _labelled_ops(text: str) -> set[str]:
     return {i.frontend_attributes[LABEL_ATTRIBUTE] for i in parse_hlo(text).instructions() if LABEL_ATTRIBUTE in i.frontend_attributes}
 
 
-def _abstract_inputs() -> tuple[object, object, object]:
-    params = jax.eval_shape(lambda: examples.init_params(CFG, jax.random.key(0)))
-    batch = jax.eval_shape(lambda: examples.example_batch(CFG, jax.random.key(1)))
+def _abstract_inputs(cfg: examples.ModelConfig = CFG) -> tuple[object, object, object]:
+    params = jax.eval_shape(lambda: examples.init_params(cfg, jax.random.key(0)))
+    batch = jax.eval_shape(lambda: examples.example_batch(cfg, jax.random.key(1)))
     return params, batch, batch["tokens"]
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("step", ["train", "serve"])
-def test_labelled_model_on_xla_path_compiles_to_the_plain_program(step: str):
-    params, batch, tokens = _abstract_inputs()
+def test_labelled_model_on_xla_path_compiles_to_the_plain_program(step: str, model: str):
+    cfg = MODELS[model]
+    params, batch, tokens = _abstract_inputs(cfg)
     make = examples.make_train_step if step == "train" else examples.make_serve_step
-    args = (params, batch) if step == "train" else (params, tokens)
+    args = (params, batch) if step == "train" else (params, tokens, batch.get("segment_ids"))
 
-    plain = jax.jit(make(CFG, examples.PLAIN_OPS)).lower(*args).compile().as_text()
+    plain = jax.jit(make(cfg, examples.PLAIN_OPS)).lower(*args).compile().as_text()
     with ejlabel.use_implementation("xla"):
-        lowered = jax.jit(make(CFG, examples.KERNEL_OPS)).lower(*args)
+        lowered = jax.jit(make(cfg, examples.KERNEL_OPS)).lower(*args)
     labelled = lowered.compile().as_text()
 
     assert _instructions(labelled) == _instructions(plain)
     assert not _labelled_ops(plain)
     found = {lab.split("#", 1)[1].split("@", 1)[0] for lab in _labelled_ops(labelled)}
-    assert found == {"matmul", "rms_norm", "flash_attention", "cross_entropy"} if step == "train" else {"matmul", "rms_norm", "flash_attention"}
+    assert found == {"matmul", "rms_norm", "flash_attention", "linear_cross_entropy"} if step == "train" else {"matmul", "rms_norm", "flash_attention"}
 
 
 def test_use_implementation_forces_the_path_and_reports_it():

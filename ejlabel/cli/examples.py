@@ -1,13 +1,21 @@
 """An example model: a small decoder-only transformer built from ``ejlabel.kernels``.
 
 Embedding, ``n_layers`` blocks of RMSNorm → grouped-query causal attention → RMSNorm → gated
-MLP, a final norm and the softmax cross-entropy loss. The same model runs on two sets of ops
-(``Ops``): ``PLAIN_OPS``, the model as a JAX user writes it (``a @ b`` in the input dtype,
-``jax.numpy`` norms, a logsumexp loss, ``jax.nn.dot_product_attention`` on cuDNN on a GPU and
-XLA on the CPU), the baseline every benchmark compares against; and ``KERNEL_OPS``, every call
-through an ``ejlabel`` kernel, labelled, its config chosen by the executor. Under
-``ejlabel.use_implementation("xla")`` the two compile to the same program. Sizes: ``TINY`` for the CPU, ``GPU_125M`` (~125M parameters) for
-the GPU.
+MLP, a final norm, and the unembedding with the softmax cross-entropy loss. The same model runs
+on two sets of ops (``Ops``):
+
+- ``PLAIN_OPS``, the model as a JAX user writes it: ``a @ b`` in the input dtype, ``jax.numpy``
+  norms, ``jax.nn.dot_product_attention`` (cuDNN on a GPU, XLA on the CPU; with packed
+  documents, a dense block-diagonal causal mask), and the unembedding matmul followed by a
+  logsumexp loss. The baseline every benchmark compares against.
+- ``KERNEL_OPS``, every call through an ``ejlabel`` kernel, labelled, its config chosen by the
+  executor; the unembedding and the loss are one ``linear_cross_entropy`` call, which may run
+  without ever writing the ``[tokens, vocab]`` logits.
+
+Under ``ejlabel.use_implementation("xla")`` the two compile to the same program. Sizes:
+``TINY`` for the CPU, ``GPU_125M`` (~125M parameters) for the GPU; the ``*_PACKED`` variants
+pack ``documents`` documents of random lengths into every row (segment ids in the batch), so
+attention stays within each document.
 """
 
 from __future__ import annotations
@@ -22,11 +30,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ejlabel.kernels.attention import flash_attention
-from ejlabel.kernels.cross_entropy import softmax_cross_entropy
+from ejlabel.kernels.linear_cross_entropy import linear_cross_entropy
 from ejlabel.kernels.matmul import matmul
 from ejlabel.kernels.norms import rms_norm
 
-__all__ = ["ModelConfig", "TINY", "GPU_125M", "Ops", "KERNEL_OPS", "PLAIN_OPS", "init_params", "example_batch", "loss_fn", "make_train_step", "make_serve_step"]
+__all__ = ["ModelConfig", "TINY", "TINY_PACKED", "GPU_125M", "GPU_125M_PACKED", "Ops", "KERNEL_OPS", "PLAIN_OPS", "init_params", "example_batch", "loss_fn", "make_train_step", "make_serve_step"]
 
 Params = dict[str, Any]
 
@@ -42,6 +50,11 @@ class ModelConfig:
     seq_len: int
     batch: int
     dtype: Any = jnp.float32
+    documents: int = 1  # documents packed into each row; > 1 puts segment ids in the batch
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.documents <= self.seq_len:
+            raise ValueError(f"documents: expected 1..seq_len ({self.seq_len}), got {self.documents}")
 
     @property
     def head_dim(self) -> int:
@@ -50,6 +63,8 @@ class ModelConfig:
 
 TINY = ModelConfig(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=32, batch=2)
 GPU_125M = ModelConfig(vocab=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048, seq_len=2048, batch=8, dtype=jnp.bfloat16)
+TINY_PACKED = dataclasses.replace(TINY, documents=3)
+GPU_125M_PACKED = dataclasses.replace(GPU_125M, documents=4)
 
 
 class Ops(NamedTuple):
@@ -57,8 +72,10 @@ class Ops(NamedTuple):
 
     matmul: Callable[[Array, Array], Array]
     rms_norm: Callable[[Array, Array], Array]
-    attention: Callable[[Array, Array, Array], Array]  # causal, [batch, seq, heads, dim]
-    cross_entropy: Callable[[Array, Array], Array]  # per-token float32 loss
+    # (q, k, v, segment_ids or None) -> causal attention; [batch, seq, heads, dim], ids [batch, seq]
+    attention: Callable[[Array, Array, Array, Array | None], Array]
+    # (hidden [tokens, d], unembedding [d, vocab], labels [tokens]) -> per-token float32 loss
+    unembed_loss: Callable[[Array, Array, Array], Array]
 
 
 # The plain model: what a JAX user writes, with nothing of ejlabel in it.
@@ -73,24 +90,26 @@ def _plain_rms_norm(x: Array, w: Array, eps: float = 1e-6) -> Array:
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def _plain_attention(q: Array, k: Array, v: Array) -> Array:
-    # cuDNN's fused attention where there is one: the fastest thing plain JAX offers.
+def _plain_attention(q: Array, k: Array, v: Array, segment_ids: Array | None) -> Array:
+    # cuDNN's fused attention where there is one: the fastest thing plain JAX offers. Packed
+    # documents take the dense block-diagonal mask, the only way plain JAX has to say it.
     implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
 
-def _plain_cross_entropy(logits: Array, labels: Array) -> Array:
-    logits32 = logits.astype(jnp.float32)
+def _plain_unembed_loss(hidden: Array, unembedding: Array, labels: Array) -> Array:
+    logits32 = (hidden @ unembedding).astype(jnp.float32)
     picked = jnp.take_along_axis(logits32, labels[:, None], axis=-1)[:, 0]
     return jax.nn.logsumexp(logits32, axis=-1) - picked
 
 
-PLAIN_OPS = Ops(_plain_matmul, _plain_rms_norm, _plain_attention, _plain_cross_entropy)
+PLAIN_OPS = Ops(_plain_matmul, _plain_rms_norm, _plain_attention, _plain_unembed_loss)
 KERNEL_OPS = Ops(
     matmul,
     rms_norm,
-    lambda q, k, v: flash_attention(q, k, v, causal=True),
-    lambda logits, labels: softmax_cross_entropy(logits, labels, ignore_index=None),
+    lambda q, k, v, segment_ids: flash_attention(q, k, v, causal=True, segment_ids=segment_ids),
+    lambda hidden, unembedding, labels: linear_cross_entropy(hidden, unembedding, labels, ignore_index=None, reduction="none"),
 )
 
 
@@ -123,36 +142,55 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
 
 
 def example_batch(cfg: ModelConfig, key: jax.Array) -> dict[str, Array]:
-    """Random tokens ``[batch, seq]`` and their next-token targets."""
-    tokens = jax.random.randint(key, (cfg.batch, cfg.seq_len + 1), 0, cfg.vocab, dtype=jnp.int32)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    """Random tokens ``[batch, seq]`` and their next-token targets; with ``cfg.documents > 1``
+    also ``segment_ids [batch, seq]``: ids ``1..documents`` of documents of random lengths."""
+    k_tokens, k_cuts = jax.random.split(key)
+    tokens = jax.random.randint(k_tokens, (cfg.batch, cfg.seq_len + 1), 0, cfg.vocab, dtype=jnp.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if cfg.documents > 1:
+        batch["segment_ids"] = _random_documents(k_cuts, cfg.batch, cfg.seq_len, cfg.documents)
+    return batch
 
 
-def _block(x: Float[Array, "tokens d"], layer: Params, cfg: ModelConfig, ops: Ops) -> Float[Array, "tokens d"]:
+def _random_documents(key: jax.Array, rows: int, seq_len: int, documents: int) -> Int[Array, "rows seq"]:
+    """Segment ids of ``documents`` non-empty documents per row, cut at random positions."""
+    def one_row(key: jax.Array) -> Int[Array, " seq"]:
+        cuts = jnp.sort(jax.random.permutation(key, jnp.arange(1, seq_len))[: documents - 1])
+        return 1 + jnp.searchsorted(cuts, jnp.arange(seq_len), side="right").astype(jnp.int32)
+
+    return jax.vmap(one_row)(jax.random.split(key, rows))
+
+
+def _block(x: Float[Array, "tokens d"], layer: Params, cfg: ModelConfig, ops: Ops, segment_ids: Int[Array, "batch seq"] | None) -> Float[Array, "tokens d"]:
     b, s = cfg.batch, cfg.seq_len
     h = ops.rms_norm(x, layer["attn_norm"])
     q = ops.matmul(h, layer["wq"]).reshape(b, s, cfg.n_heads, cfg.head_dim)
     k = ops.matmul(h, layer["wk"]).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
     v = ops.matmul(h, layer["wv"]).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
-    attended = ops.attention(q, k, v).reshape(b * s, cfg.d_model)
+    attended = ops.attention(q, k, v, segment_ids).reshape(b * s, cfg.d_model)
     x = x + ops.matmul(attended, layer["wo"])
     h = ops.rms_norm(x, layer["mlp_norm"])
     gated = jax.nn.silu(ops.matmul(h, layer["w_gate"])) * ops.matmul(h, layer["w_up"])
     return x + ops.matmul(gated, layer["w_down"])
 
 
-def logits_fn(params: Params, tokens: Int[Array, "batch seq"], cfg: ModelConfig, ops: Ops) -> Float[Array, "tokens vocab"]:
-    """Next-token logits for every position, flattened to ``[batch * seq, vocab]``."""
+def hidden_fn(params: Params, tokens: Int[Array, "batch seq"], cfg: ModelConfig, ops: Ops, segment_ids: Int[Array, "batch seq"] | None = None) -> Float[Array, "tokens d"]:
+    """Final normalised hidden states for every position, flattened to ``[batch * seq, d]``."""
     x = params["embed"][tokens.reshape(-1)]
     for layer in params["layers"]:
-        x = _block(x, layer, cfg, ops)
-    return ops.matmul(ops.rms_norm(x, params["final_norm"]), params["unembed"])
+        x = _block(x, layer, cfg, ops, segment_ids)
+    return ops.rms_norm(x, params["final_norm"])
+
+
+def logits_fn(params: Params, tokens: Int[Array, "batch seq"], cfg: ModelConfig, ops: Ops, segment_ids: Int[Array, "batch seq"] | None = None) -> Float[Array, "tokens vocab"]:
+    """Next-token logits for every position, flattened to ``[batch * seq, vocab]``."""
+    return ops.matmul(hidden_fn(params, tokens, cfg, ops, segment_ids), params["unembed"])
 
 
 def loss_fn(params: Params, batch: dict[str, Array], cfg: ModelConfig, ops: Ops) -> Float[Array, ""]:
     """Mean next-token cross-entropy."""
-    logits = logits_fn(params, batch["tokens"], cfg, ops)
-    return jnp.mean(ops.cross_entropy(logits, batch["targets"].reshape(-1)))
+    hidden = hidden_fn(params, batch["tokens"], cfg, ops, batch.get("segment_ids"))
+    return jnp.mean(ops.unembed_loss(hidden, params["unembed"], batch["targets"].reshape(-1)))
 
 
 def make_train_step(cfg: ModelConfig, ops: Ops = KERNEL_OPS, learning_rate: float = 0.05) -> Callable[[Params, dict[str, Array]], tuple[Params, Array]]:
@@ -166,6 +204,6 @@ def make_train_step(cfg: ModelConfig, ops: Ops = KERNEL_OPS, learning_rate: floa
     return step
 
 
-def make_serve_step(cfg: ModelConfig, ops: Ops = KERNEL_OPS) -> Callable[[Params, Array], Array]:
-    """``step(params, tokens) -> logits [batch * seq, vocab]``: the forward pass only."""
-    return lambda params, tokens: logits_fn(params, tokens, cfg, ops)
+def make_serve_step(cfg: ModelConfig, ops: Ops = KERNEL_OPS) -> Callable[..., Array]:
+    """``step(params, tokens, segment_ids=None) -> logits [batch * seq, vocab]``: the forward pass."""
+    return lambda params, tokens, segment_ids=None: logits_fn(params, tokens, cfg, ops, segment_ids)
