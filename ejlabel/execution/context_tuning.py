@@ -200,11 +200,12 @@ class ContextTuneReport:
         lines.append(f"  all-XLA (floor)       {self.floor.median_ms:10.4g} ms")
         lines.append(f"  tuned                 {self.tuned.median_ms:10.4g} ms  ({self.speedup:.2f}x the floor)")
         lines.append("")
-        lines.append(f"{'call':36} {'sites':>5}  {'isolated ms':>11}  {'XLA iso ms':>10}  {'step ms':>9}  pick")
+        width = max([len("call"), *(len(f"{call.op_id}:{call.call_key}") for call in self.calls)])
+        lines.append(f"{'call':{width}} {'sites':>5}  {'isolated ms':>11}  {'XLA iso ms':>10}  {'step ms':>9}  pick")
         for call in self.calls:
             note = f" (beat {call.compared_to_ms:.4g} ms)" if call.changed and call.compared_to_ms is not None else ""
             lines.append(
-                f"{call.op_id + ':' + call.call_key:36} {call.sites:>5}  {_ms(call.isolated_ms):>11}  "
+                f"{call.op_id + ':' + call.call_key:{width}} {call.sites:>5}  {_ms(call.isolated_ms):>11}  "
                 f"{_ms(call.floor_isolated_ms):>10}  {_ms(call.step_ms):>9}  {call.cfg!r}{note}"
                 + ("" if call.changed else "  [XLA stays]")
             )
