@@ -39,7 +39,11 @@ module of its own) is not a module here.
 Malformed input raises :class:`HloParseError` (a ``ValueError``) with the line
 number and a snippet, and never any other exception type.  Element types with
 absurd widths (``f5000000000000[1]``) are malformed; unknown but plausible ones
-(a newer XLA's float formats) are accepted.  :func:`program_kind` tells HLO text
+(a newer XLA's float formats) are accepted.  As in XLA, each instruction name is
+defined once per computation and every operand names an instruction defined
+earlier in the same computation; a duplicate name, a use before definition (or
+a cycle) and an operand defined nowhere are parse errors, so the call graph never
+has to guess which definition an operand means.  :func:`program_kind` tells HLO text
 from StableHLO text by its first token.
 
 Shapes are kept as text in XLA's printed form: comments and white space dropped,
@@ -1103,6 +1107,7 @@ class _Parser:
     ) -> None:
         if name in self.computations:
             raise self.error(f"duplicate computation name {name!r}", self.comp_pos)
+        self.check_names(name, instrs)
         if root is None and instrs:
             # Without a ROOT marker the last instruction is the result, as XLA reads it.
             root = instrs[-1]
@@ -1112,6 +1117,42 @@ class _Parser:
                 raise self.error(f"second ENTRY computation {name!r} (first: {self.entry!r})", self.comp_pos)
             self.entry = name
         self.computations[name] = HloComputation(name, is_entry, instrs, None if root is None else root.name, line)
+
+    def check_names(self, computation: str, instrs: list[HloInstruction]) -> None:
+        """Refuse what XLA refuses and the graph could only guess at: an instruction name
+        defined twice in one computation, or an operand that names no instruction defined
+        before it there (a use before definition, a cycle, or a name defined nowhere)."""
+        defined: set[str] = set()
+        add = defined.add
+        for instr in instrs:
+            for operand in instr.operands:
+                if operand not in defined:
+                    later = any(i.name == operand for i in instrs)
+                    what = "is used before its definition" if later else "is not defined"
+                    raise self.error(
+                        f"operand %{operand} of %{instr.name} {what} in computation {computation!r} "
+                        "(operands name instructions defined earlier in the same computation)",
+                        self.definition_pos(instr.name, 1),
+                    )
+            if instr.name in defined:
+                raise self.error(
+                    f"instruction name %{instr.name} is defined twice in computation {computation!r}",
+                    self.definition_pos(instr.name, 2),
+                )
+            add(instr.name)
+
+    def definition_pos(self, name: str, nth: int) -> int:
+        """Where the ``nth`` definition of ``name`` starts in the open computation, for errors
+        (the computation's own position when it cannot be found)."""
+        pattern = re.compile(r"(?<![\w.\-%])%?" + re.escape(name) + r"[ \t]*=[ \t]*(?![ \t])")
+        pos = self.comp_pos
+        found = None
+        for _ in range(nth):
+            found = pattern.search(self.text, pos)
+            if found is None:
+                return self.comp_pos
+            pos = found.end()
+        return found.start() if found is not None else self.comp_pos
 
     # -- header sections ---------------------------------------------------
 

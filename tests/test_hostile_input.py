@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import re
 import sqlite3
 import stat
 import subprocess
@@ -649,3 +650,127 @@ def test_cli_audit_of_a_foreign_program_with_markup(tmp_path: pathlib.Path) -> N
                               check=False, capture_output=True, text=True, env=subprocess_env(), timeout=300)
         assert proc.returncode == 0, proc.stderr
         assert f"mode='{MARKUP}'" in proc.stdout and "MarkupError" not in proc.stderr
+
+
+# ---------------------------------------------------------------- 11. names and widths the graph cannot trust
+
+LABELLED = 'frontend_attributes={ejlabel="ejkernel_ops#scale@v1:0123456789abcdef"}'
+
+
+def _module(*body: str, params: str = "p: f32[4]") -> str:
+    lines = "\n".join(f"  {line}" for line in body)
+    return f"HloModule m\n\nENTRY %main ({params}) -> f32[4] {{\n{lines}\n}}\n"
+
+
+NAME_AND_WIDTH_CASES = {
+    "duplicate name": (_module("%p = f32[4]{0} parameter(0)", f"%a = f32[4]{{0}} add(%p, %p), {LABELLED}",
+                               f"%a = f32[4]{{0}} multiply(%a, %a), {LABELLED}", "ROOT %r = f32[4]{0} negate(%a)"),
+                       r"%a is defined twice in computation 'main' \(line 6"),
+    "duplicate parameter": (_module("%p = f32[4]{0} parameter(0)", "%p = f32[4]{0} parameter(1)", f"ROOT %a = f32[4]{{0}} add(%p, %p), {LABELLED}"),
+                            r"%p is defined twice .*line 5"),
+    "use before definition": (_module("%p = f32[4]{0} parameter(0)", f"%a = f32[4]{{0}} add(%b, %p), {LABELLED}",
+                                      f"%b = f32[4]{{0}} multiply(%p, %p), {LABELLED}", "ROOT %r = f32[4]{0} negate(%a)"),
+                              r"operand %b of %a is used before its definition .*line 5"),
+    "self use": (_module("%p = f32[4]{0} parameter(0)", f"ROOT %a = f32[4]{{0}} add(%a, %p), {LABELLED}"), r"%a of %a is used before"),
+    "undefined operand": (_module("%p = f32[4]{0} parameter(0)", f"ROOT %a = f32[4]{{0}} add(%zz, %p), {LABELLED}"), r"%zz of %a is not defined"),
+    "5000-digit width": (_module("%p = f32[4]{0} parameter(0)", f"ROOT %a = f{'9' * 5000}[4]{{0}} add(%p, %p), {LABELLED}"),
+                         r"malformed element type"),
+    "5000-digit parameter width": (_module(f"%p = s{'1' * 5000}[4]{{0}} parameter(0)", f"ROOT %a = f32[4]{{0}} convert(%p), {LABELLED}",
+                                           params=f"p: s{'1' * 5000}[4]"), r"malformed element type"),
+    "5000-digit width in a tuple": (_module(f"%p = (f32[4], u{'7' * 5000}[2]) parameter(0)", "ROOT %a = f32[4]{0} get-tuple-element(%p), index=0"),
+                                    r"malformed element type"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NAME_AND_WIDTH_CASES))
+def test_names_and_widths_the_graph_cannot_trust_are_parse_errors(case: str) -> None:
+    from ejlabel.analysis import HloParseError, audit, call_graph, read_program
+
+    text, message = NAME_AND_WIDTH_CASES[case]
+    for read in (read_program, call_graph, lambda t: audit(t, selector=ConfigSelectorChain())):
+        with pytest.raises(HloParseError, match=message):
+            read(text)
+
+
+def test_cli_audit_and_tune_report_a_duplicate_name(tmp_path: pathlib.Path) -> None:
+    program = tmp_path / "dup.hlo"
+    program.write_text(NAME_AND_WIDTH_CASES["duplicate name"][0])
+    for command in (["audit"], ["tune", "--iters", "1"]):
+        proc = subprocess.run([EJLABEL, "--cache-dir", str(tmp_path / "c"), *command, str(program)],
+                              check=False, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"ejlabel {command[0]}: error: HloParseError" in proc.stderr and "defined twice" in proc.stderr
+
+
+_GRAPH_CORPUS: list[str] = []
+
+
+def _graph_corpus() -> list[str]:
+    """HLO of a small labelled model (two kernels, a loop, a shared call), lowered and compiled."""
+    if not _GRAPH_CORPUS:
+        import jax
+        import jax.numpy as jnp
+        from toy_kernels import double, loopsum, scale
+
+        def model(x):
+            return (loopsum(scale(x)).sum() + loopsum(double(x)).sum()) * 2.0
+
+        lowered = jax.jit(jax.grad(model)).lower(jnp.ones((8, 16), jnp.float32))
+        _GRAPH_CORPUS.extend([lowered.compiler_ir("hlo").as_hlo_text(), lowered.compile().as_text()])
+    return _GRAPH_CORPUS
+
+
+_NAME_TOKEN = re.compile(r"%[\w.\-]+")
+graph_mutation = st.one_of(
+    st.tuples(st.just("swap lines"), st.floats(0, 1)),  # a use before its definition
+    st.tuples(st.just("duplicate line"), st.floats(0, 1)),  # a name defined twice
+    st.tuples(st.just("rename"), st.floats(0, 1), st.floats(0, 1)),  # one name replaced by another
+    st.tuples(st.just("drop line"), st.floats(0, 1)),  # an operand defined nowhere, a missing ROOT
+    st.tuples(st.just("width"), st.floats(0, 1), st.sampled_from(["9" * 5000, "0", "7", "128"])),
+    st.tuples(st.just("insert"), st.floats(0, 1), st.sampled_from(['"', "}", "{", ")", ",", "\n", "[/]", "%", "="])),
+)
+
+
+def _graph_mutate(text: str, mutation: tuple) -> str:
+    kind, where = mutation[0], mutation[1]
+    lines = text.split("\n")
+    i = int(where * (len(lines) - 2))
+    if kind == "swap lines":
+        lines[i], lines[i + 1] = lines[i + 1], lines[i]
+    elif kind == "duplicate line":
+        lines.insert(i, lines[i])
+    elif kind == "drop line":
+        del lines[i]
+    elif kind == "rename":
+        names = _NAME_TOKEN.findall(lines[i])
+        if names:
+            other = _NAME_TOKEN.findall(text)
+            lines[i] = lines[i].replace(names[0], other[int(mutation[2] * (len(other) - 1))], 1)
+    elif kind == "width":
+        lines[i] = re.sub(r"\b([fsu])\d+\[", lambda m: f"{m.group(1)}{mutation[2]}[", lines[i], count=1)
+    else:
+        at = int(where * len(text))
+        return text[:at] + mutation[2] + text[at:]
+    return "\n".join(lines)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(base=st.integers(0, 1), mutations=st.lists(graph_mutation, min_size=1, max_size=4))
+def test_fuzz_graph_and_audit_of_parsed_text_never_crash(base: int, mutations: list[tuple]) -> None:
+    """Whatever text parses, the graph and the audit read it: HloParseError or a report, nothing else."""
+    from ejlabel.analysis import HloParseError, audit, read_program
+
+    text = _graph_corpus()[base]
+    for mutation in mutations:
+        text = _graph_mutate(text, mutation)
+    try:
+        program = read_program(text)
+    except HloParseError:
+        event("refused")
+        return
+    event("read")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = audit(program, selector=ConfigSelectorChain())
+    assert isinstance(report.render(), str) and isinstance(report.to_markdown(), str)
+    json.loads(report.to_json())
