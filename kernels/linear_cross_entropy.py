@@ -15,8 +15,9 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
 - ``"xla"``: the plain expression a JAX user writes (matmul, then a logsumexp loss),
   differentiated by JAX itself: the floor.
 - ``"chunked"``: a ``lax.scan`` over vocabulary chunks of ``chunk_vocab`` columns keeping the
-  running max, the rescaled sum of exponentials, the label's logit and the sum of logits. Its
-  backward recomputes each chunk's logits from ``hidden`` and the saved log-sum-exp and
+  running max, the rescaled sum of exponentials, the label's logit and the sum of logits. The
+  forward saves the per-token log-sum-exp (``[tokens]`` floats); the backward recomputes each
+  chunk's logits from ``hidden`` and that log-sum-exp and
   accumulates ``d_hidden += d_z @ w_c^T`` and ``d_weight[:, c] = hidden^T @ d_z``: the
   logits never exist whole in either direction, the cost being one more pass of the matmul.
 
@@ -178,15 +179,23 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
             return _loss_xla(hidden, weight, labels, loss)
         return _forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)[0]
 
-    def custom_vjp(
-        self, primals: tuple[Any, ...], cfg: LinearCrossEntropyConfig, kwargs: dict[str, Any], cotangents: tuple[Any, ...]
+    def fwd_with_residuals(
+        self, hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], *, labels: Int[Array, "tokens"],
+        cfg: LinearCrossEntropyConfig, ignore_index: int | None = -100, label_smoothing: float = 0.0, logit_soft_cap: float | None = None,
+    ) -> tuple[Float[Array, "tokens"], Float[Array, "tokens"]]:
+        # Only the chunked path gets here (the XLA one is differentiated by JAX). The residual is
+        # the per-token log-sum-exp, [tokens] floats: the backward recomputes each chunk's logits
+        # from it instead of rerunning the whole forward.
+        loss = _Loss(ignore_index, label_smoothing, logit_soft_cap)
+        return _forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)
+
+    def vjp(
+        self, lse: Float[Array, "tokens"], per_token: Float[Array, "tokens"], g: Float[Array, "tokens"],
+        hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], *, labels: Int[Array, "tokens"],
+        cfg: LinearCrossEntropyConfig, ignore_index: int | None = -100, label_smoothing: float = 0.0, logit_soft_cap: float | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        # Only the chunked path gets here: the XLA one is differentiated by JAX.
-        hidden, weight = primals
-        (g,) = cotangents
-        loss = _Loss(kwargs.get("ignore_index", -100), kwargs.get("label_smoothing", 0.0), kwargs.get("logit_soft_cap"))
-        labels = kwargs["labels"]
-        _, lse = _forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)
+        del per_token
+        loss = _Loss(ignore_index, label_smoothing, logit_soft_cap)
         return _backward_chunked(hidden, weight, labels, lse, g, loss, cfg.chunk_vocab)
 
     def differentiated_by_jax(self, cfg: LinearCrossEntropyConfig) -> bool:
