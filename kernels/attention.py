@@ -27,8 +27,11 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
 - ``"pallas"``: a flash-attention-2 forward on the Triton backend. Each program owns one
   ``q`` block of one head and walks the key/value blocks with an online softmax in base 2,
   skipping the blocks that causal masks or windows leave empty and building a mask only for
-  the blocks on an edge (the diagonal, a window's border, padded keys; every block when there
-  are segment ids). Backward kernels follow the same recipe: one computes ``dq`` per ``q``
+  the blocks on an edge (the diagonal, a window's border, padded keys). With segment ids (and
+  ``cu_seqlens``) a per-block table computed before the kernel (:mod:`._attention_blocks`)
+  narrows the walk to the blocks that share a segment with the program's block, so a block of
+  another document is never loaded, and blocks holding one and the same document run without a
+  mask. Backward kernels follow the same recipe: one computes ``dq`` per ``q``
   block; the other computes ``dk`` and ``dv`` per key/value block and head, summing over the
   query heads of its group inside the program, so grouped-query attention writes no
   per-query-head partials. The custom VJP receives only the inputs, so the backward reruns
@@ -55,6 +58,7 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import BwdParams, FwdParams, Invocation, Kernel
 
+from ._attention_blocks import segment_block_ranges, uniform_block_ranges
 from ._checks import check_config, check_floating, check_integer, check_same_dtype
 from ._pallas import MASK_VALUE, compiler_params, dot, interpret_mode, next_power_of_2, on_gpu, pad_axis, pad_to
 
@@ -180,7 +184,6 @@ class _Geometry:
     block_k: int
     kv_len: int | None  # the true key length when the keys are padded without segment ids
     group: int
-    segmented: bool  # segment ids decide visibility, so every block needs the mask
 
     def kv_blocks(self, q_block: jax.Array, num_kv_blocks: int) -> tuple[jax.Array, jax.Array]:
         """Key/value blocks ``[lo, hi)`` that query block ``q_block`` can see."""
@@ -201,13 +204,12 @@ class _Geometry:
         return lo, jnp.minimum(lax.div(last + self.block_q - 1, self.block_q), num_q_blocks)
 
     def unmasked_kv_blocks(self, q_block: jax.Array, lo: jax.Array, hi: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The blocks ``[a, b)`` within ``[lo, hi)`` that every query of ``q_block`` sees whole.
+        """The blocks ``[a, b)`` within ``[lo, hi)`` that every query of ``q_block`` sees whole
+        by position (segments are the segment table's business: see :func:`_narrow`).
 
         Those blocks skip the mask entirely; on long causal sequences that is nearly all of them.
         """
         hi = jnp.maximum(hi, lo)  # an empty range may come as lo > hi
-        if self.segmented:
-            return lo, lo
         left, right = self.bounds
         first, last = lo, hi
         if left is not None:  # the block's first key is within reach of the block's last query
@@ -220,10 +222,8 @@ class _Geometry:
         return first, jnp.maximum(last, first)
 
     def unmasked_q_blocks(self, kv_block: jax.Array, lo: jax.Array, hi: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The query blocks ``[a, b)`` within ``[lo, hi)`` that see all of ``kv_block``."""
+        """The query blocks ``[a, b)`` within ``[lo, hi)`` that see all of ``kv_block`` by position."""
         hi = jnp.maximum(hi, lo)  # an empty range may come as lo > hi
-        if self.segmented:
-            return lo, lo
         left, right = self.bounds
         first, last = lo, hi
         if self.kv_len is not None:  # a block holding padded keys is masked for every query
@@ -241,8 +241,26 @@ class _Geometry:
         return _mask(q_pos, k_pos, q_seg, k_seg, bounds=self.bounds, kv_len=self.kv_len)
 
 
-def _split_segments(refs: tuple[Any, ...], has_segments: bool) -> tuple[Any, Any, tuple[Any, ...]]:
-    return (refs[0], refs[1], refs[2:]) if has_segments else (None, None, refs)
+def _split_segments(refs: tuple[Any, ...], has_segments: bool) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+    """``(q_seg_ref, kv_seg_ref, table_ref, outputs)``: the segment inputs, or Nones without them."""
+    return (refs[0], refs[1], refs[2], refs[3:]) if has_segments else (None, None, None, refs)
+
+
+def _narrow(lo: jax.Array, hi: jax.Array, unmasked: tuple[jax.Array, jax.Array], table_ref: Any) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+    """Position ranges narrowed by this block's row of the segment table.
+
+    The table row is ``(lo, hi, first, last)`` from :mod:`._attention_blocks`: blocks outside
+    ``[lo, hi)`` hold no pair of one segment, and blocks in ``[first, last)`` hold a single
+    segment shared with this block. A block runs without a mask only where both its position and
+    its segments let every pair through, so the unmasked range is the intersection of the two.
+    """
+    if table_ref is None:
+        return lo, hi, unmasked
+    lo = jnp.maximum(lo, table_ref[0])
+    hi = jnp.maximum(jnp.minimum(hi, table_ref[1]), lo)
+    first = jnp.minimum(jnp.maximum(jnp.maximum(unmasked[0], table_ref[2]), lo), hi)
+    last = jnp.minimum(jnp.maximum(jnp.minimum(unmasked[1], table_ref[3]), first), hi)
+    return lo, hi, (first, last)
 
 
 def _blocks_loop(lo: jax.Array, hi: jax.Array, unmasked: tuple[jax.Array, jax.Array], step: Any, carry: Any) -> Any:
@@ -258,7 +276,7 @@ def _blocks_loop(lo: jax.Array, hi: jax.Array, unmasked: tuple[jax.Array, jax.Ar
 
 
 def _forward_kernel(q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, geo: _Geometry, has_segments: bool) -> None:
-    q_seg_ref, kv_seg_ref, (o_ref, lse_ref) = _split_segments(refs, has_segments)
+    q_seg_ref, kv_seg_ref, table_ref, (o_ref, lse_ref) = _split_segments(refs, has_segments)
     bq, bk = geo.block_q, geo.block_k
     i = pl.program_id(0)
     q = q_ref[...]
@@ -283,8 +301,9 @@ def _forward_kernel(q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, geo: _Geomet
         return acc, new_max, running_sum
 
     lo, hi = geo.kv_blocks(i, k_ref.shape[0] // bk)
+    lo, hi, unmasked = _narrow(lo, hi, geo.unmasked_kv_blocks(i, lo, hi), table_ref)
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, running_max, running_sum = _blocks_loop(lo, hi, geo.unmasked_kv_blocks(i, lo, hi), step, init)
+    acc, running_max, running_sum = _blocks_loop(lo, hi, unmasked, step, init)
     seen = running_sum > 0.0
     o_ref[...] = (acc / jnp.where(seen, running_sum, 1.0)[:, None]).astype(o_ref.dtype)
     # Rows that see nothing get any finite value: every use of it is masked.
@@ -294,7 +313,7 @@ def _forward_kernel(q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, geo: _Geomet
 def _dq_kernel(
     q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, *refs: Any, geo: _Geometry, has_segments: bool
 ) -> None:
-    q_seg_ref, kv_seg_ref, (dq_ref,) = _split_segments(refs, has_segments)
+    q_seg_ref, kv_seg_ref, table_ref, (dq_ref,) = _split_segments(refs, has_segments)
     bq, bk = geo.block_q, geo.block_k
     i = pl.program_id(0)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
@@ -312,20 +331,21 @@ def _dq_kernel(
         return dq + dot(dscores.astype(k.dtype), k)
 
     lo, hi = geo.kv_blocks(i, k_ref.shape[0] // bk)
-    dq = _blocks_loop(lo, hi, geo.unmasked_kv_blocks(i, lo, hi), step, jnp.zeros(q.shape, jnp.float32))
+    lo, hi, unmasked = _narrow(lo, hi, geo.unmasked_kv_blocks(i, lo, hi), table_ref)
+    dq = _blocks_loop(lo, hi, unmasked, step, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * (geo.scale / _LOG2E)).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(
     q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, *refs: Any, geo: _Geometry, has_segments: bool
 ) -> None:
-    q_seg_ref, kv_seg_ref, (dk_ref, dv_ref) = _split_segments(refs, has_segments)
+    q_seg_ref, kv_seg_ref, table_ref, (dk_ref, dv_ref) = _split_segments(refs, has_segments)
     bq, bk = geo.block_q, geo.block_k
     j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
     lo, hi = geo.q_blocks(j, q_ref.shape[0] // bq)
-    unmasked = geo.unmasked_q_blocks(j, lo, hi)
+    lo, hi, unmasked = _narrow(lo, hi, geo.unmasked_q_blocks(j, lo, hi), table_ref)
     dk = dv = jnp.zeros(k.shape, jnp.float32)
     # The query heads of this key/value head's group, unrolled: the group is small and static.
     for head in range(geo.group):
@@ -359,6 +379,9 @@ class _Padded:
     geo: _Geometry
     seq_q: int
     dim: int
+    # With segment ids, each block's row (lo, hi, first, last) for :func:`_narrow`.
+    q_table: jax.Array | None = None  # [batch, q blocks, 4]: key/value blocks of each query block
+    kv_table: jax.Array | None = None  # [batch, kv blocks, 4]: query blocks of each key/value block
 
 
 def _resolve_blocks(params: FwdParams | BwdParams, seq_q: int, seq_kv: int) -> tuple[int, int]:
@@ -380,15 +403,30 @@ def _pad(
         # Both roles read one array: pad it to the longer of the two padded lengths.
         segment_ids = pad_axis(segment_ids.astype(jnp.int32), 1, max(q.shape[1], k.shape[1]))
     kv_len = seq_kv if segment_ids is None and k.shape[1] != seq_kv else None
-    geo = _Geometry(scale * _LOG2E, bounds, block_q, block_k, kv_len, heads // k.shape[2], segment_ids is not None)
-    return _Padded(q, k, v, segment_ids, geo, seq_q, dim)
+    geo = _Geometry(scale * _LOG2E, bounds, block_q, block_k, kv_len, heads // k.shape[2])
+    if segment_ids is None:
+        return _Padded(q, k, v, None, geo, seq_q, dim)
+    ranges = segment_block_ranges(segment_ids[:, : q.shape[1]], segment_ids[:, : k.shape[1]], block_q, block_k)
+    uniform = uniform_block_ranges(ranges)
+    q_table = jnp.stack([ranges.kv_lo, ranges.kv_hi, uniform.kv_first, uniform.kv_last], axis=-1)
+    kv_table = jnp.stack([ranges.q_lo, ranges.q_hi, uniform.q_first, uniform.q_last], axis=-1)
+    return _Padded(q, k, v, segment_ids, geo, seq_q, dim, q_table, kv_table)
 
 
-def _segment_inputs(p: _Padded, q_spec: pl.BlockSpec, kv_spec: pl.BlockSpec) -> tuple[list[jax.Array], list[pl.BlockSpec]]:
+def _segment_inputs(
+    p: _Padded, q_spec: pl.BlockSpec, kv_spec: pl.BlockSpec, *, per_kv_block: bool = False
+) -> tuple[list[jax.Array], list[pl.BlockSpec]]:
+    """The query ids, key ids and segment table a kernel reads, and their specs.
+
+    The table row belongs to the program's own block: a query block (grid axis 0 walks query
+    blocks) or, with ``per_kv_block``, a key/value block.
+    """
     if p.segment_ids is None:
         return [], []
     seq_q, seq_kv = p.q.shape[1], p.k.shape[1]
-    return [p.segment_ids[:, :seq_q], p.segment_ids[:, :seq_kv]], [q_spec, kv_spec]
+    table = p.kv_table if per_kv_block else p.q_table
+    table_spec = pl.BlockSpec((None, None, 4), lambda n, b, h: (b, n, 0))
+    return [p.segment_ids[:, :seq_q], p.segment_ids[:, :seq_kv], table], [q_spec, kv_spec, table_spec]
 
 
 def _forward_pallas(p: _Padded, params: FwdParams) -> tuple[jax.Array, jax.Array]:
@@ -442,7 +480,7 @@ def _backward_pallas(p: _Padded, out: jax.Array, lse: jax.Array, g: jax.Array, p
     kv_block = pl.BlockSpec((None, geo.block_k, None, dim), lambda j, b, h: (b, j, h, 0))
     rows_group = pl.BlockSpec((None, geo.group, seq_q), lambda j, b, h: (b, h, 0))
     segments, segment_specs = _segment_inputs(
-        p, pl.BlockSpec((None, seq_q), lambda j, b, h: (b, 0)), pl.BlockSpec((None, geo.block_k), lambda j, b, h: (b, j))
+        p, pl.BlockSpec((None, seq_q), lambda j, b, h: (b, 0)), pl.BlockSpec((None, geo.block_k), lambda j, b, h: (b, j)), per_kv_block=True
     )
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, geo=geo, has_segments=has_segments),

@@ -22,6 +22,11 @@ XLA = AttentionConfig("xla")
 PALLAS = AttentionConfig("pallas", FwdParams(16, 16, 4, 1), BwdParams(16, 16, 4, 1))
 SEGMENTS = jnp.array([[1] * 15 + [2] * 20 + [0] * 5, [3] * 40], jnp.int32)
 CU_SEQLENS = jnp.array([0, 7, 25, 36], jnp.int32)  # three sequences, 4 padding tokens of 40
+# 67 tokens (five 16-blocks, the last partial): four documents and end padding in one row, two
+# documents around padding in the other. Blocks 0-2 of row 1 hold one document: block skipping
+# by segment and unmasked same-document blocks both occur, beside mixed blocks.
+PACKED = jnp.array([[1] * 5 + [2] * 37 + [3] * 13 + [4] * 9 + [0] * 3, [7] * 50 + [0] * 4 + [8] * 13], jnp.int32)
+PACKED_CU_SEQLENS = jnp.array([0, 3, 40, 58], jnp.int32)  # 67 tokens: 3 sequences, 9 padding
 
 
 def qkv(batch: int, seq: int, heads: int, kv_heads: int, dim: int, dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
@@ -97,16 +102,17 @@ def values_and_grads(cfg: AttentionConfig, q: jax.Array, k: jax.Array, v: jax.Ar
     [
         (2, {}),
         (1, {"causal": True}),
-        (2, {"causal": True}),
-        (2, {"causal": True, "segment_ids": SEGMENTS}),
-        (2, {"causal": True, "cu_seqlens": CU_SEQLENS}),
+        (2, {"causal": True, "segment_ids": PACKED}),
+        (4, {"segment_ids": PACKED}),
+        (2, {"causal": True, "cu_seqlens": PACKED_CU_SEQLENS}),
         (2, {"sliding_window": (6, 3)}),
     ],
-    ids=["plain-gqa2", "causal-mha", "causal-gqa2", "segments", "cu_seqlens", "window"],
+    ids=["plain-gqa2", "causal-mha", "segments-causal-gqa2", "segments-mqa", "cu_seqlens", "window"],
 )
 def test_pallas_values_and_gradients(group: int, kwargs: dict[str, Any]) -> None:
     batch = 1 if "cu_seqlens" in kwargs else 2
-    q, k, v = qkv(batch, 40, 4, 4 // group, 12)  # head dim 12: padded to 16 inside
+    seq = 67 if "segment_ids" in kwargs or "cu_seqlens" in kwargs else 40
+    q, k, v = qkv(batch, seq, 4, 4 // group, 12)  # head dim 12: padded to 16 inside
     out, grads = values_and_grads(PALLAS, q, k, v, **kwargs)
     ref, ref_grads = values_and_grads(XLA, q, k, v, **kwargs)
     assert_close(out, ref, jnp.float32)
@@ -217,7 +223,7 @@ def test_unmasked_block_ranges_are_exactly_the_whole_blocks(
     """The blocks the Pallas kernels run without a mask are exactly those every pair sees."""
     seq_q, seq_kv = blocks * block_q, blocks * block_k
     kv_len = seq_kv - kv_short if kv_short else None
-    geo = _Geometry(1.0, (left, right), block_q, block_k, kv_len, 1, False)
+    geo = _Geometry(1.0, (left, right), block_q, block_k, kv_len, 1)
     q_pos, k_pos = np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :]
     visible = np.ones((seq_q, seq_kv), bool) if kv_len is None else np.broadcast_to(k_pos < kv_len, (seq_q, seq_kv))
     if right is not None:
