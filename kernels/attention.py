@@ -19,11 +19,14 @@ A query that sees no key gets output 0 and gradient 0, never NaN.
 Implementations, chosen by :class:`AttentionConfig.impl`:
 
 - ``"xla"``: what a JAX user writes, differentiated by JAX itself (no custom VJP):
-  ``jax.nn.dot_product_attention(implementation="xla")`` for causal or full attention, the
-  masked softmax in float32 with segments or a window.
+  ``jax.nn.dot_product_attention(implementation="xla")`` for causal or full attention, with
+  segment ids (or ``cu_seqlens``) as a dense block-diagonal ``mask``; the masked softmax in
+  float32 with a window.
 - ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, differentiated by JAX;
-  GPU, 16-bit inputs, causal or not, no segments or windows. ``use_implementation("xla")``
-  picks it on a GPU wherever cuDNN takes the call, as ``jax.nn.dot_product_attention`` would.
+  GPU, 16-bit inputs, causal or not, segment ids as the same dense mask (which cuDNN takes as a
+  bias), no windows. ``use_implementation("xla")`` and the untuned default pick it on a GPU
+  wherever cuDNN takes the call, as ``jax.nn.dot_product_attention`` would, so a labelled
+  packed-documents model is never slower than the plain one.
 - ``"pallas"``: a flash-attention-2 forward on the Triton backend. Each program owns one
   ``q`` block of one head and walks the key/value blocks with an online softmax in base 2,
   skipping the blocks that causal masks or windows leave empty and building a mask only for
@@ -157,17 +160,21 @@ def _attention_xla(
 
 def _attention_plain(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
-    *, scale: float, causal: bool,
+    segment_ids: Int[Array, "batch seq"] | None, *, scale: float, causal: bool, implementation: str,
 ) -> Float[Array, "batch sq heads dim"]:
-    """What a JAX user writes for causal or full attention: XLA's own expression."""
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="xla")
+    """What a JAX user writes: ``jax.nn.dot_product_attention`` on ``implementation`` (``"xla"``
+    or ``"cudnn"``), with packed documents as a dense ``[batch, 1, seq, seq]`` block-diagonal
+    mask beside ``is_causal``.
 
-
-def _attention_cudnn(
-    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
-    *, scale: float, causal: bool,
-) -> Float[Array, "batch sq heads dim"]:
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+    A padding query sees no key, so the softmax spreads it over every key; its output is set to
+    0 afterwards (which also stops its gradient), to keep this module's contract.
+    """
+    if segment_ids is None:
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation=implementation)
+    real = segment_ids > 0
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & real[:, :, None]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, is_causal=causal, implementation=implementation)
+    return jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -529,14 +536,12 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         segment_ids = _segments(q, k, segment_ids, cu_seqlens)
         scale = _scale(q, softmax_scale)
         bounds = _bounds(causal, sliding_window)
-        if cfg.impl == "xla":
-            if segment_ids is None and sliding_window is None:
-                return _attention_plain(q, k, v, scale=scale, causal=causal)
+        if cfg.impl in ("xla", "cudnn"):
+            if sliding_window is None:
+                return _attention_plain(q, k, v, segment_ids, scale=scale, causal=causal, implementation=cfg.impl)
+            if cfg.impl == "cudnn":
+                raise ValueError("the cudnn implementation takes no sliding window")
             return _attention_xla(q, k, v, segment_ids, scale=scale, bounds=bounds)
-        if cfg.impl == "cudnn":
-            if segment_ids is not None or sliding_window is not None:
-                raise ValueError("the cudnn implementation takes no segment ids, cu_seqlens or sliding window")
-            return _attention_cudnn(q, k, v, scale=scale, causal=causal)
         fwd = _default_fwd(q.shape[3]).merge(cfg.fwd)
         out, _ = _forward_pallas(_pad(q, k, v, segment_ids, fwd, scale=scale, bounds=bounds), fwd)
         return out[:, : q.shape[1], :, : q.shape[3]]
@@ -564,8 +569,8 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
 
     def config_for(self, inv: Invocation[AttentionConfig, jax.Array], implementation: str) -> AttentionConfig | None:
         """``"xla"`` means what ``jax.nn.dot_product_attention`` gives a JAX user: cuDNN on a GPU
-        where cuDNN takes the call (bf16/fp16, head dim <= 128, no segments or window), XLA's own
-        expression otherwise (always on the CPU)."""
+        where cuDNN takes the call (bf16/fp16, head dim <= 128, no window; segment ids and
+        ``cu_seqlens`` as a dense mask), XLA's own expression otherwise (always on the CPU)."""
         if implementation == "xla":
             cudnn = AttentionConfig("cudnn")
             return cudnn if self.candidate_is_valid(inv, cudnn) else AttentionConfig("xla")
@@ -613,8 +618,10 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
     def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:
         q = inv.args[0]
         if cfg.impl == "cudnn":
-            plain = all(inv.kwargs.get(name) is None for name in ("segment_ids", "cu_seqlens", "sliding_window"))
-            return on_gpu() and plain and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] % 8 == 0 and q.shape[3] <= 128
+            masked = any(inv.kwargs.get(name) is not None for name in ("segment_ids", "cu_seqlens"))
+            # cuDNN trains with a mask (a bias to it) only on even sequence lengths.
+            shapes = q.shape[3] % 8 == 0 and q.shape[3] <= 128 and not (masked and (q.shape[1] % 2 or inv.args[1].shape[1] % 2))
+            return on_gpu() and inv.kwargs.get("sliding_window") is None and q.dtype in (jnp.bfloat16, jnp.float16) and shapes
         if cfg.impl == "pallas":
             fwd = _default_fwd(q.shape[3]).merge(cfg.fwd)
             return fwd.q_blocksize <= max(16, 2 * q.shape[1]) and fwd.kv_blocksize <= max(16, 2 * inv.args[1].shape[1])

@@ -198,6 +198,36 @@ def test_gpu_pallas_masks_real_size(kwargs: dict[str, Any]) -> None:
         assert_close(got, want, jnp.bfloat16)
 
 
+@gpu
+@needs_gpu
+def test_gpu_default_with_segments_is_cudnn_with_a_dense_mask() -> None:
+    """Untuned, packed documents run where a JAX user's call would: cuDNN with the dense mask,
+    and XLA where cuDNN refuses (odd lengths); values and gradients match, padding gets 0."""
+    q, k, v = qkv(2, 1000, 8, 2, 64, jnp.bfloat16)
+    ids = jnp.broadcast_to(jnp.where(jnp.arange(1000) < 900, 1 + jnp.arange(1000) // 300, 0), (2, 1000)).astype(jnp.int32)
+    kernel = AttentionKernel()
+    kwargs = {"causal": True, "segment_ids": ids}
+    assert kernel.heuristic_cfg(Invocation(kernel, (q, k, v), kwargs)) == AttentionConfig("cudnn")
+    odd = (q[:, :999], k[:, :999], v[:, :999])
+    assert kernel.heuristic_cfg(Invocation(kernel, odd, {"causal": True, "segment_ids": ids[:, :999]})) == XLA
+    out, grads = values_and_grads(AttentionConfig("cudnn"), q, k, v, **kwargs)
+    ref, ref_grads = values_and_grads(XLA, q, k, v, **kwargs)
+    assert_close(out, ref, jnp.bfloat16)
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, jnp.bfloat16)
+    assert np.all(np.asarray(out, np.float32)[np.asarray(ids) <= 0] == 0.0)
+
+
+def test_heuristic_with_segments_off_the_gpu_is_xla() -> None:
+    q, k, v = qkv(1, 40, 2, 1, 16, jnp.bfloat16)
+    kernel = AttentionKernel()
+    inv = Invocation(kernel, (q, k, v), {"causal": True, "segment_ids": SEGMENTS[:1]})
+    assert kernel.heuristic_cfg(inv) == (AttentionConfig("cudnn") if jax.default_backend() == "gpu" else XLA)
+    assert kernel.candidate_is_valid(inv, AttentionConfig("cudnn")) == (jax.default_backend() == "gpu")
+    windowed = Invocation(kernel, (q, k, v), {"sliding_window": (4, 0)})
+    assert not kernel.candidate_is_valid(windowed, AttentionConfig("cudnn"))
+
+
 def test_configs_round_trip_through_json() -> None:
     from ejlabel import from_json, to_json
     from ejlabel.kernels.cross_entropy import CrossEntropyConfig

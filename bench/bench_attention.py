@@ -1,0 +1,412 @@
+"""Attention on one GPU: every implementation side by side, plain causal, segments, packed documents.
+
+    python bench/bench_attention.py                    # everything (about 4 minutes on an H100)
+    python bench/bench_attention.py --only a,c          # a subset: a, b, c, check
+    python bench/bench_attention.py --samples 5 --quick # fewer samples, smaller correctness grid
+
+Sections:
+
+- ``a``: causal B4 S4096 H16 D128 bf16: cuDNN, the XLA path (``jax.nn.dot_product_attention``
+  on XLA), ours on Triton (``pallas``) and on Mosaic GPU (``mosaic``, when
+  ``flash_attention`` offers it).
+- ``b``: the same shape with segment ids (4 equal documents per row) and varlen
+  (``cu_seqlens``: one packed row of 4 sequences of unequal lengths, the same tokens): ours
+  against its own plain causal rate, and cuDNN with the dense mask.
+- ``c``: packed documents at the example model's shape, B8 S2048, 12 query heads, 4 key/value
+  heads, head dim 64, 4 equal documents per row: what plain JAX offers (cuDNN and XLA with the
+  dense block-diagonal causal mask, cuDNN with the document mask beside ``is_causal`` as the
+  untuned ``flash_attention`` runs it, plain causal cuDNN over the whole row as a yardstick
+  that ignores the documents) against ours.
+- ``check``: values and gradients of each implementation against a float32 reference (highest
+  matmul precision) over a grid of head dims, odd lengths, 1-4 segments and GQA ratios.
+
+Throughput is TFLOP/s of visible work: ``4 * batch * heads * dim * pairs`` for the forward,
+``pairs`` = ``S^2 / 2`` per causal sequence (document), and the backward counted as 2.5 times
+the forward. Timing: each section is one interleaved round-robin (``bench/_timing.py``) over
+all of its variants, rotating three random input sets; medians of ``--samples`` samples of
+``--per-sample`` back-to-back calls each, after warm-up. ``fwd+bwd`` is ``value_and_grad`` of
+``sum(out * probe)`` for a random ``probe``. A variant that fails prints its reason and the run
+goes on. The markdown tables come last; with ``$OUT`` set, the rows are also written to
+``$OUT/bench_attention.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import time_interleaved
+
+from ejlabel import Invocation
+from ejlabel.kernels import attention as attention_module
+from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
+
+BWD_FLOP_FACTOR = 2.5
+SECTIONS = ("a", "b", "c", "check")
+
+
+@dataclasses.dataclass
+class Row:
+    section: str
+    case: str
+    impl: str
+    pass_: str  # "fwd" or "fwd+bwd"
+    ms: float | None = None
+    tflops: float | None = None
+    ratio: float | None = None  # against the section's anchor (named in `versus`)
+    versus: str = ""
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Variant:
+    """One timed function: ``fn(*inputs)`` over rotating input sets, and its visible FLOPs."""
+
+    case: str
+    impl: str
+    pass_: str
+    fn: Callable[..., Any]
+    sets: Sequence[tuple[Any, ...]]
+    flops: float
+
+
+def extra_impls() -> list[str]:
+    """Implementations beyond the Triton one that ``flash_attention`` offers here (``mosaic``)."""
+    found = []
+    for impl in ("mosaic",):
+        if impl in getattr(attention_module, "_IMPLS", ()):
+            try:
+                AttentionConfig(impl)
+                found.append(impl)
+            except Exception:  # an implementation that cannot even be configured is not offered
+                pass
+    return found
+
+
+def normal(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> jax.Array:
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def input_sets(batch: int, seq: int, heads: int, kv_heads: int, dim: int, count: int = 3) -> list[tuple[jax.Array, ...]]:
+    """``count`` sets of (q, k, v, probe): rotating them keeps a call's inputs out of L2."""
+    sets = []
+    for seed in range(count):
+        kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
+        q_shape, kv_shape = (batch, seq, heads, dim), (batch, seq, kv_heads, dim)
+        sets.append((normal(kq, q_shape), normal(kk, kv_shape), normal(kv, kv_shape), normal(kp, q_shape)))
+    return sets
+
+
+def equal_documents(batch: int, seq: int, documents: int) -> jax.Array:
+    return jnp.broadcast_to(1 + jnp.arange(seq) * documents // seq, (batch, seq)).astype(jnp.int32)
+
+
+def dense_mask(segment_ids: jax.Array, causal: bool) -> jax.Array:
+    """``[batch, 1, seq, seq]`` bool: the block-diagonal (and causal) mask a JAX user builds."""
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0)
+    if causal:
+        seq = segment_ids.shape[1]
+        mask = mask & (jnp.arange(seq)[None, :, None] >= jnp.arange(seq)[None, None, :])
+    return mask[:, None]
+
+
+def both_passes(attend: Callable[..., jax.Array]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Jitted forward ``(q, k, v, probe) -> out`` and forward+backward (value and q/k/v grads)."""
+    forward = jax.jit(lambda q, k, v, probe: attend(q, k, v))
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array, probe: jax.Array) -> jax.Array:
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * probe.astype(jnp.float32))
+
+    return forward, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def kernel_attend(cfg: AttentionConfig | None, **kwargs: Any) -> Callable[..., jax.Array]:
+    return lambda q, k, v: flash_attention(q, k, v, cfg=cfg, **kwargs)
+
+
+def variants_of(case: str, impl: str, attend: Callable[..., jax.Array], sets: Sequence[tuple[Any, ...]], flops: float) -> list[Variant]:
+    forward, both = both_passes(attend)
+    return [Variant(case, impl, "fwd", forward, sets, flops), Variant(case, impl, "fwd+bwd", both, sets, flops * (1 + BWD_FLOP_FACTOR))]
+
+
+def run_section(section: str, variants: list[Variant], samples: int, per_sample: int) -> list[Row]:
+    """Compile each variant (dropping those that fail, with their reason), then time the rest
+    interleaved."""
+    rows: dict[int, Row] = {}
+    steps: dict[str, Callable[[], Any]] = {}
+    for index, variant in enumerate(variants):
+        row = Row(section, variant.case, variant.impl, variant.pass_)
+        rows[index] = row
+        try:
+            start = time.perf_counter()
+            jax.block_until_ready(variant.fn(*variant.sets[0]))
+            print(f"[{section}] compiled {variant.case} | {variant.impl} | {variant.pass_} in {time.perf_counter() - start:.1f} s", flush=True)
+        except Exception as err:
+            row.note = f"FAILED: {reason(err)}"
+            print(f"[{section}] {variant.case} | {variant.impl} | {variant.pass_}: {row.note}", flush=True)
+            continue
+        cycle = itertools.cycle(variant.sets)
+        steps[str(index)] = lambda fn=variant.fn, cycle=cycle: fn(*next(cycle))
+    if steps:
+        medians = time_interleaved(steps, samples=samples, per_sample=per_sample)
+        for key, ms in medians.items():
+            row, variant = rows[int(key)], variants[int(key)]
+            row.ms, row.tflops = ms, variant.flops / (ms * 1e-3) / 1e12
+    return list(rows.values())
+
+
+def set_ratios(rows: list[Row], anchor: Callable[[Row], Row | None], versus: str) -> None:
+    for row in rows:
+        base = anchor(row)
+        if base is not None and row.tflops and base.tflops:
+            row.ratio, row.versus = row.tflops / base.tflops, versus
+
+
+def find(rows: list[Row], case: str, impl: str, pass_: str) -> Row | None:
+    return next((r for r in rows if r.case == case and r.impl == impl and r.pass_ == pass_), None)
+
+
+def reason(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:200]
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+
+
+def section_a(args: argparse.Namespace) -> list[Row]:
+    b, s, h, d = (1, 256, 2, 64) if args.tiny else (4, 4096, 16, 128)
+    sets = input_sets(b, s, h, h, d)
+    flops = 4.0 * b * h * d * s * s / 2
+    case = f"causal B{b} S{s} H{h} D{d}"
+    variants = []
+    for impl in ["cudnn", "xla", "pallas", *extra_impls()]:
+        variants += variants_of(case, impl, kernel_attend(AttentionConfig(impl), causal=True), sets, flops)
+    rows = run_section("a", variants, args.samples, args.per_sample)
+    set_ratios(rows, lambda r: find(rows, case, "cudnn", r.pass_), "cuDNN")
+    return rows
+
+
+def section_b(args: argparse.Namespace) -> list[Row]:
+    b, s, h, d = (4, 256, 2, 64) if args.tiny else (4, 4096, 16, 128)
+    sets = input_sets(b, s, h, h, d)
+    causal_flops = 4.0 * b * h * d * s * s / 2
+    segments = equal_documents(b, s, 4)
+    lengths = [s // 2, s + s // 2, s // 4, s + s // 4]  # one row of the same 4 * S tokens
+    cu_seqlens = jnp.cumsum(jnp.array([0, *lengths], jnp.int32))
+    packed_sets = [tuple(t.reshape(1, b * s, *t.shape[2:]) for t in one) for one in sets]
+    varlen_flops = sum(4.0 * h * d * n * n / 2 for n in lengths)
+    plain, seg, var = f"causal B{b} S{s} H{h} D{d}", "causal segments x4", f"causal varlen B1 S{b * s}"
+    variants = []
+    for impl in ["pallas", *extra_impls()]:
+        cfg = AttentionConfig(impl)
+        variants += variants_of(plain, impl, kernel_attend(cfg, causal=True), sets, causal_flops)
+        variants += variants_of(seg, impl, kernel_attend(cfg, causal=True, segment_ids=segments), sets, causal_flops / 4)
+        variants += variants_of(var, impl, kernel_attend(cfg, causal=True, cu_seqlens=cu_seqlens), packed_sets, varlen_flops)
+    # What the untuned flash_attention runs with segment ids on a GPU: cuDNN with the dense mask.
+    variants += variants_of(seg, "cudnn (dense mask)", kernel_attend(AttentionConfig("cudnn"), causal=True, segment_ids=segments), sets, causal_flops / 4)
+    variants += variants_of(plain, "cudnn", kernel_attend(AttentionConfig("cudnn"), causal=True), sets, causal_flops)
+    rows = run_section("b", variants, args.samples, args.per_sample)
+    # Each implementation against its own plain causal rate; cuDNN's mask against cuDNN causal.
+    set_ratios(rows, lambda r: find(rows, plain, "cudnn" if r.impl.startswith("cudnn") else r.impl, r.pass_), "own plain causal")
+    return rows
+
+
+def section_c(args: argparse.Namespace) -> list[Row]:
+    b, s, h, kv, d, documents = (1, 256, 3, 1, 64, 4) if args.tiny else (8, 2048, 12, 4, 64, 4)
+    sets = input_sets(b, s, h, kv, d)
+    segments = equal_documents(b, s, documents)
+    doc = s // documents
+    flops = 4.0 * b * h * d * documents * doc * doc / 2
+    case = f"packed B{b} S{s} H{h}/{kv} D{d} x{documents} docs"
+    mask = dense_mask(segments, causal=True)
+    variants = []
+    for impl in ("cudnn", "xla"):
+        attend = lambda q, k, v, impl=impl: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+        variants += variants_of(case, f"{impl}, dense causal mask", attend, sets, flops)
+    variants += variants_of(case, "flash_attention untuned", kernel_attend(None, causal=True, segment_ids=segments), sets, flops)
+    row_attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    variants += variants_of(case, "cudnn causal over the row (ignores documents)", row_attend, sets, flops)
+    for impl in ["pallas", *extra_impls()]:
+        variants += variants_of(case, impl, kernel_attend(AttentionConfig(impl), causal=True, segment_ids=segments), sets, flops)
+    rows = run_section("c", variants, args.samples, args.per_sample)
+    set_ratios(rows, lambda r: find(rows, case, "cudnn, dense causal mask", r.pass_), "cuDNN dense mask")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Correctness
+
+
+@dataclasses.dataclass
+class Check:
+    case: str
+    impl: str
+    out_rel: float | None = None
+    out_max: float | None = None
+    grad_rel: float | None = None  # the worst of dq, dk, dv
+    grad_max: float | None = None
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        # bf16 inputs: relative L2 error well under 2e-2 is the kernel tests' bar.
+        return self.out_rel is not None and self.grad_rel is not None and self.out_rel < 2e-2 and self.grad_rel < 2e-2
+
+
+def grid(quick: bool, tiny: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """(name, shape and mask) cases: head dims 64/128/256, odd lengths, 1-4 segments, GQA 1-8."""
+    cases = [
+        (dict(batch=2, seq=777, heads=8, kv_heads=8, dim=64, causal=True, documents=1)),
+        (dict(batch=2, seq=1000, heads=8, kv_heads=4, dim=128, causal=True, documents=2)),
+        (dict(batch=2, seq=513, heads=8, kv_heads=2, dim=256, causal=False, documents=3)),
+        (dict(batch=2, seq=2047, heads=8, kv_heads=2, dim=64, causal=True, documents=4)),
+        (dict(batch=1, seq=1031, heads=8, kv_heads=1, dim=128, causal=True, varlen=(100, 451, 452, 980))),
+        (dict(batch=2, seq=333, heads=8, kv_heads=4, dim=256, causal=True)),
+        (dict(batch=2, seq=1024, heads=16, kv_heads=2, dim=128, causal=False, documents=4)),
+    ]
+    if quick:
+        cases = cases[:3]
+    if tiny:
+        cases = [dict(c, batch=1, seq=min(c["seq"], 67), heads=4, kv_heads=max(1, c["kv_heads"] // 4), dim=min(c["dim"], 64)) for c in cases]
+    named = []
+    for c in cases:
+        masks = f"{c['documents']} seg" if "documents" in c else ("varlen" if "varlen" in c else "no seg")
+        named.append((f"B{c['batch']} S{c['seq']} H{c['heads']}/{c['kv_heads']} D{c['dim']} {'causal' if c['causal'] else 'full'} {masks}", c))
+    return named
+
+
+def check_case(name: str, c: dict[str, Any], impls: list[str]) -> list[Check]:
+    batch, seq, heads, kv_heads, dim = c["batch"], c["seq"], c["heads"], c["kv_heads"], c["dim"]
+    kq, kk, kv, kp = jax.random.split(jax.random.key(seq * 1000 + dim), 4)
+    q, k, v = normal(kq, (batch, seq, heads, dim)), normal(kk, (batch, seq, kv_heads, dim)), normal(kv, (batch, seq, kv_heads, dim))
+    probe = normal(kp, (batch, seq, heads, dim), jnp.float32)
+    kwargs: dict[str, Any] = {"causal": c["causal"]}
+    if "documents" in c:
+        # Unequal documents, the last 5% of each row padding.
+        ids = 1 + (jnp.arange(seq) ** 2 * c["documents"]) // (seq * seq)
+        kwargs["segment_ids"] = jnp.broadcast_to(jnp.where(jnp.arange(seq) < seq - seq // 20, ids, 0), (batch, seq)).astype(jnp.int32)
+    if "varlen" in c:
+        kwargs["cu_seqlens"] = jnp.array((0, *c["varlen"]), jnp.int32)
+    kernel = AttentionKernel()
+
+    def grads(attend: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[Any, Any]:
+        loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * probe)
+        return jax.jit(attend)(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    with jax.default_matmul_precision("highest"):
+        upcast = tuple(t.astype(jnp.float32) for t in (q, k, v))
+        ref_out, ref_grads = grads(lambda q, k, v: kernel.reference(q, k, v, **kwargs), *upcast)
+    checks = []
+    for impl in impls:
+        check = Check(name, impl)
+        checks.append(check)
+        if not kernel.candidate_is_valid(Invocation(kernel, (q, k, v), kwargs), AttentionConfig(impl)):
+            check.note = "refused by candidate_is_valid"
+            if impl != "cudnn" or "segment_ids" not in kwargs or seq % 2 == 0:
+                continue
+            check.note += "; forced:"  # confirm cuDNN's own refusal of an odd length with a mask
+        try:
+            out, got = grads(kernel_attend(AttentionConfig(impl), **kwargs), q, k, v)
+            check.out_rel, check.out_max = rel(out, ref_out), max_abs(out, ref_out)
+            check.grad_rel = max(rel(g, w) for g, w in zip(got, ref_grads))
+            check.grad_max = max(max_abs(g, w) for g, w in zip(got, ref_grads))
+        except Exception as err:
+            check.note = f"{check.note} FAILED: {reason(err)}".strip()
+        print(f"[check] {name} | {impl} | {fmt(check.out_rel)} {fmt(check.grad_rel)} {check.note}", flush=True)
+    return checks
+
+
+def rel(x: Any, ref: Any) -> float:
+    x64, r64 = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(x64)):
+        return float("nan")
+    scale = np.linalg.norm(r64)
+    return float(np.linalg.norm(x64 - r64) / (scale if scale > 0 else 1.0))
+
+
+def max_abs(x: Any, ref: Any) -> float:
+    return float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(ref, np.float64))))
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+
+
+def fmt(x: float | None, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| section | case | impl | pass | ms | TFLOP/s (visible) | ratio | vs | note |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.section} | {r.case} | {r.impl} | {r.pass_} | {fmt(r.ms, '.3f')} | {fmt(r.tflops, '.4g')} | {fmt(r.ratio, '.2f')} | {r.versus} | {r.note} |")
+    return "\n".join(lines)
+
+
+def markdown_checks(checks: list[Check]) -> str:
+    lines = ["| case | impl | out rel | out max abs | grad rel (worst) | grad max abs | ok | note |", "|---|---|---|---|---|---|---|---|"]
+    for c in checks:
+        ok = "yes" if c.ok else ("-" if c.out_rel is None else "NO")
+        lines.append(f"| {c.case} | {c.impl} | {fmt(c.out_rel)} | {fmt(c.out_max)} | {fmt(c.grad_rel)} | {fmt(c.grad_max)} | {ok} | {c.note} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--per-sample", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="the first three correctness cases only")
+    parser.add_argument("--tiny", action="store_true", help="small shapes: a smoke run of the script itself (CPU)")
+    args = parser.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(only) - set(SECTIONS)
+    if unknown or args.samples < 1 or args.per_sample < 1:
+        parser.error(f"--only: expected names from {SECTIONS}, got {sorted(unknown)}" if unknown else "--samples, --per-sample: expected positive counts")
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, implementations beyond pallas: {extra_impls() or 'none'}", flush=True)
+    rows: list[Row] = []
+    checks: list[Check] = []
+    start = time.perf_counter()
+    for name, section in (("a", section_a), ("b", section_b), ("c", section_c)):
+        if name in only:
+            try:
+                rows += section(args)
+            except Exception:
+                traceback.print_exc()
+                rows.append(Row(name, "-", "-", "-", note="FAILED: section raised, see the log"))
+            print(f"section {name} done at {time.perf_counter() - start:.0f} s", flush=True)
+    if "check" in only:
+        impls = ["pallas", *extra_impls(), "cudnn", "xla"]
+        for name, case in grid(args.quick or args.tiny, args.tiny):
+            try:
+                checks += check_case(name, case, impls)
+            except Exception as err:
+                checks.append(Check(name, "-", note=f"FAILED: {reason(err)}"))
+        print(f"checks done at {time.perf_counter() - start:.0f} s", flush=True)
+    if rows:
+        print("\n" + markdown(rows))
+    if checks:
+        print("\n" + markdown_checks(checks))
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
+            payload = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "rows": [dataclasses.asdict(r) for r in rows]}
+            payload["checks"] = [dataclasses.asdict(c) | {"ok": c.ok} for c in checks]
+            json.dump(payload, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
