@@ -26,6 +26,7 @@ from .hlo import (
 from .program import (
     Program,
     ProgramModule,
+    ProgramReadError,
     UnreadModule,
     invocations_from_program,
     read_program,
@@ -40,6 +41,7 @@ __all__ = [
     "HloParseError",
     "Program",
     "ProgramModule",
+    "ProgramReadError",
     "Report",
     "TuneReport",
     "UnreadModule",

@@ -26,6 +26,13 @@ never by what it mentions further on. A path is a ``str`` or ``os.PathLike`` nam
 file or directory, or ending in ``.txt``, ``.hlo``, ``.mlir`` or ``/`` (a missing one is a
 ``FileNotFoundError``); a ``str`` holding a line break is always text.
 
+Reading is bounded, because program files and dump directories come from elsewhere: only regular
+files are read (a FIFO, a device such as ``/dev/zero`` or a socket is refused at once, before it is
+opened, and checked again on the open descriptor); a program reads at most
+:data:`MAX_PROGRAM_BYTES` in all (each file in chunks, so a file that grows stops at the cap); a
+directory is walked without following symlinked directories and refused past
+:data:`MAX_DIRECTORY_ENTRIES` entries. Special files inside a directory are skipped with a note.
+
 Why HLO everywhere: it is the one form with computations (while bodies, branches, fusions) and
 named operands, which the call graph walks; reading every form through it makes them agree:
 StableHLO and the HLO of the same ``Lowered`` give the same call sites, flops and bytes, and an
@@ -45,6 +52,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,12 +74,32 @@ from ejlabel.core.label_format import (
 from .costs import InstructionFacts, infer_facts, read_facts
 from .hlo import HloModule, parse_hlo, program_kind, stablehlo_frontend_attributes
 
-__all__ = ["Program", "ProgramModule", "UnreadModule", "invocations_from_program", "read_program"]
+__all__ = [
+    "MAX_DIRECTORY_ENTRIES",
+    "MAX_PROGRAM_BYTES",
+    "Program",
+    "ProgramModule",
+    "ProgramReadError",
+    "UnreadModule",
+    "invocations_from_program",
+    "read_program",
+]
+
+#: Most bytes read for one program (one file, or all files of a directory together). The HLO of
+#: a 10^6-instruction program is ~150 MiB; parsing takes ~2.5x the text in memory.
+MAX_PROGRAM_BYTES = 1 << 30
+#: Most directory entries walked when reading a directory (an XLA dump holds a few per module).
+MAX_DIRECTORY_ENTRIES = 100_000
+_READ_CHUNK = 1 << 20
 
 Stage = Literal["after", "before"]
 _PROGRAM_SUFFIXES = (".txt", ".hlo", ".mlir")
 _DUMP_MODULE = re.compile(r"(module_\d+)")
 _MLIR_MODULE_NAME = re.compile(r"module\s+@\"?([\w.$\-]+)")
+
+
+class ProgramReadError(ValueError):
+    """A program path that is not read: a special file, too large, or a directory too big to walk."""
 
 
 class ProgramModule:
@@ -206,12 +234,18 @@ def read_program(x: Any, *, stage: Stage = "after") -> Program:
         x = bytes(x).decode("utf-8", "replace")
     if isinstance(x, os.PathLike) or (isinstance(x, str) and _names_a_path(x)):
         path = Path(x)
-        if path.is_dir():
+        try:
+            mode = os.stat(path).st_mode  # follows symlinks; never opens (a FIFO would block)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"x: no such file or directory: {path}") from None
+        except OSError as err:
+            raise ProgramReadError(f"x: cannot read {path}: {err.strerror or err}") from None
+        if stat.S_ISDIR(mode):
             reader.add_directory(path, stage)
             return reader.program("dump" if reader.dump else "directory")
-        if not path.is_file():
-            raise FileNotFoundError(f"x: no such file or directory: {path}")
-        reader.add_text(path.read_text(errors="replace"), str(path))
+        if not stat.S_ISREG(mode):
+            raise ProgramReadError(f"x: {path} is {_file_kind(mode)}, not a program file or dump directory (special files are never read)")
+        reader.add_text(reader.read_file(path), str(path))
         return reader.program("file")
     if isinstance(x, str):
         reader.add_text(x, "text")
@@ -245,6 +279,43 @@ class _Reader:
         self.notes: list[str] = []
         self.taken: dict[str, int] = {}
         self.dump = False
+        self.bytes_left = MAX_PROGRAM_BYTES
+
+    def read_file(self, path: Path) -> str:
+        """The text of the regular file ``path``, counted against :data:`MAX_PROGRAM_BYTES`.
+
+        Opened non-blocking and checked again on the descriptor (the path may have changed since
+        it was listed), then read in chunks up to the bytes left, so nothing reads without end.
+        """
+        limit = self.bytes_left
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as err:
+            raise ProgramReadError(f"x: cannot read {path}: {err.strerror or err}") from None
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise ProgramReadError(f"x: {path} is {_file_kind(mode)}, not a program file (special files are never read)")
+            chunks: list[bytes] = []
+            total = 0
+            while True:
+                chunk = os.read(fd, min(_READ_CHUNK, limit + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > limit:
+                    raise ProgramReadError(
+                        f"x: {path} takes the program past the {MAX_PROGRAM_BYTES}-byte limit "
+                        "(ejlabel.analysis.program.MAX_PROGRAM_BYTES)"
+                    )
+        except OSError as err:
+            raise ProgramReadError(f"x: cannot read {path}: {err.strerror or err}") from None
+        finally:
+            os.close(fd)
+        self.bytes_left -= total
+        return b"".join(chunks).decode("utf-8", "replace")
 
     def program(self, origin: str) -> Program:
         return Program(self.modules, origin, self.unread, self.notes)
@@ -276,19 +347,55 @@ class _Reader:
         self.add_module(parse_hlo(hlo), f"{source} (StableHLO, converted to HLO)", hlo)
 
     def add_directory(self, path: Path, stage: Stage) -> None:
-        files = sorted(p for p in path.rglob("*") if p.is_file())
+        files = self.walk(path)
         after = [p for p in files if p.name.endswith("after_optimizations.txt")]
         before = [p for p in files if p.name.endswith("before_optimizations.txt")]
         if after or before:
             self.dump = True
             for chosen in self.dump_files(after, before, stage):
-                self.add_text(chosen.read_text(errors="replace"), str(chosen))
+                self.add_text(self.read_file(chosen), str(chosen))
             return
         programs = [p for p in files if p.suffix in _PROGRAM_SUFFIXES]
         if not programs:
             raise ValueError(f"x: the directory {path} holds no program files ({', '.join(_PROGRAM_SUFFIXES)})")
         for chosen in programs:
-            self.add_text(chosen.read_text(errors="replace"), str(chosen))
+            self.add_text(self.read_file(chosen), str(chosen))
+
+    def walk(self, root: Path) -> list[Path]:
+        """The regular files under ``root`` (symlinks to files included), sorted.
+
+        Symlinked directories are not entered (no loops, no walking off elsewhere); special
+        files are noted and skipped; more than :data:`MAX_DIRECTORY_ENTRIES` entries is an error.
+        """
+        files: list[Path] = []
+        pending = [root]
+        seen = 0
+        while pending:
+            folder = pending.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except OSError as err:
+                self.notes.append(f"{folder}: not read ({err.strerror or err})")
+                continue
+            seen += len(entries)
+            if seen > MAX_DIRECTORY_ENTRIES:
+                raise ProgramReadError(
+                    f"x: {root} holds more than {MAX_DIRECTORY_ENTRIES} entries "
+                    "(ejlabel.analysis.program.MAX_DIRECTORY_ENTRIES); give the dump directory itself"
+                )
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(Path(entry.path))
+                    elif entry.is_file(follow_symlinks=True):
+                        files.append(Path(entry.path))
+                    elif entry.is_symlink():
+                        self.notes.append(f"{entry.path}: a symlink to something other than a regular file, not followed")
+                    else:
+                        self.notes.append(f"{entry.path}: {_file_kind(entry.stat(follow_symlinks=False).st_mode)}, not read")
+                except OSError as err:
+                    self.notes.append(f"{entry.path}: not read ({err.strerror or err})")
+        return sorted(files)
 
     def dump_files(self, after: list[Path], before: list[Path], stage: Stage) -> list[Path]:
         """One file per dumped module, all of one stage: ``stage``'s if there are any, else the other's."""
@@ -305,6 +412,15 @@ class _Reader:
             if _module_key(p) not in chosen:
                 self.notes.append(f"{p.name}: no {names[stage]} file for this module, not read")
         return list(chosen.values())
+
+
+def _file_kind(mode: int) -> str:
+    """``a FIFO``, ``a character device``, ... for the refusal messages."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
 
 
 def _module_key(path: Path) -> str:

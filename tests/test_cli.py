@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,36 @@ def test_cache_show_takes_a_unique_key_prefix_and_a_closed_pipe_is_quiet(tmp_pat
     assert "several" in cli("cache", "show", "0123", cache=tmp_path, check=2).stderr
     head = subprocess.run(f"{EJLABEL} --cache-dir {tmp_path} --import toy_kernels cache ls | head -c 10", shell=True, capture_output=True, text=True, env=subprocess_env())
     assert head.returncode == 0 and "BrokenPipe" not in head.stderr and "Traceback" not in head.stderr
+
+
+def test_tune_of_unparseable_input_fails_like_audit(tmp_path):
+    garbage = tmp_path / "garbage.txt"
+    garbage.write_text("hello world\nthis is not a program\n")
+    audit, tune = (cli(command, str(garbage), cache=tmp_path / "c", check=1) for command in ("audit", "tune"))
+    assert audit.stderr.startswith("ejlabel audit: error: HloParseError: ") and "Traceback" not in audit.stderr
+    assert tune.stderr == audit.stderr.replace("ejlabel audit:", "ejlabel tune:", 1) and tune.stdout == ""
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_special_files_are_refused_at_once(tmp_path, special):
+    if special == "fifo":
+        special = str(tmp_path / "program.hlo")
+        os.mkfifo(special)  # opening it would block until a writer came
+    kind = "a FIFO" if special.endswith(".hlo") else "a character device"
+    for command in ("audit", "tune"):
+        proc = cli(command, special, cache=tmp_path / "c", check=1)  # the timeout is the hang check
+        assert f"ejlabel {command}: error: ProgramReadError: x: {special} is {kind}, not a program file" in proc.stderr
+
+
+def test_tune_budget_report_names_what_it_skipped(tmp_path):
+    path = tmp_path / "cost.hlo.txt"
+    run_python(f"""
+import jax, jax.numpy as jnp
+from toy_kernels import cost
+open({str(path)!r}, "w").write(jax.jit(cost).lower(jnp.ones((8, 128))).compiler_ir("hlo").as_hlo_text())
+""")
+    proc = cli("tune", str(path), "--budget", "0.2", "--iters", "2", cache=tmp_path / "c")
+    tuned, skipped = proc.stdout.splitlines()[:2]
+    assert tuned.startswith("tuned  cost@v1:") and "impl='xla'" in tuned  # the floor's best, timed in full
+    assert skipped.strip().startswith("skipped 6 of 8 candidates (time budget; the heuristic and XLA candidates were timed)")
+    assert skipped.count("CostConfig(impl='loop'") == 6 and "trace_s=0.3" in skipped

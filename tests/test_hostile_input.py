@@ -774,3 +774,69 @@ def test_fuzz_graph_and_audit_of_parsed_text_never_crash(base: int, mutations: l
         report = audit(program, selector=ConfigSelectorChain())
     assert isinstance(report.render(), str) and isinstance(report.to_markdown(), str)
     json.loads(report.to_json())
+
+
+# ---------------------------------------------------------------- 4. unbounded reads of programs
+
+
+SMALL_PROGRAM = _module("%p = f32[4]{0} parameter(0)", f"ROOT %a = f32[4]{{0}} add(%p, %p), {LABELLED}")
+
+
+def test_program_reader_refuses_special_files_at_once(tmp_path: pathlib.Path) -> None:
+    from ejlabel.analysis import ProgramReadError, read_program
+
+    fifo = tmp_path / "pipe.hlo"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | object] = []
+    worker = threading.Thread(target=lambda: _capture(outcome, lambda: read_program(fifo)), daemon=True)
+    worker.start()
+    worker.join(20)
+    if worker.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(5)
+        pytest.fail("read_program blocked on a FIFO")
+    (err,) = outcome
+    assert isinstance(err, ProgramReadError) and "is a FIFO, not a program file" in str(err)
+    with pytest.raises(ProgramReadError, match="/dev/zero is a character device"):
+        read_program("/dev/zero")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        read_program(tmp_path / "missing.hlo")
+
+
+def test_program_reader_caps_bytes_per_file_and_per_directory(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ejlabel.analysis.program as program_module
+    from ejlabel.analysis import ProgramReadError, read_program
+
+    folder = tmp_path / "two"
+    folder.mkdir()
+    for name in ("a.hlo", "b.hlo"):
+        (folder / name).write_text(SMALL_PROGRAM)
+    size = len(SMALL_PROGRAM.encode())
+    monkeypatch.setattr(program_module, "MAX_PROGRAM_BYTES", size - 1)
+    with pytest.raises(ProgramReadError, match="limit"):
+        read_program(folder / "a.hlo")
+    monkeypatch.setattr(program_module, "MAX_PROGRAM_BYTES", size)
+    assert read_program(folder / "a.hlo").labels
+    with pytest.raises(ProgramReadError, match="b.hlo takes the program past"):  # the cap is for all files together
+        read_program(folder)
+    monkeypatch.setattr(program_module, "MAX_PROGRAM_BYTES", 2 * size)
+    assert len(read_program(folder).modules) == 2
+
+
+def test_directory_walk_skips_special_files_and_symlinked_directories(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ejlabel.analysis.program as program_module
+    from ejlabel.analysis import ProgramReadError, read_program
+
+    folder = tmp_path / "dump"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "m.hlo").write_text(SMALL_PROGRAM)
+    os.mkfifo(folder / "sub" / "pipe.hlo")
+    (folder / "sub" / "loop").symlink_to(folder)  # a cycle, if it were followed
+    (folder / "zero.hlo").symlink_to("/dev/zero")
+    program = read_program(folder)
+    assert [pm.source for pm in program.modules] == [str(folder / "sub" / "m.hlo")]
+    notes = "\n".join(program.notes)
+    assert "pipe.hlo: a FIFO, not read" in notes and "zero.hlo: a symlink" in notes and "loop: a symlink" in notes
+    monkeypatch.setattr(program_module, "MAX_DIRECTORY_ENTRIES", 3)
+    with pytest.raises(ProgramReadError, match="more than 3 entries"):
+        read_program(folder)

@@ -28,7 +28,7 @@ from ejlabel import (
 )
 from ejlabel.execution.tuning import AutotuneError
 
-from toy_kernels import LoopConfig, LoopSumKernel, loopsum, scale
+from toy_kernels import CostConfig, LoopConfig, LoopSumKernel, cost, loopsum, scale
 
 X = jax.random.normal(jax.random.key(0), (64, 512))
 FAST = AutotunePolicy(num_warmup=1, num_iters=8, compile_workers=2)
@@ -199,3 +199,48 @@ def test_backward_is_checked_and_timed_for_custom_vjp_kernels():
 
     forward_only = Autotuner(dataclasses.replace(FAST, tune_backward=False)).tune(Invocation(double, (x,)))
     assert {c.cfg: c.status for c in forward_only.candidates}[BackwardConfig(broken=True)] != "wrong"
+
+
+# ---------------------------------------------------------------- the time budget
+
+COST_X = jnp.ones((8, 128), jnp.float32)
+COST_FLOOR = [CostConfig("loop", steps=300), CostConfig("xla", steps=300)]  # heuristic, then XLA
+
+
+def test_budget_times_the_floor_first_counts_compile_time_and_says_what_it_skipped(tmp_path):
+    # Every candidate of the config space sleeps 0.3 s while traced (its compile time), more than
+    # the whole 0.2 s budget; the heuristic (a slow loop) and XLA (the fastest) compile at once.
+    policy = AutotunePolicy(num_warmup=1, num_iters=4, compile_workers=1, time_budget_s=0.2)
+    inv = Invocation(cost, (COST_X,))
+    result = Autotuner(policy).tune(inv)
+    floor = [c for c in result.candidates if c.floor]
+    assert [c.cfg for c in floor] == COST_FLOOR and result.candidates[:2] == floor
+    assert all(c.status == "ok" and c.timing.count == 4 for c in floor)  # timed in full, budget or not
+    # Compile seconds count: once the floor's compiles are in, at most one other starts, and
+    # nothing is timed past the budget.
+    assert sum(c.compile_s is not None for c in result.candidates if not c.floor) <= 1
+    assert [c.cfg.steps for c in result.skipped] == [1, 2, 4, 8, 16, 32]
+    assert all(c.timing is None and c.reason.startswith("time budget spent") for c in result.skipped)
+    # The winner is the fastest candidate timed, so never slower than the heuristic or XLA.
+    timed = [c for c in result.candidates if c.timing is not None]
+    assert result.best.timing == min(c.timing for c in timed) and result.best.floor
+    stats = result.stats()
+    assert stats["skipped"] == 6 and [c["status"] for c in stats["candidates"]].count("skipped") == 6
+    with PersistentCache(tmp_path) as pc:
+        ejlabel.execution.tuning.store_result(result, inv, None, pc)
+        (entry,) = pc.entries(op_id="cost@v1")
+        assert entry.config == result.best_cfg and entry.stats["skipped"] == 6
+
+
+def test_budget_large_enough_times_everything_and_skips_nothing():
+    policy = AutotunePolicy(num_warmup=1, num_iters=2, compile_workers=2, time_budget_s=600)
+    result = Autotuner(policy).tune(Invocation(cost, (COST_X,)), configs=[CostConfig("loop", 2), CostConfig("loop", 300)])
+    assert result.skipped == [] and all(c.timing is not None for c in result.candidates)
+    assert [c.cfg for c in result.candidates] == [CostConfig("loop", 300), CostConfig("loop", 2)]  # floor first
+
+
+def test_max_configs_keeps_the_heuristic_and_xla_candidates():
+    policy = AutotunePolicy(num_warmup=1, num_iters=2, compile_workers=2, max_configs=1)
+    result = Autotuner(policy).tune(Invocation(cost, (COST_X,)))
+    assert [c.cfg for c in result.candidates] == COST_FLOOR
+    assert result.best_cfg == CostConfig("xla", steps=300)

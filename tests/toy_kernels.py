@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -151,3 +152,44 @@ class DoubleKernel(Kernel[BackwardConfig, jax.Array]):
 
 
 double = DoubleKernel()
+
+
+@dataclasses.dataclass(frozen=True)
+class CostConfig:
+    """What a candidate costs: ``steps`` loop steps when it runs (``impl="xla"``: none), and
+    ``trace_s`` seconds of sleep while it is traced, which counts as its compile time."""
+
+    impl: str = "loop"
+    steps: int = 1
+    trace_s: float = 0.0
+
+
+class CostKernel(Kernel[CostConfig, jax.Array]):
+    """x + 1 at a cost the config sets, for tests of the tuner's time budget.
+
+    The heuristic is a slow loop; ``config_for(inv, "xla")`` (the default: ``impl`` replaced)
+    is the plain expression, the fastest; the config space is loops that are slow to compile.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("cost")
+
+    def run(self, x: jax.Array, *, cfg: CostConfig) -> jax.Array:
+        if cfg.trace_s:
+            time.sleep(cfg.trace_s)
+        if cfg.impl == "xla":
+            return x + 1.0
+        # Work that leaves the value unchanged (tanh(x) * 0 is not folded for floats).
+        return lax.fori_loop(0, cfg.steps, lambda i, acc: acc + jnp.tanh(acc) * 0.0, x) + 1.0
+
+    def reference(self, x: jax.Array) -> jax.Array:
+        return x + 1.0
+
+    def heuristic_cfg(self, inv: Invocation) -> CostConfig:
+        return CostConfig("loop", steps=300)
+
+    def config_space(self, inv: Invocation) -> list[CostConfig]:
+        return [CostConfig("loop", steps=s, trace_s=0.3) for s in (1, 2, 4, 8, 16, 32)]
+
+
+cost = CostKernel()

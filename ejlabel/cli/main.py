@@ -123,6 +123,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     report = tune_unseen(_program(args.path, args.example_args), selector=selector, policy=policy)
     for (op_id, call_key), result in report.results.items():
         print(f"tuned  {op_id}:{call_key}  {result.best.timing.median_ms:.4g} ms  {result.best_cfg!r}")
+        if result.skipped:
+            print(f"       {_skipped_line(result)}")
     for lab, error in report.errors.items():
         print(f"error  {lab}  {error}", file=sys.stderr)
     print(report.summary())
@@ -132,6 +134,16 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         "`ejlabel tune module:function --example-args ...`"
     )
     return 1 if report.errors else 0
+
+
+def _skipped_line(result: Any, shown: int = 8) -> str:
+    """``skipped 5 of 8 candidates (time budget): cfg, cfg, ...``; the floor never is."""
+    names = [repr(c.cfg) for c in result.skipped]
+    more = f", and {len(names) - shown} more (`ejlabel cache show {result.call_key}` lists all)" if len(names) > shown else ""
+    return (
+        f"skipped {len(names)} of {len(result.candidates)} candidates (time budget; the heuristic and XLA "
+        f"candidates were timed): {', '.join(names[:shown])}{more}"
+    )
 
 
 def _import_function(target: str, flag: str) -> Any:
@@ -265,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("path", help="module:function (in context), or an HLO file / XLA dump directory (isolated)")
     tune.add_argument("--example-args", help="argument specs for module:function, e.g. 'f32[8,16] i32[8]'")
-    tune.add_argument("--budget", type=_positive(float), default=None, metavar="SECONDS", help="in context: seconds for the whole search (default 300); isolated: seconds per call")
+    tune.add_argument("--budget", type=_positive(float), default=None, metavar="SECONDS", help="in context: seconds for the whole search (default 300); isolated: seconds per call, compile time "
+        "included (the heuristic and XLA candidates are always timed; the report lists what was skipped)")
     tune.add_argument("--iters", type=_positive(int), default=10, help="timed runs per candidate in isolation (default 10)")
     tune.add_argument("--max-configs", type=_positive(int), default=None, help="candidates per call at most")
     tune.add_argument("--samples", type=_positive(int), default=None, help="in context: timed steps per program and comparison (default 10)")

@@ -15,6 +15,20 @@ For one call (an :class:`~ejlabel.kernel.Invocation`) the tuner
 Candidates that fail to compile, run out of memory, give NaN or a wrong result are recorded with
 the reason and skipped. The winner goes to the memory cache and the persistent cache with
 provenance ``autotuned``, its statistics and every candidate's result.
+
+The time budget (``AutotunePolicy.time_budget_s``, per call) is spent in this order and never
+buys a worse pick:
+
+* the *floor* candidates, the heuristic config and the kernel's XLA config
+  (``kernel.config_for(inv, "xla")``), come first in the candidate list, survive
+  ``max_configs``, and are always compiled, checked and fully timed, budget or not;
+* every other candidate's compile seconds count against the budget: once they reach it, the
+  remaining candidates are not compiled; timing stops starting new candidates once compile and
+  timing together reach it;
+* a candidate is ``skipped`` only if it was never timed, so every timing taken stays in the
+  ranking: the winner is the fastest candidate measured, and the floor is always measured, so
+  the stored winner is never slower than the heuristic or XLA. ``TuneResult.skipped`` (and the
+  stored statistics) say how many candidates were skipped and which.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import functools
 import math
 import statistics
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -166,7 +181,8 @@ class CandidateResult:
 
     ``status`` is ``ok``, ``compile_error``, ``runtime_error``, ``out_of_memory``, ``nan``,
     ``wrong`` (relative error over tolerance), ``pruned`` (dropped by successive halving after
-    timing) or ``skipped`` (over the time budget).
+    timing) or ``skipped`` (never timed: the time budget was spent first). ``floor`` marks the
+    heuristic and XLA candidates, which the budget never skips.
     """
 
     cfg: Any
@@ -175,6 +191,7 @@ class CandidateResult:
     compile_s: float | None = None
     error: float | None = None
     timing: Timing | None = None
+    floor: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -184,6 +201,7 @@ class CandidateResult:
             "compile_s": self.compile_s,
             "relative_error": self.error,
             "timing": self.timing.to_dict() if self.timing is not None else None,
+            "floor": self.floor,
         }
 
 
@@ -199,10 +217,21 @@ class TuneResult:
     wall_s: float
     measure_s: float  # the part of wall_s spent checking and timing compiled candidates
 
+    @property
+    def skipped(self) -> list[CandidateResult]:
+        """Candidates never timed because the time budget was spent (in candidate order)."""
+        return [c for c in self.candidates if c.status == "skipped"]
+
     def stats(self) -> dict[str, Any]:
         """The statistics stored with the winner in the persistent cache."""
         assert self.best.timing is not None
-        return {**self.best.timing.to_dict(), "wall_s": self.wall_s, "measure_s": self.measure_s, "candidates": [c.to_dict() for c in self.candidates]}
+        return {
+            **self.best.timing.to_dict(),
+            "wall_s": self.wall_s,
+            "measure_s": self.measure_s,
+            "skipped": len(self.skipped),
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
 
 
 class AutotuneError(RuntimeError):
@@ -250,6 +279,16 @@ class _Job:
     cotangent: Any = None  # output spec when the backward pass is timed too, else None
     executables: dict[int, Any] = dataclasses.field(default_factory=dict)
     start: float = dataclasses.field(default_factory=time.perf_counter)
+    budget_s: float | None = None  # per call: compile seconds + timing seconds
+    compile_spent_s: float = 0.0  # compile seconds of this call's candidates, summed
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def over_budget(self, measured_from: float | None = None) -> bool:
+        """Whether compiling (and, given when timing began, timing) has spent the budget."""
+        if self.budget_s is None:
+            return False
+        timing = 0.0 if measured_from is None else time.perf_counter() - measured_from
+        return self.compile_spent_s + timing >= self.budget_s
 
 
 class Autotuner:
@@ -340,22 +379,33 @@ class Autotuner:
             return err
 
     def _job(self, inv: Invocation[Any, Any], configs: list[Any] | None) -> _Job:
+        """The call's candidates: the floor (heuristic, then XLA) first, then the config space.
+
+        Given ``configs``, only those are tried (in their order, the floor among them first).
+        ``max_configs`` caps the list but never drops a floor candidate.
+        """
         kernel = inv.kernel
-        heuristic = kernel.heuristic_cfg(inv)
-        space = list(configs) if configs is not None else list(kernel.config_space(inv))
-        unique = list(dict.fromkeys([heuristic, *space] if configs is None else space))
+        floor = _floor_configs(inv)
+        if configs is None:
+            unique = list(dict.fromkeys([*floor, *kernel.config_space(inv)]))
+        else:
+            given = list(dict.fromkeys(configs))
+            unique = [cfg for cfg in floor if cfg in given] + [cfg for cfg in given if cfg not in floor]
         unique = [cfg for cfg in unique if kernel.candidate_is_valid(inv, cfg)]
+        floored = sum(cfg in floor for cfg in unique)
         if self.policy.max_configs is not None:
-            unique = unique[: self.policy.max_configs]
+            unique = unique[: max(self.policy.max_configs, floored)]
         if not unique:
             raise AutotuneError(f"{inv.op_id} call {inv.call_key}: no valid candidate configs")
-        job = _Job(inv, [CandidateResult(cfg) for cfg in unique])
+        job = _Job(inv, [CandidateResult(cfg, floor=cfg in floor) for cfg in unique], budget_s=self.policy.time_budget_s)
         if self.policy.tune_backward and kernel.has_custom_vjp:
             job.cotangent = _output_spec(inv, unique)
         return job
 
     def _compile_all(self, jobs: list[_Job], progress: _Progress) -> None:
-        work = [(job, i) for job in jobs for i in range(len(job.candidates))]
+        # Every call's floor first, so a budget spent on compiling never starves it.
+        work = [(job, i) for job in jobs for i, c in enumerate(job.candidates) if c.floor]
+        work += [(job, i) for job in jobs for i, c in enumerate(job.candidates) if not c.floor]
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.policy.compile_workers) as pool:
             futures = {pool.submit(self._compile, job, job.candidates[i]): (job, i) for job, i in work}
             for future in concurrent.futures.as_completed(futures):
@@ -368,6 +418,9 @@ class Autotuner:
     @staticmethod
     def _compile(job: _Job, candidate: CandidateResult) -> Any:
         inv = job.inv
+        if not candidate.floor and job.over_budget():
+            candidate.status, candidate.reason = "skipped", "time budget spent compiling other candidates"
+            return None
         operands = (inv.args, inv.array_kwargs) + ((job.cotangent,) if job.cotangent is not None else ())
         start = time.perf_counter()
         try:
@@ -377,10 +430,12 @@ class Autotuner:
             return None
         finally:
             candidate.compile_s = time.perf_counter() - start
+            with job.lock:
+                job.compile_spent_s += candidate.compile_s
         return executable
 
     def _measure(self, job: _Job, progress: _Progress) -> TuneResult:
-        inv, policy = job.inv, self.policy
+        inv = job.inv
         measure_start = time.perf_counter()
 
         def inputs(seed: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -411,7 +466,7 @@ class Autotuner:
             else:
                 alive.append(i)
         progress.advance(len(job.candidates) - len(alive))
-        winner = self._race(job, alive, rotation, progress)
+        winner = self._race(job, alive, rotation, progress, measure_start)
         if winner is None:
             reasons = "; ".join(f"{c.cfg!r}: {c.status} ({c.reason})" for c in job.candidates)
             raise AutotuneError(f"every candidate of {inv.op_id} call {inv.call_key} failed: {reasons}")
@@ -442,14 +497,17 @@ class Autotuner:
                 continue
         return None
 
-    def _race(self, job: _Job, alive: list[int], rotation: tuple[tuple[Any, ...], ...], progress: _Progress) -> int | None:
+    def _race(
+        self, job: _Job, alive: list[int], rotation: tuple[tuple[Any, ...], ...], progress: _Progress, measure_start: float
+    ) -> int | None:
         """Successive halving over the correct candidates; returns the winner's index.
 
         Round one times every survivor ``num_iters // 8`` times (at least 2); each round drops
         the slower half (except candidates within 3% of the best median) and anything over
         ``_CLEAR_LOSS`` times the best median, and doubles the runs. Samples accumulate across rounds, so no measurement is wasted, and the last two
-        candidates are topped up to ``num_iters`` samples each before the final ranking. Past
-        the time budget, candidates not yet timed are skipped and the ranking so far decides.
+        candidates are topped up to ``num_iters`` samples each before the final ranking. Once
+        compile and timing seconds reach the budget, candidates not yet timed are skipped
+        (never the floor, which is timed first and in full) and every timing so far ranks.
         """
         policy = self.policy
         if not alive:
@@ -457,7 +515,10 @@ class Autotuner:
         samples: dict[int, list[float]] = {i: [] for i in alive}
         halving = policy.early_stop and len(alive) > 2
         runs = max(2, policy.num_iters // 8) if halving else policy.num_iters
-        deadline = job.start + policy.time_budget_s if policy.time_budget_s else math.inf
+        if job.budget_s is None:
+            deadline = math.inf
+        else:
+            deadline = measure_start + max(0.0, job.budget_s - job.compile_spent_s)
 
         per_sample = policy.calls_per_sample
 
@@ -473,20 +534,26 @@ class Autotuner:
             alive.remove(i)
             progress.advance()
 
+        # The floor is timed first and in full: it is what every other candidate must beat.
+        for i in alive:
+            if job.candidates[i].floor:
+                measure(i, policy.num_iters)
         while True:
             for i in list(alive):
-                if time.perf_counter() > deadline and not samples[i] and len(alive) > 1:
-                    drop(i, "skipped", "time budget spent")
-                elif len(samples[i]) < runs and (time.perf_counter() <= deadline or not samples[i]):
+                if time.perf_counter() > deadline and not samples[i]:
+                    drop(i, "skipped", "time budget spent before it was timed")
+                elif len(samples[i]) < runs and time.perf_counter() <= deadline:
                     measure(i, runs - len(samples[i]))
             alive.sort(key=lambda i: job.candidates[i].timing)
             if len(alive) <= 2 or runs >= policy.num_iters or time.perf_counter() > deadline:
                 break
             best = job.candidates[alive[0]].timing
             for i in alive[math.ceil(len(alive) / 2):]:
+                if job.candidates[i].floor:
+                    continue  # timed in full already; it stays in the ranking
                 if job.candidates[i].timing > (1 + _TOO_CLOSE_TO_DROP) * best:
                     drop(i, "pruned", f"in the slower half after {len(samples[i])} timed runs")
-            for i in [i for i in alive if job.candidates[i].timing > _CLEAR_LOSS * best]:
+            for i in [i for i in alive if job.candidates[i].timing > _CLEAR_LOSS * best and not job.candidates[i].floor]:
                 drop(i, "pruned", f"over {_CLEAR_LOSS}x the best median after {len(samples[i])} timed runs")
             runs = min(policy.num_iters, runs * 2)
         for i in alive:
@@ -497,6 +564,19 @@ class Autotuner:
             job.candidates[i].status = "ok"
         progress.advance(len(alive))
         return alive[0]
+
+
+def _floor_configs(inv: Invocation[Any, Any]) -> list[Any]:
+    """The heuristic config and the kernel's XLA config of ``inv`` (one if they are the same)."""
+    kernel = inv.kernel
+    floor = [kernel.heuristic_cfg(inv)]
+    try:
+        xla = kernel.config_for(inv, "xla")
+    except Exception:  # noqa: BLE001 - a kernel's own hook failing only loses the XLA candidate
+        xla = None
+    if xla is not None and xla not in floor:
+        floor.append(xla)
+    return floor
 
 
 def _candidate_function(inv: Invocation[Any, Any], cfg: Any, backward: bool) -> Callable[..., Any]:
