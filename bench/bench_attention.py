@@ -379,33 +379,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     checks: list[Check] = []
     start = time.perf_counter()
-    for name, section in (("a", section_a), ("b", section_b), ("c", section_c)):
-        if name in only:
+    sections = {"a": section_a, "b": section_b, "c": section_c}
+    for name in only:  # in the order given: a run cut short keeps the sections that came first
+        if name == "check":
+            impls = ["pallas", *extra_impls(), "cudnn", "xla"]
+            for case_name, case in grid(args.quick or args.tiny, args.tiny):
+                try:
+                    checks += check_case(case_name, case, impls)
+                except Exception as err:
+                    checks.append(Check(case_name, "-", note=f"FAILED: {reason(err)}"))
+                save(rows, checks)
+        else:
             try:
-                rows += section(args)
+                rows += sections[name](args)
             except Exception:
                 traceback.print_exc()
                 rows.append(Row(name, "-", "-", "-", note="FAILED: section raised, see the log"))
-            print(f"section {name} done at {time.perf_counter() - start:.0f} s", flush=True)
-    if "check" in only:
-        impls = ["pallas", *extra_impls(), "cudnn", "xla"]
-        for name, case in grid(args.quick or args.tiny, args.tiny):
-            try:
-                checks += check_case(name, case, impls)
-            except Exception as err:
-                checks.append(Check(name, "-", note=f"FAILED: {reason(err)}"))
-        print(f"checks done at {time.perf_counter() - start:.0f} s", flush=True)
+            print("\n" + markdown([r for r in rows if r.section == name]) + "\n", flush=True)
+        save(rows, checks)
+        print(f"section {name} done at {time.perf_counter() - start:.0f} s", flush=True)
     if rows:
         print("\n" + markdown(rows))
     if checks:
         print("\n" + markdown_checks(checks))
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
-            payload = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "rows": [dataclasses.asdict(r) for r in rows]}
-            payload["checks"] = [dataclasses.asdict(c) | {"ok": c.ok} for c in checks]
-            json.dump(payload, f, indent=1)
     return 0
+
+
+def save(rows: list[Row], checks: list[Check]) -> None:
+    """Everything measured so far to ``$OUT/bench_attention.{json,md}`` (when ``$OUT`` is set)."""
+    out_dir = os.environ.get("OUT")
+    if not out_dir:
+        return
+    payload = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "rows": [dataclasses.asdict(r) for r in rows]}
+    payload["checks"] = [dataclasses.asdict(c) | {"ok": c.ok} for c in checks]
+    with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
+        json.dump(payload, f, indent=1)
+    with open(os.path.join(out_dir, "bench_attention.md"), "w") as f:
+        f.write(markdown(rows) + "\n\n" + markdown_checks(checks) + "\n")
 
 
 if __name__ == "__main__":
