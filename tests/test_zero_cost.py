@@ -17,7 +17,7 @@ from ejlabel.cli import examples
 from ejlabel.core.label_format import LABEL_ATTRIBUTE
 
 CFG = examples.TINY
-MODELS = {"one document per row": examples.TINY}
+MODELS = {"one document per row": examples.TINY, "packed documents": examples.TINY_PACKED}
 
 
 def _instructions(text: str) -> list[tuple[str, str]]:

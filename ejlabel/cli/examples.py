@@ -91,11 +91,17 @@ def _plain_rms_norm(x: Array, w: Array, eps: float = 1e-6) -> Array:
 
 
 def _plain_attention(q: Array, k: Array, v: Array, segment_ids: Array | None) -> Array:
-    # cuDNN's fused attention where there is one: the fastest thing plain JAX offers. Packed
-    # documents take the dense block-diagonal mask, the only way plain JAX has to say it.
+    # cuDNN's fused attention where there is one: the fastest thing plain JAX offers.
     implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
-    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+    if segment_ids is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    # Packed documents: the dense block-diagonal mask, the only way plain JAX has to say it. Ids
+    # <= 0 are the padding a packing pipeline leaves at row ends: a padding query sees nothing,
+    # so its softmax row is meaningless (NaN on some backends) and is zeroed.
+    real = segment_ids > 0
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & real[:, :, None]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], is_causal=True, implementation=implementation)
+    return jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
 def _plain_unembed_loss(hidden: Array, unembedding: Array, labels: Array) -> Array:
