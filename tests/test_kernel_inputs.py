@@ -31,3 +31,42 @@ QKV = jnp.ones((1, 8, 2, 16), jnp.float32)
 def test_bad_arguments_name_the_argument(call, argument: str):
     with pytest.raises(TypeError, match=f"^{argument}:"):
         call()
+
+
+@pytest.mark.parametrize(
+    "x, error, message",
+    [
+        ("not a program", ValueError, r"^x: expected a Lowered, a Compiled, HLO or StableHLO text.*'not a program'"),
+        (b"junk bytes", ValueError, r"^x: expected a Lowered.*'junk bytes'"),
+        ("", ValueError, r"^x: expected a Lowered"),  # not the current directory
+        ("missing_model.hlo", FileNotFoundError, r"^x: no such file or directory: missing_model\.hlo"),
+        (42, TypeError, r"^x: expected a Lowered, a Compiled, program text.*got int$"),
+        (None, TypeError, r"^x: expected .*got NoneType$"),
+        (matmul, TypeError, r"^x: expected .*lower a function first"),
+        (["not a label"], ValueError, r"^x\[0\]: expected a label"),
+        ([F32], ValueError, r"^x\[0\]: expected a label"),
+    ],
+)
+def test_labels_to_configs_rejects_what_is_not_a_program(x, error, message):
+    from ejlabel import find_labels_in_lowered, labels_to_configs
+
+    with pytest.raises(error, match=message):
+        labels_to_configs(x)
+    if not isinstance(x, list):  # the reader it uses has the same contract
+        with pytest.raises(error, match=message):
+            find_labels_in_lowered(x)
+
+
+def test_labels_to_configs_reads_every_program_form():
+    import jax
+
+    from ejlabel import labels_to_configs
+    from ejlabel.analysis import read_program
+
+    lowered = jax.jit(lambda a, b: matmul(a, b)).lower(F32, F32)
+    forms = [lowered, lowered.compile(), lowered.as_text(), lowered.compiler_ir("hlo").as_hlo_text(), read_program(lowered)]
+    answers = [labels_to_configs(x) for x in forms]
+    assert len(answers[0]) == 1 and answers[0][0].label.startswith("ejkernel_ops#matmul@v")
+    assert all([pair.label for pair in answer] == [answers[0][0].label] for answer in answers)
+    assert labels_to_configs([answers[0][0].label]) == answers[0] and labels_to_configs([]) == []
+    assert labels_to_configs("HloModule empty\n\nENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(1)\n}\n") == []

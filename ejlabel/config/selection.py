@@ -279,8 +279,10 @@ def set_default_selector(get_selector: Callable[[], ConfigSelectorChain] | None)
 def labels_to_configs(x: Any, selector: ConfigSelectorChain | None = None, device: str | None = None) -> list[LabelConfig]:
     """For each distinct label in ``x``, the config it maps to (None when nothing is cached).
 
-    ``x`` is anything :func:`find_labels_in_lowered` accepts, or a list of labels (its
-    result, as ejkernel's docs pass it). ``selector`` defaults to the
+    ``x`` is anything :func:`find_labels_in_lowered` accepts, a list of labels (its
+    result, as ejkernel's docs pass it), or an ``ejlabel.analysis.Program`` (its ``labels``).
+    Anything else (``"not a program"``, a number, a list of non-labels) is a TypeError or
+    ValueError naming ``x``, never an empty answer. ``selector`` defaults to the
     default executor's (the one ``kernel(*args)`` runs through). ``device`` defaults to the
     fingerprint of this process's default device.
     """
@@ -292,10 +294,28 @@ def labels_to_configs(x: Any, selector: ConfigSelectorChain | None = None, devic
         raise TypeError(f"selector: expected a ConfigSelectorChain, got {type(selector).__name__}")
     dev = device if device is not None else device_fingerprint()
     pairs = []
-    # A list of labels (what find_labels_in_lowered returns) is taken as it is.
-    found_labels = list(dict.fromkeys(x)) if isinstance(x, (list, tuple)) and all(isinstance(i, str) for i in x) else find_labels_in_lowered(x)
+    found_labels = _labels_of(x)
     for lab in found_labels:
         op_id, call_key = parse_label(lab)
         found = selector.resolve((dev, op_id, call_key))
         pairs.append(LabelConfig(lab, found.cfg if found else None, found.provenance if found else None))
     return pairs
+
+
+def _labels_of(x: Any) -> list[str]:
+    """The distinct labels ``x`` names: a list of labels as it is, a Program's (duck-typed, so
+    this layer never imports the analysis package), else what :func:`find_labels_in_lowered` finds."""
+    program_labels = getattr(x, "labels", None)
+    if isinstance(program_labels, tuple) and hasattr(x, "descriptions"):
+        x = list(program_labels)
+    if not isinstance(x, (list, tuple)):
+        return find_labels_in_lowered(x)
+    for i, item in enumerate(x):
+        try:
+            parse_label(item)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"x[{i}]: expected a label '<prefix>#<op>@v<version>:<16 hex>' (x is a list, so it must "
+                f"hold labels, as find_labels_in_lowered returns them), got {item!r:.80}"
+            ) from None
+    return list(dict.fromkeys(x))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -156,18 +157,44 @@ def program_texts(x: Any) -> list[str]:
         return [text]
     if isinstance(x, os.PathLike) or (isinstance(x, str) and _looks_like_path(x)):
         return [p.read_text(errors="replace") for p in _program_files(Path(x))]
-    if isinstance(x, str):
-        return [x]
     if isinstance(x, bytes):
-        return [x.decode(errors="replace")]
+        x = x.decode(errors="replace")
+    if isinstance(x, str):
+        _check_program_text(x)
+        return [x]
+    hint = "; lower a function first: jax.jit(f).lower(*args)" if callable(x) else ""
     raise TypeError(
         "x: expected a Lowered, a Compiled, program text, or a path to an HLO file or XLA dump "
-        f"directory, got {type(x).__name__}"
+        f"directory, got {type(x).__name__}{hint}"
     )
 
 
 def _looks_like_path(text: str) -> bool:
-    return "\n" not in text and len(text) < 4096 and Path(text).exists()
+    # Blank text is not a path: Path("") is the current directory.
+    return "\n" not in text and len(text) < 4096 and bool(text.strip()) and Path(text).exists()
+
+
+# How HLO text (``HloModule``, ``ENTRY``, a computation ``name (...`` / ``name {``) and MLIR text
+# (``module``, ``func.func``, ``#loc``/aliases, comments) begin; possessive, so linear.
+_PROGRAM_START = re.compile(
+    r"\s*+(?:HloModule\b|ENTRY\b|module\b|func\.func\b|builtin\.module\b|\"builtin\.module\"|[#%]|//|/\*"
+    r"|[A-Za-z_][\w.\-]*+\s*+[({])"
+)
+
+
+def _check_program_text(text: str) -> None:
+    """ValueError unless ``text`` can be program text: it starts as HLO or MLIR text does, or
+    holds a label (a snippet cut out of one). A one-line name that ends like a program file is a
+    missing file; anything else (``"not a program"``) is refused instead of read as no labels."""
+    if _PROGRAM_START.match(text) is not None or LABEL_RE.search(text) is not None:
+        return
+    line = text.strip()
+    if "\n" not in line and line.endswith((*_DUMP_SUFFIXES, "/")):
+        raise FileNotFoundError(f"x: no such file or directory: {line}")
+    raise ValueError(
+        "x: expected a Lowered, a Compiled, HLO or StableHLO text, or a path to an existing program "
+        f"file or XLA dump directory; got a str that is none of these: {text[:60]!r}"
+    )
 
 
 def _program_files(path: Path) -> list[Path]:
