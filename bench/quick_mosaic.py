@@ -1,0 +1,90 @@
+"""Quick H100 check of the Mosaic GPU attention against cuDNN (and our Triton path), one process.
+
+    python bench/quick_mosaic.py
+
+Causal B4 S4096 H16 D128 bf16 forward and forward+backward, then packed documents at the
+example model's shape (B8 S2048, 12 heads, 4 kv heads, dim 64, 4 documents per row) against
+cuDNN with the dense block-diagonal causal mask. TFLOP/s of visible work (the backward counted
+as 2.5 forwards); medians of interleaved samples (bench/_timing.py). The full benchmark is
+bench/bench_attention.py; this one only tells where the Mosaic kernels stand.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from _timing import time_interleaved
+from ejlabel.kernels import attention_mosaic as am
+from ejlabel.kernels.attention import AttentionConfig, flash_attention
+
+
+def inputs(batch: int, seq: int, heads: int, kv_heads: int, dim: int) -> tuple[jax.Array, ...]:
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (batch, seq, heads, dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, seq, kv_heads, dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, seq, kv_heads, dim), jnp.bfloat16)
+    probe = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    return q, k, v, probe
+
+
+def steps(attend: dict[str, Any], q: jax.Array, k: jax.Array, v: jax.Array, probe: jax.Array) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, fn in attend.items():
+        fwd = jax.jit(fn)
+        both = jax.jit(jax.value_and_grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) * probe), argnums=(0, 1, 2)))
+        out[f"{name} fwd"] = lambda fwd=fwd: fwd(q, k, v)
+        out[f"{name} fwd+bwd"] = lambda both=both: both(q, k, v)
+    return out
+
+
+def report(title: str, variants: dict[str, Any], flops_fwd: float, samples: int = 15, per_sample: int = 5) -> list[str]:
+    working = {}
+    for name, step in variants.items():
+        try:
+            jax.block_until_ready(step())
+            working[name] = step
+        except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest still run
+            print(f"{title} / {name}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+            traceback.print_exc(limit=3)
+    times = time_interleaved(working, samples, per_sample)
+    lines = [f"### {title}", "| variant | ms | TFLOP/s |", "|---|---|---|"]
+    for name, ms in times.items():
+        flops = flops_fwd * (1.0 if name.endswith(" fwd") else 3.5)
+        lines.append(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def main() -> None:
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, hopper={am.on_hopper()}", flush=True)
+    tables = []
+
+    batch, seq, heads, dim = 4, 4096, 16, 128
+    q, k, v, probe = inputs(batch, seq, heads, heads, dim)
+    attend = {
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+        "mosaic": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True),
+        "triton": lambda q, k, v: flash_attention(q, k, v, causal=True, cfg=AttentionConfig("pallas")),
+    }
+    tables += report("causal B4 S4096 H16 D128 bf16", steps(attend, q, k, v, probe), 4 * batch * heads * dim * seq * seq / 2)
+
+    batch, seq, heads, kv_heads, dim, docs = 8, 2048, 12, 4, 64, 4
+    q, k, v, probe = inputs(batch, seq, heads, kv_heads, dim)
+    ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
+    dense = (ids[:, :, None] == ids[:, None, :]) & (jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :])
+    attend = {
+        "cudnn dense mask": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense[:, None], implementation="cudnn"),
+        "mosaic segments": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids),
+        "triton segments": lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=ids, cfg=AttentionConfig("pallas")),
+    }
+    doc = seq // docs
+    tables += report("packed B8 S2048 H12/4 D64, 4 documents", steps(attend, q, k, v, probe), 4 * batch * heads * dim * docs * doc * doc / 2)
+    print("\n" + "\n".join(tables))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,857 @@
+"""Flash attention on the Pallas Mosaic GPU backend, for Hopper (sm_90a).
+
+Same function and conventions as :mod:`kernels.attention` (``[batch, seq, heads, dim]``,
+grouped-query attention, causal, sliding window, segment ids with ids ``<= 0`` as padding; a
+query that sees nothing gets output 0 and gradient 0; the log-sum-exp is kept in base 2 for
+the backward), written for what the Triton backend cannot express:
+
+- **Warp specialisation.** Each program (CTA) runs three warpgroups: two consumers that each
+  own 64 rows of the program's 128-row tile and do the math with ``wgmma``, and one producer
+  that only issues TMA copies. The producer gives most of its registers to the consumers.
+- **A ring of shared-memory stages.** The producer streams the blocks the tile must visit into
+  ``stages`` slots; a "ready" barrier per slot (completed by the TMA engine) and a "consumed"
+  barrier per slot (two arrivals, one per consumer) keep the two sides in step. Keys and values
+  have separate barriers so the next key block can land while the current ``P V`` runs.
+- **A visiting plan instead of a mask over everything.** Outside the kernel, each tile gets the
+  range ``[lo, hi)`` of blocks it must visit (from causal bounds, windows, padded keys and
+  segment ids) and, inside it, the run ``[a, c)`` of blocks that every row sees whole. The
+  kernel walks ``[lo, a)`` and ``[c, hi)`` with a mask and ``[a, c)`` without one; blocks
+  outside ``[lo, hi)`` are never loaded. With packed documents that skips every block pair of
+  two different documents.
+
+Kernels:
+
+- forward: one program per (query tile of 128 rows, head, batch); walks key/value blocks with
+  an online softmax in float32, base 2;
+- backward, split in two kernels (the simplest split that needs no atomics and no
+  per-query-head partials): ``dq`` per query tile walking key/value blocks, and ``dk, dv``
+  per key/value tile of 128 rows walking, for each query head of its group, the query blocks
+  that see it. A fused kernel would save recomputing ``q k^T`` and ``dO v^T`` once, at the
+  price of float32 atomics on ``dq``; the split is kept until it is measured to lose.
+
+Sequences are padded to whole tiles and the head dimension to a multiple of 64 (the width of a
+128-byte swizzled row of 16-bit elements) outside the kernels; padded keys are masked, padded
+queries sliced off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from ejlabel import BwdParams, FwdParams
+
+from ._attention_blocks import segment_block_ranges, uniform_block_ranges
+from ._pallas import MASK_VALUE, pad_axis, pad_to
+
+try:  # The Mosaic GPU backend may be missing from a JAX build; the module still imports.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - depends on the JAX build
+    plgpu = None
+
+__all__ = [
+    "WG_ROWS",
+    "mosaic_attention",
+    "mosaic_available",
+    "mosaic_backward",
+    "mosaic_forward",
+    "mosaic_supports",
+    "on_hopper",
+]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+WG_ROWS = 64  # rows of a tile one consumer warpgroup owns: the M of one wgmma
+_CONSUMERS = 2
+_TILE = WG_ROWS * _CONSUMERS  # rows per program
+_DIM_MULTIPLE = 64  # 128-byte swizzle of 16-bit elements
+_MAX_DIM = 256
+Window = tuple[int | None, int | None]
+
+
+def mosaic_available() -> bool:
+    """Whether this JAX has the Mosaic GPU backend of Pallas."""
+    return plgpu is not None
+
+
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x), where wgmma runs."""
+    if plgpu is None or jax.default_backend() != "gpu":
+        return False
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    return capability.startswith("9.")
+
+
+def mosaic_supports(dtype: Any, dim: int, *, backward: bool = True) -> bool:
+    """Whether the kernels take this dtype and head dimension (the backward needs dim <= 128:
+    its two float32 accumulators of ``64 x dim`` must fit in a warpgroup's registers)."""
+    padded = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
+    limit = 128 if backward else _MAX_DIM
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and 0 < padded <= limit
+
+
+# --------------------------------------------------------------------------------------------
+# Visiting plans
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """Static facts of one call, after padding."""
+
+    scale: float  # softmax scale times log2(e)
+    bounds: Window
+    kv_len: int | None  # the true key length when keys are padded and there are no segment ids
+    group: int  # query heads per key/value head
+    segmented: bool
+    interpret: bool = False  # run in the Mosaic GPU interpreter (CPU tests)
+
+
+def _positional_visibility(rows: int, cols: int, block_r: int, block_c: int, shape: _Shape, *, transpose: bool) -> tuple[jax.Array, jax.Array]:
+    """``(any, all) [1, rows/block_r, cols/block_c]`` over block pairs under positions alone
+    (causal bounds, window, padded keys): whether some, and whether every, (query, key) pair of
+    the two blocks is visible. With ``transpose`` the row blocks are key blocks."""
+    r = jnp.arange(rows // block_r, dtype=jnp.int32)[:, None]
+    c = jnp.arange(cols // block_c, dtype=jnp.int32)[None, :]
+    q_first, q_last = (c * block_c, c * block_c + block_c - 1) if transpose else (r * block_r, r * block_r + block_r - 1)
+    k_first, k_last = (r * block_r, r * block_r + block_r - 1) if transpose else (c * block_c, c * block_c + block_c - 1)
+    some = every = jnp.ones((r.shape[0], c.shape[1]), bool)
+    left, right = shape.bounds
+    if right is not None:  # key <= query + right
+        some, every = some & (k_first <= q_last + right), every & (k_last <= q_first + right)
+    if left is not None:  # key >= query - left
+        some, every = some & (k_last >= q_first - left), every & (k_first >= q_last - left)
+    if shape.kv_len is not None:
+        some, every = some & (k_first < shape.kv_len), every & (k_last < shape.kv_len)
+    return some[None], every[None]
+
+
+def _plan(some: jax.Array, every: jax.Array) -> Int[Array, "4 batch blocks"]:
+    """``[4, batch, row blocks]`` int32: ``lo, hi, a, c`` per row block from block-pair tables.
+    Columns ``[lo, hi)`` are visited, ``[a, c)`` of them without a mask (``lo <= a <= c <= hi``)."""
+    every = every & some
+    n = some.shape[2]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    lo = jnp.min(jnp.where(some, idx, n), axis=2)
+    hi = jnp.max(jnp.where(some, idx + 1, 0), axis=2)
+    lo = jnp.minimum(lo, hi)  # nothing visible: lo = hi = 0
+    a = jnp.min(jnp.where(every, idx, hi[..., None]), axis=2)
+    c = jnp.min(jnp.where(~every & (idx >= a[..., None]), idx, hi[..., None]), axis=2)
+    c = jnp.clip(c, a, hi)
+    return jnp.stack([lo, hi, a, c]).astype(jnp.int32)
+
+
+def _visit_plan(
+    rows: int, cols: int, block_r: int, block_c: int, shape: _Shape, segment_ids: jax.Array | None, batch: int, *, transpose: bool
+) -> Int[Array, "4 batch blocks"]:
+    """The plan (see :func:`_plan`) of every row block: positions give one plan, segment ids
+    (through :func:`segment_block_ranges`, which never builds the block-pair table) another;
+    the blocks visited are those both visit, and a block runs unmasked only if both say so."""
+    plan = jnp.broadcast_to(_plan(*_positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose)), (4, batch, rows // block_r))
+    if segment_ids is None:
+        return plan
+    q_rows, k_rows = (cols, rows) if transpose else (rows, cols)
+    block_q, block_k = (block_c, block_r) if transpose else (block_r, block_c)
+    ranges = segment_block_ranges(segment_ids[:, :q_rows], segment_ids[:, :k_rows], block_q, block_k)
+    runs = uniform_block_ranges(ranges)
+    seg_lo, seg_hi, first, last = (
+        (ranges.q_lo, ranges.q_hi, runs.q_first, runs.q_last) if transpose else (ranges.kv_lo, ranges.kv_hi, runs.kv_first, runs.kv_last)
+    )
+    lo = jnp.maximum(plan[0], seg_lo)
+    hi = jnp.maximum(jnp.minimum(plan[1], seg_hi), lo)
+    a = jnp.clip(jnp.maximum(plan[2], first), lo, hi)
+    c = jnp.clip(jnp.minimum(plan[3], last), a, hi)
+    run = a < c  # an empty unmasked run: every visited block gets the mask
+    a, c = jnp.where(run, a, lo), jnp.where(run, c, lo)
+    return jnp.stack([lo, hi, a, c]).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared kernel pieces
+
+
+def _smem_tile(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A shared-memory buffer laid out for TMA and wgmma: 8-row tiles, 128-byte swizzle."""
+    elems = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128)))
+
+
+def _row_layout() -> Any:
+    return plgpu.Layout.WGMMA.reduce(1)
+
+
+def _col_layout() -> Any:
+    return plgpu.Layout.WGMMA.reduce(0)
+
+
+def _cast(shape: _Shape, x: jax.Array, layout: Any) -> jax.Array:
+    """``x`` in a register layout; the interpreter has no layouts, so there it is ``x``."""
+    return x if shape.interpret else plgpu.layout_cast(x, layout)
+
+
+def _load(shape: _Shape, ref: Any, layout: Any) -> jax.Array:
+    """A whole shared-memory ref, loaded into ``layout``."""
+    return ref[...] if shape.interpret else plgpu.load(ref, (), layout=layout)
+
+
+def _visibility(
+    shape: _Shape, q_start: jax.Array, k_start: jax.Array, rows: int, cols: int,
+    q_seg: jax.Array | None, k_seg: jax.Array | None, *, transpose: bool,
+) -> jax.Array | None:
+    """``[rows, cols]`` mask in the wgmma layout: rows are queries (keys with ``transpose``)."""
+    r = _cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 0), plgpu.Layout.WGMMA)
+    c = _cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 1), plgpu.Layout.WGMMA)
+    q_pos, k_pos = (c + q_start, r + k_start) if transpose else (r + q_start, c + k_start)
+    conditions = []
+    left, right = shape.bounds
+    if right is not None:
+        conditions.append(k_pos <= q_pos + right)
+    if left is not None:
+        conditions.append(k_pos >= q_pos - left)
+    if shape.kv_len is not None:
+        conditions.append(k_pos < shape.kv_len)
+    if q_seg is not None:
+        q_dim, k_dim = (1, 0) if transpose else (0, 1)
+        qs = lax.broadcast_in_dim(q_seg, (rows, cols), [q_dim])
+        ks = lax.broadcast_in_dim(k_seg, (rows, cols), [k_dim])
+        conditions.append((qs == ks) & (qs > 0))
+    return functools.reduce(jnp.logical_and, conditions) if conditions else None
+
+
+def _three_loops(plan_ref: Any, b: jax.Array, tile: jax.Array, step: Any, carry: Any, offset: Any = 0) -> Any:
+    """``step(j, t, carry, masked)`` over the planned blocks ``j``; ``t = offset + j - lo``
+    counts the producer's steps (it picks the ring slot)."""
+    lo, hi, a, c = (plan_ref[n, b, tile] for n in range(4))
+
+    def run(start: jax.Array, stop: jax.Array, masked: bool, carry: Any) -> Any:
+        return lax.fori_loop(start, stop, lambda j, cr: step(j, offset + j - lo, cr, masked), carry)
+
+    carry = run(lo, a, True, carry)
+    carry = run(a, c, False, carry)
+    return run(c, hi, True, carry)
+
+
+def _produce(
+    plan_ref: Any, b: jax.Array, tile: jax.Array, stages: int,
+    streams: list[tuple[Any, Any, Any, Any]], repeats: int = 1,
+) -> None:
+    """The producer warpgroup: for every planned block, TMA each stream's block into its ring.
+
+    ``streams``: ``(source(j, r) -> gmem ref, ring, ready barriers, consumed barriers)``; a slot
+    is refilled only after both consumers arrived on its consumed barrier (streams with None
+    there are freed with the stream before them). The planned blocks are walked ``repeats``
+    times, ``r`` counting the walks (the query heads of a group in the backward).
+    """
+    lo, hi = plan_ref[0, b, tile], plan_ref[1, b, tile]
+    n = hi - lo
+
+    def body(t: jax.Array, carry: Any) -> Any:
+        slot = lax.rem(t, stages)
+        r, j = (jnp.int32(0), lo + t) if repeats == 1 else (lax.div(t, n), lo + lax.rem(t, n))
+        for source, ring, ready, consumed in streams:
+            if consumed is not None:
+                pl.when(t >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
+            plgpu.copy_gmem_to_smem(source(j, r), ring.at[slot], ready.at[slot])
+        return carry
+
+    steps = repeats * n
+    lax.fori_loop(0, steps, body, None)
+
+    # Observe the last consumptions too, so every barrier phase is waited for before the
+    # program's shared memory goes away (the interpreter checks it; on the GPU it is free).
+    def drain(t: jax.Array, carry: Any) -> Any:
+        for _, _, _, consumed in streams:
+            if consumed is not None:
+                plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+        return carry
+
+    lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
+
+
+def _operand(x: Any) -> jax.Array:
+    return x if isinstance(x, jax.Array) else x[...]
+
+
+def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool) -> jax.Array:
+    """``a @ b`` (``a @ b^T`` with ``transpose_b``) into a fresh float32 accumulator: ``a`` in
+    shared memory or registers, ``b`` in shared memory, the product with wgmma.
+
+    The interpreter cannot take transposed shared-memory operands, so there the same product
+    is an ordinary dot of the loaded values.
+    """
+    if shape.interpret:
+        return lax.dot_general(_operand(a), b[...], (((1,), (1 if transpose_b else 0,)), ((), ())), preferred_element_type=jnp.float32)
+    rhs = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+    rows = a.shape[0]
+    cols = b.shape[0] if transpose_b else b.shape[1]
+
+    def run(acc_ref: Any) -> jax.Array:
+        plgpu.wgmma(acc_ref, a, rhs)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
+
+
+def _mma_into(shape: _Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
+    """``acc + a @ b``, the wgmma accumulating in ``acc``'s registers (``run_state``)."""
+    if shape.interpret:
+        return acc + lax.dot_general(_operand(a), b[...], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def run(acc_ref: Any) -> None:
+        plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def _compiler_params() -> Any:
+    return plgpu.CompilerParams(approx_math=True)
+
+
+def _interpret_params() -> Any:
+    """The Mosaic GPU interpreter's parameters (a private class in the JAX releases we use):
+    it simulates shared memory, barriers, TMA and wgmma on the CPU, so values are tested there."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+_CONSUMER_REGISTERS = 232
+_PRODUCER_REGISTERS = 40
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+
+
+def _forward_call(
+    q: jax.Array, k: jax.Array, v: jax.Array, plan: jax.Array, segment_ids: jax.Array | None,
+    shape: _Shape, *, block_k: int, stages: int,
+) -> tuple[jax.Array, jax.Array]:
+    """``(out [batch, seq_q, heads, dim], lse [batch, heads, seq_q])`` on padded operands."""
+    batch, seq_q, heads, dim = q.shape
+    dtype = q.dtype
+    tiles = seq_q // _TILE
+    segmented = segment_ids is not None
+    reverse = shape.bounds[1] is not None  # causal: the longest rows first
+
+    def body(q_ref: Any, k_ref: Any, v_ref: Any, plan_ref: Any, *refs: Any) -> None:
+        if segmented:
+            seg_ref, out_ref, lse_ref, scratch, barriers = refs
+        else:
+            (out_ref, lse_ref, scratch, barriers), seg_ref = refs, None
+        q_smem, k_ring, v_ring, lse_smem, qseg_smem, kseg_ring = scratch
+        q_ready, k_ready, v_ready, k_used, v_used, qseg_ready, kseg_ready = barriers
+        h, b = lax.axis_index("heads"), lax.axis_index("batch")
+        tile = lax.axis_index("tiles")
+        if reverse:
+            tile = tiles - 1 - tile
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < _CONSUMERS)
+        def _consumer() -> None:
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            row0 = tile * _TILE + wg * WG_ROWS
+            my_q = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, WG_ROWS), h], my_q, q_ready.at[wg])
+            q_seg = None
+            if segmented:
+                plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(row0, WG_ROWS)], qseg_smem.at[wg], qseg_ready.at[wg])
+                plgpu.barrier_wait(qseg_ready.at[wg])
+                q_seg = _load(shape, qseg_smem.at[wg], _row_layout())
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            def step(j: jax.Array, t: jax.Array, carry: Any, masked: bool) -> Any:
+                acc, m, l = carry
+                slot = lax.rem(t, stages)
+                k_seg = None
+                if segmented:
+                    plgpu.barrier_wait(kseg_ready.at[slot])
+                    if masked:
+                        k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
+                plgpu.barrier_arrive(k_used.at[slot])
+                s = s * shape.scale
+                mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False) if masked else None
+                if mask is not None:
+                    s = jnp.where(mask, s, MASK_VALUE)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                if mask is not None:
+                    # A row with nothing visible yet has m_new == MASK_VALUE and exp2(0) == 1.
+                    p = jnp.where(mask, p, 0.0)
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                acc = _mma_into(shape, acc, p16, v_ring.at[slot])
+                plgpu.barrier_arrive(v_used.at[slot])
+                return acc, m_new, l
+
+            init = (
+                _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA),
+                _cast(shape, jnp.full((WG_ROWS,), MASK_VALUE, jnp.float32), _row_layout()),
+                _cast(shape, jnp.zeros((WG_ROWS,), jnp.float32), _row_layout()),
+            )
+            acc, m, l = _three_loops(plan_ref, b, tile, step, init)
+            seen = l > 0.0
+            safe_l = jnp.where(seen, l, 1.0)
+            inv = jnp.where(seen, 1.0 / safe_l, 0.0)
+            my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+            # Rows that see nothing get any finite value: every use of it is masked.
+            lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(safe_l) * (1.0 / _LN2), 0.0)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, out_ref.at[b, pl.ds(row0, WG_ROWS), h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, WG_ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _CONSUMERS)
+        def _producer() -> None:
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            kv_head = lax.div(h, jnp.int32(shape.group))
+            streams = [
+                (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
+                (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
+            ]
+            if segmented:  # slots of the segment ring are freed with the key slots
+                streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
+            _produce(plan_ref, b, tile, stages, streams)
+
+    scratch = (
+        _smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((stages, block_k, dim), dtype),
+        _smem_tile((stages, block_k, dim), dtype),
+        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.int32),
+        plgpu.SMEM((stages, block_k), jnp.int32),
+    )
+    barriers = (
+        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=stages),
+    )
+    extra = {"interpret": _interpret_params()} if shape.interpret else {}
+    operands = (q, k, v, plan) + ((segment_ids,) if segmented else ())
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)),
+        scratch_types=(scratch, barriers),
+        grid=(heads, tiles, batch),
+        grid_names=("heads", "tiles", "batch"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=_compiler_params(),
+        **extra,
+    )(*operands)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+
+
+def _dq_call(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_k: int, stages: int,
+) -> jax.Array:
+    """``dq [batch, seq_q, heads, dim]``: one program per 128-row query tile, walking the
+    key/value blocks of the plan; ``p`` is rebuilt from the saved log-sum-exp."""
+    batch, seq_q, heads, dim = q.shape
+    dtype = q.dtype
+    tiles = seq_q // _TILE
+    segmented = segment_ids is not None
+
+    def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, *refs: Any) -> None:
+        if segmented:
+            seg_ref, dq_ref, scratch, barriers = refs
+        else:
+            (dq_ref, scratch, barriers), seg_ref = refs, None
+        q_smem, do_smem, k_ring, v_ring, lse_smem, delta_smem, qseg_smem, kseg_ring = scratch
+        q_ready, k_ready, v_ready, k_used, v_used, kseg_ready = barriers
+        h, b, tile = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("tiles")
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < _CONSUMERS)
+        def _consumer() -> None:
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            row0 = tile * _TILE + wg * WG_ROWS
+            rows = pl.ds(row0, WG_ROWS)
+            my_q, my_do = q_smem.at[wg], do_smem.at[wg]
+            # One barrier, several copies: it expects one arrival per copy.
+            ready = q_ready.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], my_q, ready)
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], my_do, ready)
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[wg], ready)
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[wg], ready)
+            if segmented:
+                plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[wg], ready)
+            plgpu.barrier_wait(ready)
+            lse = _load(shape, lse_smem.at[wg], _row_layout())
+            delta = _load(shape, delta_smem.at[wg], _row_layout())
+            q_seg = _load(shape, qseg_smem.at[wg], _row_layout()) if segmented else None
+
+            def step(j: jax.Array, t: jax.Array, dq: jax.Array, masked: bool) -> jax.Array:
+                slot = lax.rem(t, stages)
+                k_seg = None
+                if segmented:
+                    plgpu.barrier_wait(kseg_ready.at[slot])
+                    if masked:
+                        k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
+                plgpu.barrier_wait(k_ready.at[slot])
+                s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
+                p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+                if masked:
+                    mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False)
+                    if mask is not None:
+                        p = jnp.where(mask, p, 0.0)
+                plgpu.barrier_wait(v_ready.at[slot])
+                dp = _mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
+                plgpu.barrier_arrive(v_used.at[slot])
+                ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+                dq = _mma_into(shape, dq, ds, k_ring.at[slot])
+                plgpu.barrier_arrive(k_used.at[slot])
+                return dq
+
+            dq = _three_loops(plan_ref, b, tile, step, _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA))
+            my_q[...] = (dq * (shape.scale / _LOG2E)).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[b, rows, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _CONSUMERS)
+        def _producer() -> None:
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            kv_head = lax.div(h, jnp.int32(shape.group))
+            streams = [
+                (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
+                (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
+            ]
+            if segmented:
+                streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
+            _produce(plan_ref, b, tile, stages, streams)
+
+    copies = 5 if segmented else 4
+    scratch = (
+        _smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((stages, block_k, dim), dtype),
+        _smem_tile((stages, block_k, dim), dtype),
+        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.int32),
+        plgpu.SMEM((stages, block_k), jnp.int32),
+    )
+    barriers = (
+        plgpu.Barrier(num_arrivals=copies, num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+    )
+    operands = (q, k, v, do, lse, delta, plan) + ((segment_ids,) if segmented else ())
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=(scratch, barriers),
+        grid=(heads, tiles, batch),
+        grid_names=("heads", "tiles", "batch"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=_compiler_params(),
+        **({"interpret": _interpret_params()} if shape.interpret else {}),
+    )(*operands)
+
+
+def _dkv_call(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_q: int, stages: int,
+) -> tuple[jax.Array, jax.Array]:
+    """``dk, dv [batch, seq_kv, kv_heads, dim]``: one program per 128-row key/value tile and
+    key/value head, walking the planned query blocks once per query head of its group, so the
+    group's sum stays in registers (no per-query-head partials, no atomics)."""
+    batch, seq_kv, kv_heads, dim = k.shape
+    dtype = k.dtype
+    tiles = seq_kv // _TILE
+    segmented = segment_ids is not None
+    group = shape.group
+
+    def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, *refs: Any) -> None:
+        if segmented:
+            seg_ref, dk_ref, dv_ref, scratch, barriers = refs
+        else:
+            (dk_ref, dv_ref, scratch, barriers), seg_ref = refs, None
+        k_smem, v_smem, kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch
+        kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used = barriers
+        hk, b, tile = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("tiles")
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < _CONSUMERS)
+        def _consumer() -> None:
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            row0 = tile * _TILE + wg * WG_ROWS
+            rows = pl.ds(row0, WG_ROWS)
+            my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+            ready = kv_ready.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], my_k, ready)
+            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], my_v, ready)
+            if segmented:
+                plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[wg], ready)
+            plgpu.barrier_wait(ready)
+            k_seg = _load(shape, kseg_smem.at[wg], _row_layout()) if segmented else None
+
+            def step(j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
+                dk, dv = grads
+                slot = lax.rem(t, stages)
+                for barrier in (lse_ready, delta_ready) + ((qseg_ready,) if segmented else ()):
+                    plgpu.barrier_wait(barrier.at[slot])
+                lse = _load(shape, lse_ring.at[slot], _col_layout())
+                delta = _load(shape, delta_ring.at[slot], _col_layout())
+                q_seg = _load(shape, qseg_ring.at[slot], _col_layout()) if segmented and masked else None
+                plgpu.barrier_wait(q_ready.at[slot])
+                s_t = _mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
+                p_t = jnp.exp2(s_t * shape.scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+                if masked:
+                    mask = _visibility(shape, j * block_q, row0, WG_ROWS, block_q, q_seg, k_seg, transpose=True)
+                    if mask is not None:
+                        p_t = jnp.where(mask, p_t, 0.0)
+                plgpu.barrier_wait(do_ready.at[slot])
+                p16 = p_t.astype(dtype)
+                dv = _mma_into(shape, dv, p16, do_ring.at[slot])
+                dp_t = _mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
+                plgpu.barrier_arrive(do_used.at[slot])
+                ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+                dk = _mma_into(shape, dk, ds_t, q_ring.at[slot])
+                plgpu.barrier_arrive(q_used.at[slot])
+                return dk, dv
+
+            zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
+            n = plan_ref[1, b, tile] - plan_ref[0, b, tile]
+            grads = (zeros, zeros)
+            for r in range(group):  # the group is small and static
+                grads = _three_loops(plan_ref, b, tile, step, grads, offset=r * n)
+            dk, dv = grads
+            my_k[...] = (dk * (shape.scale / _LOG2E)).astype(dtype)
+            my_v[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[b, rows, hk])
+            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[b, rows, hk])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _CONSUMERS)
+        def _producer() -> None:
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+            def block(j: jax.Array) -> Any:
+                return pl.ds(j * block_q, block_q)
+
+            def head(r: jax.Array) -> jax.Array:
+                return hk * group + r
+
+            streams = [
+                (lambda j, r: lse_ref.at[b, head(r), block(j)], lse_ring, lse_ready, q_used),
+                (lambda j, r: delta_ref.at[b, head(r), block(j)], delta_ring, delta_ready, None),
+                (lambda j, r: q_ref.at[b, block(j), head(r)], q_ring, q_ready, None),
+                (lambda j, r: do_ref.at[b, block(j), head(r)], do_ring, do_ready, do_used),
+            ]
+            if segmented:
+                streams.insert(2, (lambda j, r: seg_ref.at[b, block(j)], qseg_ring, qseg_ready, None))
+            _produce(plan_ref, b, tile, stages, streams, repeats=group)
+
+    scratch = (
+        _smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),
+        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.int32),
+        _smem_tile((stages, block_q, dim), dtype),
+        _smem_tile((stages, block_q, dim), dtype),
+        plgpu.SMEM((stages, block_q), jnp.float32),
+        plgpu.SMEM((stages, block_q), jnp.float32),
+        plgpu.SMEM((stages, block_q), jnp.int32),
+    )
+    ring = functools.partial(plgpu.Barrier, num_barriers=stages)
+    barriers = (
+        plgpu.Barrier(num_arrivals=3 if segmented else 2, num_barriers=_CONSUMERS),
+        ring(), ring(), ring(), ring(), ring(),
+        ring(num_arrivals=_CONSUMERS),
+        ring(num_arrivals=_CONSUMERS),
+    )
+    operands = (q, k, v, do, lse, delta, plan) + ((segment_ids,) if segmented else ())
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+        scratch_types=(scratch, barriers),
+        grid=(kv_heads, tiles, batch),
+        grid_names=("heads", "tiles", "batch"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=_compiler_params(),
+        **({"interpret": _interpret_params()} if shape.interpret else {}),
+    )(*operands)
+
+
+# --------------------------------------------------------------------------------------------
+# Padding and the public function
+
+
+@dataclasses.dataclass(frozen=True)
+class _Padded:
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    segment_ids: jax.Array | None
+    shape: _Shape
+    seq_q: int
+    seq_kv: int
+    dim: int
+
+
+def _pad(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
+    *, scale: float, bounds: Window, block_k: int, interpret: bool = False,
+) -> _Padded:
+    """Pad sequences to whole tiles (queries to 128 rows, keys to ``block_k`` and to 128) and the
+    head dimension to a multiple of 64."""
+    seq_q, dim = q.shape[1], q.shape[3]
+    seq_kv = k.shape[1]
+    padded_dim = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
+    kv_multiple = math.lcm(block_k, _TILE)  # the backward tiles keys by 128
+    q = pad_to(pad_axis(q, 3, padded_dim), 1, _TILE)
+    k, v = (pad_to(pad_axis(t, 3, padded_dim), 1, kv_multiple) for t in (k, v))
+    if segment_ids is not None:
+        segment_ids = pad_axis(segment_ids.astype(jnp.int32), 1, max(q.shape[1], k.shape[1]))
+    kv_len = seq_kv if segment_ids is None and k.shape[1] != seq_kv else None
+    shape = _Shape(scale * _LOG2E, bounds, kv_len, q.shape[2] // k.shape[2], segment_ids is not None, interpret)
+    return _Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim)
+
+
+def _forward_padded(p: _Padded, *, block_k: int, stages: int) -> tuple[jax.Array, jax.Array]:
+    batch, rows = p.q.shape[:2]
+    cols = p.k.shape[1]
+    plan = _visit_plan(rows, cols, _TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
+    segments = None if p.segment_ids is None else p.segment_ids
+    return _forward_call(p.q, p.k, p.v, plan, segments, p.shape, block_k=block_k, stages=stages)
+
+
+def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int]:
+    """``(q block, kv block, stages)`` from launch parameters; unset fields get defaults that
+    fit shared memory at this head dimension (two stages of 128-row blocks up to dim 128)."""
+    wide = dim > 128
+    block_q = params.q_blocksize or 64
+    block_k = params.kv_blocksize or (64 if wide else 128)
+    stages = params.num_stages or 2
+    for name, value in (("q_blocksize", block_q), ("kv_blocksize", block_k)):
+        if value not in (64, 128):
+            raise ValueError(f"{name}: the mosaic kernels take 64 or 128, got {value}")
+    return block_q, block_k, stages
+
+
+def _check(q: jax.Array, k: jax.Array) -> None:
+    if plgpu is None:
+        raise NotImplementedError("this JAX has no Pallas Mosaic GPU backend")
+    if not mosaic_supports(q.dtype, q.shape[3], backward=False):
+        raise ValueError(f"q: the mosaic kernels take bfloat16 or float16 with head dim <= {_MAX_DIM}, got {q.dtype} dim {q.shape[3]}")
+
+
+def mosaic_forward(
+    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+    segment_ids: Int[Array, "batch seq"] | None, *, scale: float, bounds: Window, params: FwdParams, interpret: bool = False,
+) -> tuple[Float[Array, "batch sq heads dim"], Float[Array, "batch heads sq"]]:
+    """``(out, lse)``: the attention output and its base-2 log-sum-exp ``[batch, heads, sq]``."""
+    _check(q, k)
+    _, block_k, stages = _blocks(params, q.shape[3])
+    p = _pad(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
+    out, lse = _forward_padded(p, block_k=block_k, stages=stages)
+    return out[:, : p.seq_q, :, : p.dim], lse[:, :, : p.seq_q]
+
+
+def mosaic_backward(
+    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+    segment_ids: Int[Array, "batch seq"] | None, out: Float[Array, "batch sq heads dim"], lse: Float[Array, "batch heads sq"],
+    g: Float[Array, "batch sq heads dim"], *, scale: float, bounds: Window, params: BwdParams, interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(dq, dk, dv)`` from the forward's output and base-2 log-sum-exp and the cotangent ``g``."""
+    _check(q, k)
+    if not mosaic_supports(q.dtype, q.shape[3]):
+        raise ValueError(f"q: the mosaic backward takes head dim <= 128, got {q.shape[3]}")
+    block_q, block_k, stages = _blocks(params, q.shape[3])
+    p = _pad(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
+    batch, rows, _, dim = p.q.shape
+    cols = p.k.shape[1]
+    do = pad_axis(pad_axis(g.astype(p.q.dtype), 3, dim), 1, rows)
+    out = pad_axis(pad_axis(out, 3, dim), 1, rows)
+    lse = pad_axis(lse.astype(jnp.float32), 2, rows)
+    # delta_i = sum_d out_id * dout_id, the row term of the softmax backward.
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+    rows_plan = _visit_plan(rows, cols, _TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
+    cols_plan = _visit_plan(cols, rows, _TILE, block_q, p.shape, p.segment_ids, batch, transpose=True)
+    dq = _dq_call(p.q, p.k, p.v, do, lse, delta, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages)
+    dk, dv = _dkv_call(p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages)
+    seq_kv = p.seq_kv
+    return dq[:, : p.seq_q, :, : p.dim], dk[:, :seq_kv, :, : p.dim], dv[:, :seq_kv, :, : p.dim]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, scale: float, bounds: Window,
+               fwd: FwdParams, bwd: BwdParams, interpret: bool) -> jax.Array:
+    return mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=interpret)[0]
+
+
+def _attention_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, scale: float, bounds: Window,
+                   fwd: FwdParams, bwd: BwdParams, interpret: bool) -> tuple[jax.Array, tuple[Any, ...]]:
+    out, lse = mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=interpret)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _attention_bwd(scale: float, bounds: Window, fwd: FwdParams, bwd: BwdParams, interpret: bool,
+                   residuals: tuple[Any, ...], g: jax.Array) -> tuple[Any, ...]:
+    q, k, v, segment_ids, out, lse = residuals
+    dq, dk, dv = mosaic_backward(q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=bwd, interpret=interpret)
+    return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def mosaic_attention(
+    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+    *, scale: float | None = None, causal: bool = False, window: tuple[int, int] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None, params: tuple[FwdParams, BwdParams] | None = None,
+    interpret: bool = False,
+) -> Float[Array, "batch sq heads dim"]:
+    """Attention on the Mosaic GPU kernels, differentiable (the forward's output and log-sum-exp
+    are kept for the backward).
+
+    Args:
+      q: ``[batch, seq_q, heads, dim]`` bfloat16 or float16, dim <= 256 (<= 128 to differentiate).
+      k, v: ``[batch, seq_kv, kv_heads, dim]``; ``kv_heads`` divides ``heads``.
+      scale: multiplies ``q k^T``; default ``1 / sqrt(dim)``.
+      causal: query ``i`` sees keys ``j <= i``.
+      window: ``(left, right)``: query ``i`` sees keys ``i - left .. i + right``.
+      segment_ids: ``[batch, seq]`` int, ``seq_q == seq_kv``; equal ids see each other, ids <= 0
+        are padding (output 0).
+      params: forward and backward launch parameters (kv/q block 64 or 128, stages).
+      interpret: run in the Mosaic GPU interpreter (CPU tests).
+    """
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with kv heads dividing heads, got {q.shape}, {k.shape}, {v.shape}")
+    if segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
+        raise ValueError(f"segment_ids: expected shape {q.shape[:2]} with equal q and kv lengths, got {segment_ids.shape}")
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    fwd, bwd = params if params is not None else (FwdParams(), BwdParams())
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, interpret)

@@ -1,0 +1,275 @@
+"""The Mosaic GPU flash attention (kernels/attention_mosaic.py).
+
+On the CPU: the visiting plans against a dense mask, lowering to the Mosaic GPU module for a
+grid of shapes and options (it catches shape, layout and type errors without a GPU), and
+values and gradients in the Mosaic GPU interpreter at small sizes. On a Hopper GPU: values and
+gradients against a float32 reference over head dims, odd lengths, segments and GQA ratios.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ejlabel.kernels import attention_mosaic as am
+from ejlabel.kernels.attention import _attention_xla, _bounds
+from kernel_checks import gpu, needs_gpu, rel_error
+
+from ejlabel import BwdParams, FwdParams
+
+pytestmark = pytest.mark.skipif(not am.mosaic_available(), reason="this JAX has no Pallas Mosaic GPU backend")
+
+
+def qkv(batch: int, seq: int, heads: int, kv_heads: int, dim: int, dtype: Any, seed: int = 0) -> tuple[jax.Array, ...]:
+    keys = jax.random.split(jax.random.key(seed), 3)
+    shapes = ((batch, seq, heads, dim), (batch, seq, kv_heads, dim), (batch, seq, kv_heads, dim))
+    return tuple(jax.random.normal(kk, s, jnp.float32).astype(dtype) for kk, s in zip(keys, shapes))
+
+
+def documents(batch: int, seq: int, count: int, padding: int, seed: int = 0) -> jax.Array:
+    """``[batch, seq]`` ids of ``count`` contiguous documents of random lengths, then padding (0)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, seq - padding), size=count - 1, replace=False)) if count > 1 else np.array([], int)
+        ids = np.zeros(seq, np.int32)
+        ids[: seq - padding] = 1 + np.searchsorted(cuts, np.arange(seq - padding), side="right")
+        rows.append(ids)
+    return jnp.asarray(np.stack(rows))
+
+
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window: Any, segment_ids: Any, scale: float) -> jax.Array:
+    f32 = [t.astype(jnp.float32) for t in (q, k, v)]
+    return _attention_xla(*f32, segment_ids, scale=scale, bounds=_bounds(causal, window))
+
+
+# --------------------------------------------------------------------------------------------
+# Visiting plans
+
+
+def dense_visibility(seq_q: int, seq_kv: int, causal: bool, window: Any, segment_ids: jax.Array | None, kv_len: int | None) -> np.ndarray:
+    left, right = _bounds(causal, window)
+    i, j = np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :]
+    visible = np.ones((seq_q, seq_kv), bool)
+    if right is not None:
+        visible &= j <= i + right
+    if left is not None:
+        visible &= j >= i - left
+    if kv_len is not None:
+        visible &= j < kv_len
+    visible = np.broadcast_to(visible, (1 if segment_ids is None else segment_ids.shape[0], seq_q, seq_kv)).copy()
+    if segment_ids is not None:
+        ids = np.asarray(segment_ids)
+        visible &= (ids[:, :seq_q, None] == ids[:, None, :seq_kv]) & (ids[:, :seq_q, None] > 0)
+    return visible
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"causal": True},
+        {"causal": False, "window": (100, 30)},
+        {"causal": True, "segments": 3},
+        {"causal": False, "segments": 4},
+        {"causal": True, "kv_len": 300},
+        {"causal": False, "unsorted": True},
+    ],
+)
+def test_plan_covers_every_visible_pair_and_skips_masks_only_on_whole_blocks(options: dict[str, Any], transpose: bool) -> None:
+    seq, block_r, block_c = 384, 128, 64
+    ids = None
+    if "segments" in options:
+        ids = documents(2, seq, options["segments"], padding=40, seed=3)
+    if options.get("unsorted"):
+        ids = jnp.asarray(np.random.default_rng(0).integers(0, 3, (2, seq)), jnp.int32)
+    bounds = _bounds(options["causal"], options.get("window"))
+    shape = am._Shape(1.0, bounds, options.get("kv_len"), 1, ids is not None)
+    batch = 2
+    plan = np.asarray(am._visit_plan(seq, seq, block_r, block_c, shape, ids, batch, transpose=transpose))
+    visible = dense_visibility(seq, seq, options["causal"], options.get("window"), ids, options.get("kv_len"))
+    visible = np.broadcast_to(visible, (batch, seq, seq))
+    if transpose:
+        visible = visible.transpose(0, 2, 1)  # rows are keys
+    lo, hi, a, c = plan
+    assert np.all((lo <= a) & (a <= c) & (c <= hi))
+    for b in range(batch):
+        for r in range(seq // block_r):
+            rows = visible[b, r * block_r : (r + 1) * block_r]
+            per_block = rows.reshape(block_r, seq // block_c, block_c)
+            needed = np.flatnonzero(per_block.any(axis=(0, 2)))
+            if needed.size:
+                assert lo[b, r] <= needed.min() and needed.max() < hi[b, r], (b, r, needed, lo[b, r], hi[b, r])
+            assert per_block[:, a[b, r] : c[b, r]].all(), (b, r, a[b, r], c[b, r])
+
+
+def test_plan_skips_blocks_of_other_documents() -> None:
+    # Four documents of 256 tokens: a 128-row tile sees only the key blocks of its document.
+    ids = jnp.repeat(jnp.arange(1, 5, dtype=jnp.int32), 256)[None]
+    shape = am._Shape(1.0, (None, None), None, 1, True)
+    lo, hi, a, c = np.asarray(am._visit_plan(1024, 1024, 128, 128, shape, ids, 1, transpose=False))
+    np.testing.assert_array_equal(lo[0], [0, 0, 2, 2, 4, 4, 6, 6])
+    np.testing.assert_array_equal(hi[0], [2, 2, 4, 4, 6, 6, 8, 8])
+    np.testing.assert_array_equal(a, lo)  # documents align with blocks: no mask at all
+    np.testing.assert_array_equal(c, hi)
+
+
+# --------------------------------------------------------------------------------------------
+# Lowering to the Mosaic GPU module (no GPU needed)
+
+
+def lower_for_cuda(fn: Any, *args: Any) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    ("dim", "kv_heads", "options", "params"),
+    [
+        (64, 4, {"causal": True}, FwdParams(kv_blocksize=128, num_stages=3)),
+        (128, 2, {"causal": True, "segments": True}, FwdParams()),
+        (256, 1, {"causal": False}, FwdParams()),
+        (96, 4, {"window": (64, 16)}, FwdParams(kv_blocksize=64)),
+    ],
+)
+def test_forward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, options: dict[str, Any], params: FwdParams) -> None:
+    q = jax.ShapeDtypeStruct((2, 300, 4, dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 300, kv_heads, dim), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 300), jnp.int32) if options.get("segments") else None
+    bounds = _bounds(options.get("causal", False), options.get("window"))
+
+    def fwd(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        return am.mosaic_forward(q, k, v, seg, scale=0.1, bounds=bounds, params=params)
+
+    text = lower_for_cuda(fwd, q, k, k, seg)
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize(("dim", "kv_heads", "segments"), [(64, 2, True), (128, 4, False)])
+def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool) -> None:
+    q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.float16)
+    k = jax.ShapeDtypeStruct((1, 200, kv_heads, dim), jnp.float16)
+    seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> jax.Array:
+        return am.mosaic_attention(q, k, v, causal=True, segment_ids=seg).astype(jnp.float32).sum()
+
+    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+    assert text.count("mosaic_gpu") >= 3  # forward, dq and dkv kernels
+
+
+def test_rejects_what_it_cannot_run() -> None:
+    q, k, v = qkv(1, 64, 2, 1, 64, jnp.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        am.mosaic_forward(q, k, v, None, scale=1.0, bounds=(None, None), params=FwdParams())
+    q, k, v = qkv(1, 64, 2, 1, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match="kv_blocksize"):
+        am.mosaic_forward(q, k, v, None, scale=1.0, bounds=(None, None), params=FwdParams(kv_blocksize=32))
+    q, k, v = qkv(1, 64, 2, 1, 256, jnp.bfloat16)
+    with pytest.raises(ValueError, match="backward"):
+        am.mosaic_backward(q, k, v, None, q, jnp.zeros((1, 2, 64)), q, scale=1.0, bounds=(None, None), params=BwdParams())
+    assert not am.mosaic_supports(jnp.bfloat16, 256) and am.mosaic_supports(jnp.bfloat16, 256, backward=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Values in the Mosaic GPU interpreter (CPU)
+
+
+@pytest.mark.slow
+def test_interpreted_values_and_gradients() -> None:
+    # One query tile and one key/value tile: small enough for the interpreter, yet it walks
+    # two documents, padding and a query head group of 2 (the wgmma calls become plain dots
+    # there; everything else, barriers, rings and masks included, is what the GPU runs).
+    seq, dim = 128, 64
+    q, k, v = qkv(1, seq, 2, 1, dim, jnp.bfloat16, seed=5)
+    ids = jnp.where(jnp.arange(seq) < 120, 1 + (jnp.arange(seq) >= 64), 0)[None].astype(jnp.int32)
+    probe = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
+    params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
+    out, vjp = jax.vjp(lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params, interpret=True), q, k, v)
+    grads = vjp(probe.astype(out.dtype))
+    f32 = tuple(t.astype(jnp.float32) for t in (q, k, v))
+    want, want_vjp = jax.vjp(lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=dim**-0.5), *f32)
+    assert rel_error(out, want) < 1e-2
+    for got, expected in zip(grads, want_vjp(probe)):
+        assert rel_error(got, expected) < 2e-2
+    # Padding rows see nothing: output and gradient exactly 0.
+    assert not np.any(np.asarray(out.astype(jnp.float32))[0, 120:])
+    assert not np.any(np.asarray(grads[0].astype(jnp.float32))[0, 120:])
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (Hopper)
+
+
+def _hopper() -> bool:
+    return am.on_hopper()
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+
+
+@gpu
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    ("dim", "seq", "heads", "kv_heads", "options"),
+    [
+        (64, 1000, 8, 2, {"causal": True}),
+        (128, 777, 4, 4, {"causal": True}),
+        (128, 1024, 8, 1, {"causal": False}),
+        (64, 1000, 12, 4, {"causal": True, "segments": 4}),
+        (128, 513, 4, 2, {"causal": False, "segments": 2}),
+        (64, 640, 4, 4, {"causal": True, "segments": 1}),
+        (128, 1000, 4, 2, {"causal": False, "window": (200, 50)}),
+        (64, 333, 6, 3, {"causal": True, "segments": 3, "window": (100, 0)}),
+    ],
+)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_values_and_gradients(dim: int, seq: int, heads: int, kv_heads: int, options: dict[str, Any], dtype: Any) -> None:
+    q, k, v = qkv(2, seq, heads, kv_heads, dim, dtype, seed=seq + dim)
+    ids = documents(2, seq, options["segments"], padding=seq // 10, seed=seq) if "segments" in options else None
+    causal, window = options["causal"], options.get("window")
+    probe = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
+    mosaic = lambda q, k, v: am.mosaic_attention(q, k, v, causal=causal, window=window, segment_ids=ids)
+    ref = lambda q, k, v: reference(q, k, v, causal=causal, window=window, segment_ids=ids, scale=dim**-0.5)
+    out = jax.jit(mosaic)(q, k, v)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 5e-3
+    assert rel_error(out, ref(q, k, v)) < tol
+    grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * probe), argnums=(0, 1, 2)))
+    got = grad(mosaic)(q, k, v)
+    want = grad(ref)(*(t.astype(jnp.float32) for t in (q, k, v)))
+    for name, g, w in zip("qkv", got, want):
+        assert rel_error(g, w) < 2 * tol, name
+    if ids is not None:  # padding sees nothing: exactly 0, never NaN
+        pad = np.asarray(ids) <= 0
+        assert not np.any(np.asarray(out.astype(jnp.float32))[pad])
+        assert not np.any(np.asarray(got[0].astype(jnp.float32))[pad])
+
+
+@gpu
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_head_dim_256_forward(causal: bool) -> None:
+    q, k, v = qkv(2, 700, 4, 2, 256, jnp.bfloat16, seed=11)
+    out, lse = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, None, scale=0.0625, bounds=_bounds(causal, None), params=FwdParams()))(q, k, v)
+    assert rel_error(out, reference(q, k, v, causal=causal, window=None, segment_ids=None, scale=0.0625)) < 2e-2
+    assert np.all(np.isfinite(np.asarray(lse)))
+
+
+@gpu
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("params", [(FwdParams(kv_blocksize=64, num_stages=3), BwdParams(q_blocksize=128, kv_blocksize=64)), (FwdParams(kv_blocksize=128, num_stages=2), BwdParams(q_blocksize=64, kv_blocksize=128))])
+def test_gpu_other_tiles(params: tuple[FwdParams, BwdParams]) -> None:
+    q, k, v = qkv(1, 900, 4, 2, 128, jnp.bfloat16, seed=2)
+    ids = documents(1, 900, 3, padding=50, seed=4)
+    mosaic = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params)
+    ref = lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=128**-0.5)
+    assert rel_error(jax.jit(mosaic)(q, k, v), ref(q, k, v)) < 2e-2
+    got = jax.jit(jax.grad(lambda q, k, v: jnp.sum(mosaic(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) ** 2), argnums=(0, 1, 2))(*(t.astype(jnp.float32) for t in (q, k, v)))
+    for g, w in zip(got, want):
+        assert rel_error(g, w) < 4e-2
