@@ -754,7 +754,7 @@ def _graph_mutate(text: str, mutation: tuple) -> str:
     return "\n".join(lines)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(base=st.integers(0, 1), mutations=st.lists(graph_mutation, min_size=1, max_size=4))
 def test_fuzz_graph_and_audit_of_parsed_text_never_crash(base: int, mutations: list[tuple]) -> None:
     """Whatever text parses, the graph and the audit read it: HloParseError or a report, nothing else."""
@@ -840,3 +840,116 @@ def test_directory_walk_skips_special_files_and_symlinked_directories(tmp_path: 
     monkeypatch.setattr(program_module, "MAX_DIRECTORY_ENTRIES", 3)
     with pytest.raises(ProgramReadError, match="more than 3 entries"):
         read_program(folder)
+
+
+# ---------------------------------------------------------------- fuzz: the call-description decoder
+
+
+def _b64(data: bytes) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+
+
+DESCRIBED_LABELS = [
+    "ejkernel_ops#scale@v1:0123456789abcdef",
+    "ejkernel_ops#scale.bwd@v1:0123456789abcdef",
+    "ejkernel_ops#matmul@v2:fedcba9876543210",
+    "ejkernel_ops#nosuch@v9:0000000000000000",
+]
+KERNEL_NAMES = st.sampled_from([
+    "toy_kernels:ScaleKernel", "toy_kernels:MatmulKernel", "ejlabel.kernels.matmul:MatmulKernel",
+    "toy_kernels:ScaleConfig", "os:system", "antigravity:geohash", "this:s", "toy_kernels", ":", "a:b:c", "",
+])
+ARRAYS = st.builds(lambda dtype, dims, weak: {"$array": f"{dtype}[{','.join(dims)}]" + ("w" if weak else "")},
+                   st.sampled_from(["float32", "bfloat16", "int32", "float0", "nosuchtype", "f32"]),
+                   st.lists(st.sampled_from(["0", "1", "4", "-1", "9" * 30, "9" * 5000, ""]), max_size=3), st.booleans())
+description_value = st.one_of(json_value, ARRAYS, st.lists(ARRAYS, max_size=3), st.dictionaries(st.text(max_size=4), ARRAYS, max_size=2))
+description_list = st.builds(
+    lambda fmt, kernel, args, kwargs, axes, shardings, extra: [fmt, kernel, args, kwargs, axes, shardings][: 6 + extra] + [0] * max(0, extra),
+    st.sampled_from([1, 1, 1, 0, 2, "1", None]), st.one_of(KERNEL_NAMES, json_value), st.one_of(st.lists(description_value, max_size=3), json_value),
+    st.one_of(st.dictionaries(st.sampled_from(["offset", "mode", "$ref", "cfg", "x"]), description_value, max_size=3), json_value),
+    json_value, st.one_of(st.none(), st.lists(st.one_of(st.none(), st.text(max_size=8)), max_size=3), json_value),
+    st.integers(-2, 1),
+)
+
+
+def _corrupt(text: str, cut: float, junk: str) -> str:
+    at = int(cut * len(text))
+    return text[:at] + junk + text[at:]
+
+
+VALID_ARRAY = st.builds(lambda dtype, dims: {"$array": f"{dtype}[{','.join(map(str, dims))}]"},
+                       st.sampled_from(["float32", "bfloat16", "int32"]), st.lists(st.integers(0, 64), max_size=3))
+TOY_OPS = {"toy_kernels:ScaleKernel": "scale", "toy_kernels:MatmulKernel": "toymatmul", "toy_kernels:LoopSumKernel": "loopsum"}
+well_formed = st.builds(  # shaped like a real description, with arbitrary values inside
+    lambda kernel, args, kwargs, axes: [1, kernel, args, kwargs, axes, None],
+    st.sampled_from(sorted(TOY_OPS)),
+    st.lists(st.one_of(VALID_ARRAY, VALID_ARRAY, json_value), max_size=3),
+    st.dictionaries(st.sampled_from(["offset", "mode", "x"]), st.one_of(st.floats(-1e3, 1e3), st.integers(), st.text(max_size=4),
+                                                                       st.none(), json_value, VALID_ARRAY), max_size=2),
+    st.one_of(st.none(), json_value),
+)
+description_text = st.one_of(
+    well_formed.map(lambda d: _b64(json.dumps(d).encode())),
+    description_list.map(lambda d: _b64(json.dumps(d).encode())),
+    st.builds(_corrupt, description_list.map(lambda d: _b64(json.dumps(d).encode())), st.floats(0, 1), st.text(max_size=4)),
+    json_value.map(lambda d: _b64(json.dumps(d).encode())),
+    st.binary(max_size=64).map(_b64),
+    st.text(max_size=40),
+    st.integers(0, 3000).map(lambda n: _b64(("[1," + "[" * n + "]" * n + "]").encode())),
+    st.sampled_from([_b64(b'[1,"toy_kernels:ScaleKernel",[{"$array":"float32[3]"}],{"offset":NaN},null,null]'),
+                     _b64(b'[1,"toy_kernels:ScaleKernel",[{"$array":"float32[3]"}],{"offset":1e999},null,null]'),
+                     _b64(b'[1,"toy_kernels:ScaleKernel",[' + b"1" * 5000 + b"],{},null,null]")]),
+)
+
+
+description_case = st.one_of(
+    # The label of the kernel the description names, as a real program pairs them ...
+    well_formed.map(lambda d: (f"ejkernel_ops#{TOY_OPS[d[1]]}@v1:0123456789abcdef", _b64(json.dumps(d).encode()))),
+    # ... and any label next to any text.
+    st.tuples(st.sampled_from(DESCRIBED_LABELS), description_text),
+)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=description_case)
+def test_fuzz_description_decoder_rebuilds_or_raises_call_decode_error(case: tuple[str, str]) -> None:
+    import time
+
+    import toy_kernels  # noqa: F401  (registers the kernels that valid descriptions name)
+
+    from ejlabel.core.calls import CallDecodeError, invocation_from_description
+
+    lab, text = case
+    start = time.perf_counter()
+    try:
+        inv = invocation_from_description(lab, text)
+    except CallDecodeError as err:
+        event("refused")
+        assert str(err)
+    else:
+        event("rebuilt")
+        assert isinstance(inv, Invocation) and lab.endswith(inv.call_key)
+    assert time.perf_counter() - start < 5.0  # per case; typical cases take well under 10 ms
+    assert "this" not in sys.modules and "antigravity" not in sys.modules
+
+
+def test_description_caps_and_long_numbers_are_decode_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ejlabel.core.calls as calls_module
+    from ejlabel.core.calls import CallDecodeError, decode_call
+
+    lab = DESCRIBED_LABELS[0]
+    text = _b64(b'[1,"toy_kernels:ScaleKernel",[{"$array":"float32[3]"}],{},null,null]')
+    assert decode_call(text, lab).args[0].shape == (3,)
+    monkeypatch.setattr(calls_module, "MAX_DESCRIPTION_CHARS", len(text) - 1)
+    with pytest.raises(CallDecodeError, match="over the .* limit"):
+        decode_call(text, lab)
+    monkeypatch.undo()
+    for dims in ("9" * 19, "9" * 5000):
+        with pytest.raises(CallDecodeError, match=r"is not 'dtype\[d0,d1,...\]'"):
+            decode_call(_b64(f'[1,"k:K",[{{"$array":"float32[{dims}]"}}],{{}},null,null]'.encode()), lab)
+    with pytest.raises(DecodeError, match="dtype"):
+        from_jsonable({"$array": "float32[" + "9" * 5000 + "]"})
+    with pytest.raises(CallDecodeError, match="label"):
+        decode_call(text, "not a label")

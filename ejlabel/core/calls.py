@@ -31,6 +31,7 @@ from ejlabel.utils.serialize import (
 )
 
 __all__ = [
+    "MAX_DESCRIPTION_CHARS",
     "CallDecodeError",
     "CallDescription",
     "decode_call",
@@ -41,6 +42,10 @@ __all__ = [
 
 _FORMAT = 1
 _cache: dict[tuple[str, str], str] = {}
+
+#: Longest description text decoded. A real one is a few hundred characters (a call with a
+#: thousand array arguments stays under 100 KiB); longer text is refused before decoding.
+MAX_DESCRIPTION_CHARS = 1 << 20
 
 
 class CallDecodeError(ValueError):
@@ -114,9 +119,19 @@ def decode_call(text: str, label: str) -> CallDescription:
     """Invert :func:`encode_call`, given the label the description sits next to.
 
     A backward label (``<op>.bwd@vN``) describes its forward call. The kernel is not imported.
+    Any text that is not a description (malformed, nested deeper than the serializer's
+    ``MAX_DEPTH``, longer than :data:`MAX_DESCRIPTION_CHARS`, naming unregistered types) is a
+    :class:`CallDecodeError`, whatever went wrong inside.
     """
-    op_id, call_key = parse_label(label)
-    name, version = split_op_id(forward_op_id(op_id))
+    try:
+        op_id, call_key = parse_label(label)
+        name, version = split_op_id(forward_op_id(op_id))
+    except (TypeError, ValueError) as err:
+        raise CallDecodeError(f"label: {err}") from None
+    if not isinstance(text, str):
+        raise CallDecodeError(f"text: expected the description as str, got {type(text).__name__}")
+    if len(text) > MAX_DESCRIPTION_CHARS:
+        raise CallDecodeError(f"call description of {label} is {len(text)} characters, over the {MAX_DESCRIPTION_CHARS} limit")
     try:
         data = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
         if not isinstance(data, list) or not data or data[0] != _FORMAT:
@@ -147,15 +162,15 @@ def rebuild_kernel(desc: CallDescription) -> Kernel[Any, Any]:
         )
     try:
         cls = resolve_path(desc.kernel)
-    except (ImportError, AttributeError) as err:
-        raise CallDecodeError(f"cannot import kernel {desc.kernel}: {err}") from None
+    except (ImportError, ValueError) as err:  # unregistered (never imported) or not a name at all
+        raise CallDecodeError(f"cannot rebuild kernel {desc.kernel!r:.80}: {err}") from None
     if not (isinstance(cls, type) and issubclass(cls, Kernel)):
         raise CallDecodeError(f"{desc.kernel} is not a Kernel subclass")
     kernel = None
     for make in (lambda: cls(), lambda: cls(desc.op_id)):
         try:
             candidate = make()
-        except TypeError:
+        except Exception:  # noqa: BLE001, S112 - a constructor that does not take this form: try the next
             continue
         if candidate.op_id == desc.op_id:
             kernel = candidate
@@ -203,8 +218,17 @@ def call_descriptions(program: Any) -> dict[str, str]:
 
 
 def invocation_from_description(lab: str, text: str) -> Invocation[Any, Any]:
-    """The Invocation that the description ``text`` next to label ``lab`` describes."""
+    """The Invocation that the description ``text`` next to label ``lab`` describes.
+
+    :class:`CallDecodeError` for anything that does not rebuild a call (see :func:`decode_call`),
+    including arguments that decode but do not make a call (``kwargs`` that are not a mapping,
+    unhashable static values, ...). Never imports: kernels come from the registry.
+    """
     desc = decode_call(text, lab)
-    return Invocation(
-        rebuild_kernel(desc), desc.args, desc.kwargs, batch_axes=desc.batch_axes, known_call_key=desc.call_key
-    )
+    kernel = rebuild_kernel(desc)
+    if not isinstance(desc.kwargs, dict) or not all(isinstance(k, str) for k in desc.kwargs):
+        raise CallDecodeError(f"call description of {lab}: keyword arguments are not a str-keyed mapping")
+    try:
+        return Invocation(kernel, desc.args, desc.kwargs, batch_axes=desc.batch_axes, known_call_key=desc.call_key)
+    except Exception as err:  # noqa: BLE001 - decoded data that makes no call: one clear error type
+        raise CallDecodeError(f"call description of {lab} does not make a call of {desc.kernel}: {type(err).__name__}: {err}") from None

@@ -347,7 +347,8 @@ _TAG_KEYS = {
     "$enum": {"$enum", "name"}, "$dtype": {"$dtype"}, "$array": {"$array"}, "$slice": {"$slice"},
     "$ref": {"$ref"},
 }
-_ARRAY_RE = re.compile(r"([a-z0-9_]+)\[((?:\d+(?:,\d+)*)?)\](w?)")
+# Dimensions of at most 18 digits: every real size, and int() never meets its digit limit.
+_ARRAY_RE = re.compile(r"([a-z0-9_]+)\[((?:\d{1,18}(?:,\d{1,18})*)?)\](w?)")
 
 
 def _decode(data: Any) -> Any:
