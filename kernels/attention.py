@@ -98,7 +98,8 @@ class AttentionConfig:
 def cu_seqlens_to_segment_ids(cu_seqlens: Int[Array, "n+1"], total: int) -> Int[Array, "1 total"]:
     """Segment ids ``[1, total]`` of a packed batch: ``s + 1`` for tokens of sequence ``s``, 0 past the end."""
     positions = jnp.arange(total, dtype=jnp.int32)
-    ids = jnp.searchsorted(cu_seqlens[1:].astype(jnp.int32), positions, side="right").astype(jnp.int32) + 1
+    # Unrolled: the default method is a device loop, which syncs with the host per step on a GPU.
+    ids = jnp.searchsorted(cu_seqlens[1:].astype(jnp.int32), positions, side="right", method="scan_unrolled").astype(jnp.int32) + 1
     return jnp.where(positions < cu_seqlens[-1], ids, 0)[None, :]
 
 
