@@ -953,3 +953,19 @@ def test_description_caps_and_long_numbers_are_decode_errors(monkeypatch: pytest
         from_jsonable({"$array": "float32[" + "9" * 5000 + "]"})
     with pytest.raises(CallDecodeError, match="label"):
         decode_call(text, "not a label")
+
+
+# ---------------------------------------------------------------- 12. an imported entry's version must be its op id's
+
+
+@pytest.mark.parametrize("kernel_version, accepted", [("1", True), ("1.custom", True), ("2", False), ("10", False), ("0.9", False)])
+def test_import_checks_kernel_version_against_the_op_id(cache: PersistentCache, tmp_path: pathlib.Path, kernel_version: str, accepted: bool) -> None:
+    doc = tmp_path / "versions.json"
+    doc.write_text(json.dumps(export_doc([entry(1), entry(2, kernel_version=kernel_version)])))  # op_id good@v1
+    before = cache.entries(include_undecodable=True)
+    if accepted:
+        assert cache.import_(doc) == 2
+        return
+    with pytest.raises(CacheError, match=rf"entries\[1\]\.kernel_version is '{re.escape(kernel_version)}', but op_id good@v1 is version 1"):
+        cache.import_(doc)
+    assert cache.entries(include_undecodable=True) == before

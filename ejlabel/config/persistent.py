@@ -871,6 +871,11 @@ def _read_export(path: pathlib.Path, provenance: str | None) -> list[tuple[Any, 
             _check_text(v, f"entries[{i}].{k}", bad)
         for k in text_fields:
             _check_text(e[k], f"entries[{i}].{k}", bad)
+        # The op id's version is the kernel version lookups match on; an entry that says
+        # otherwise (moved from another version by hand) would serve a config the kernel never ran.
+        _, has_version, op_version = key[1].rpartition("@v")
+        if has_version and e["kernel_version"] != op_version and not e["kernel_version"].startswith((op_version + ".", op_version + "+")):
+            raise bad(f"entries[{i}].kernel_version is {e['kernel_version']!r:.40}, but op_id {key[1]} is version {op_version}")
         if e["config"] is None:
             raise bad(f"entries[{i}].config is null")
         stats = e.get("stats")
