@@ -43,7 +43,9 @@ from ejlabel.utils.serialize import DecodeError, from_json, to_json
 
 __all__ = ["TuningWorker", "call_request", "result_from_data", "result_to_data", "worker_name"]
 
-_CANDIDATE_FIELDS = ("status", "reason", "compile_s", "error")
+# Every plain field of a candidate travels as it is; the config and the timing are encoded.
+_CANDIDATE_FIELDS = tuple(f.name for f in dataclasses.fields(CandidateResult) if f.name not in ("cfg", "timing"))
+_PLAIN = (str, int, float, bool, type(None))
 
 
 def call_request(label: str, description: str, policy: AutotunePolicy) -> dict[str, Any]:
@@ -104,18 +106,11 @@ def result_from_data(data: Any) -> TuneResult:
         if samples is not None and (not isinstance(samples, list) or not samples):
             raise DecodeError(f"tuning result: candidate {i}: samples_ms must be a non-empty list or None")
         timing = Timing([_number(s, f"candidate {i} sample") for s in samples]) if samples else None  # type: ignore[misc]
-        reason = c.get("reason")
-        candidates.append(
-            CandidateResult(
-                cfg=from_json(c["cfg"]),
-                status=c["status"],
-                reason=reason if isinstance(reason, str) else None,
-                compile_s=_number(c.get("compile_s"), f"candidate {i} compile_s"),
-                # inf (wrong shape) and nan (non-finite output) are legitimate relative errors.
-                error=float(c["error"]) if isinstance(c.get("error"), (int, float)) and not isinstance(c.get("error"), bool) else None,
-                timing=timing,
-            )
-        )
+        plain = {name: c[name] for name in _CANDIDATE_FIELDS if name in c}
+        for name, value in plain.items():
+            if not isinstance(value, _PLAIN):
+                raise DecodeError(f"tuning result: candidate {i}: {name} must be a plain value, got {type(value).__name__}")
+        candidates.append(CandidateResult(cfg=from_json(c["cfg"]), timing=timing, **plain))
     best = data.get("best")
     if not isinstance(best, int) or isinstance(best, bool) or not 0 <= best < len(candidates) or candidates[best].timing is None:
         raise DecodeError(f"tuning result: 'best' must index a timed candidate, got {best!r:.40}")
@@ -134,13 +129,14 @@ class TuningWorker:
     """Tunes calls described by plain-data requests, one at a time, in one process.
 
     Args:
-      modules: the modules the user named (``--import``), imported once here so their kernels
-        and config types are registered; never a name read from a request.
+      modules: the modules the user named (``--import``), imported once here (after the
+        library's own kernels, as the command line does) so that their kernels and config types
+        are registered; never a name read from a request.
       node: the cluster node this process runs on, for the worker's name (None outside a cluster).
     """
 
     def __init__(self, modules: Sequence[str] = (), node: str | None = None) -> None:
-        import_user_modules(list(modules))
+        import_user_modules(["ejlabel.kernels", *modules])
         self._where = {"host": socket.gethostname(), "pid": os.getpid(), "node": node}
 
     def identity(self) -> dict[str, Any]:

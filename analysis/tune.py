@@ -139,7 +139,8 @@ def tune_unseen(
         report.wall_s = time.perf_counter() - start
         return report
     report = TuneReport(device=device_fingerprint())
-    calls, labels_of, _ = _distinct_calls(program, selector, report)
+    unseen, report.already_seen = _unseen_labels(program, selector, report.device)
+    calls, labels_of, _ = _distinct_calls(program, unseen, report.errors)
     tuner = Autotuner(policy, progress=progress)
     outcomes = tuner.tune_each(list(calls.values())) if calls else []
     for (key, inv), outcome in zip(calls.items(), outcomes):
@@ -158,27 +159,26 @@ Key = tuple[str, str]
 
 
 def _distinct_calls(
-    program: Program, selector: ConfigSelectorChain, report: TuneReport
+    program: Program, labels: Sequence[str], errors: dict[str, str]
 ) -> tuple[dict[Key, Invocation[Any, Any]], dict[Key, list[str]], dict[Key, tuple[str, str]]]:
-    """The unseen calls on ``report.device``, deduplicated by ``(op_id, call_key)``.
+    """The calls of ``labels``, deduplicated by ``(op_id, call_key)``.
 
     Returns each call's invocation, its labels, and the label and description text it was
-    decoded from; labels that cannot be decoded go to ``report.errors``.
+    decoded from; labels that cannot be decoded go to ``errors``.
     """
-    unseen, report.already_seen = _unseen_labels(program, selector, report.device)
     descriptions = program.descriptions
     calls: dict[Key, Invocation[Any, Any]] = {}
     labels_of: dict[Key, list[str]] = {}
     source_of: dict[Key, tuple[str, str]] = {}
-    for lab in unseen:
+    for lab in labels:
         text = descriptions.get(lab)
         if text is None:
-            report.errors[lab] = "the program carries no call description for this label"
+            errors[lab] = "the program carries no call description for this label"
             continue
         try:
             inv = invocation_from_description(lab, text)
         except CallDecodeError as err:
-            report.errors[lab] = str(err)
+            errors[lab] = str(err)
             continue
         key = (inv.op_id, inv.call_key)
         calls.setdefault(key, inv)
@@ -213,10 +213,12 @@ def _tune_on_ray(
     import_ray()  # before anything else: a clear error when Ray is not installed
     if platform == "auto":
         platform = program_platform(x, [pm.source for pm in program.modules]) or default_platform()
-    # Distinct calls first, device-free (the registry decodes them here as on the workers), so
-    # that no more workers start than there are calls; which are unseen needs the workers' device.
+    # Every distinct call first, whether tuned or not (which are tuned depends on the workers'
+    # device), so that no more workers start than there are calls, and none when there are none.
     report = TuneReport()
-    everything, _, _ = _distinct_calls(program, ConfigSelectorChain(), TuneReport(device="?"))
+    everything, _, _ = _distinct_calls(program, program.labels, report.errors)
+    if not everything:
+        return report
     report.errors.clear()
     pool = RayTuningPool(
         address=address, modules=modules, platform=platform, accelerator_type=accelerator_type,
@@ -224,7 +226,8 @@ def _tune_on_ray(
     )
     with pool:
         report.device = pool.device
-        calls, labels_of, source_of = _distinct_calls(program, selector, report)
+        unseen, report.already_seen = _unseen_labels(program, selector, report.device)
+        calls, labels_of, source_of = _distinct_calls(program, unseen, report.errors)
         requests = {key: call_request(*source_of[key], policy) for key in calls}
         show = progress if progress is not None else sys.stderr.isatty()
         if show:
@@ -254,7 +257,7 @@ def _store_answer(
         if status == "error" and answer.get("attempts", 1) > 1:
             reason = f"failed on both attempts; last: {reason}"
         report.errors.update({lab: reason for lab in labels})
-        return "failed"
+        return f"failed ({reason[:160]})"
     try:
         result = result_from_data(answer.get("result"))
         if (result.op_id, result.call_key) != key:

@@ -9,7 +9,10 @@ worker or raise check retries, error reports, resumption and that only the drive
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,12 +22,15 @@ import jax.numpy as jnp
 import pytest
 import ray
 from ejlabel.analysis import read_program, tune_unseen
+from ejlabel.analysis.remote_tuning import result_from_data, result_to_data
 from jax import lax
 from jaxtyping import Array, Float
 
 from ejlabel import AutotunePolicy, Invocation, Kernel
 from ejlabel.config.persistent import PersistentCache
 from ejlabel.config.selection import ConfigSelectorChain
+from ejlabel.execution.tuning import CandidateResult, Timing, TuneResult
+from ejlabel.utils.serialize import DecodeError
 
 MODULE = __name__
 POLICY = AutotunePolicy(num_warmup=1, num_iters=4, compile_workers=2)
@@ -93,14 +99,18 @@ work = WorkKernel()
 faulty = FaultyKernel()
 
 
-def _program(sizes: tuple[int, ...], faults: dict[str, Path] | None = None) -> Any:
+def _lowered(sizes: tuple[int, ...], faults: dict[str, Path] | None = None) -> Any:
     def step(x: jax.Array) -> jax.Array:
         total = sum(work(x[:n]).sum() for n in sizes)
         for mode, marker in (faults or {}).items():
             total = total + faulty(x[:8], marker=str(marker), mode=mode).sum()
         return total
 
-    return read_program(jax.jit(step).lower(jax.ShapeDtypeStruct((max(sizes), 64), jnp.float32)))
+    return jax.jit(step).lower(jax.ShapeDtypeStruct((max(sizes), 64), jnp.float32))
+
+
+def _program(sizes: tuple[int, ...], faults: dict[str, Path] | None = None) -> Any:
+    return read_program(_lowered(sizes, faults))
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +173,20 @@ def test_a_dead_worker_is_replaced_its_call_retried_and_a_rerun_resumes(cluster:
     assert sorted(report.tuned) == sorted(program.labels) and len(report.results) == 3
     # The first attempt killed its worker; the retry ran with the workers' cache location.
     assert marker.read_text().splitlines() == [str(worker_cache)] * 2
-    again = _tune_on_ray(program, tmp_path / "cache", worker_cache)
-    assert again.results == {} and again.errors == {}
-    assert sorted(again.already_seen) == sorted(program.labels)
     assert list(worker_cache.iterdir()) == []
+    # Rerun from the command line, a new driver of the same cluster: everything is tuned already.
+    hlo = tmp_path / "step.hlo.txt"
+    hlo.write_text(_lowered((8, 16), {"die_once": marker}).compiler_ir("hlo").as_hlo_text())
+    # Imported here: the workers import this module without the tests folder beside it.
+    from conftest import subprocess_env
+
+    again = subprocess.run(
+        [sys.executable, "-P", "-m", "ejlabel.cli.main", "--cache-dir", str(tmp_path / "cache"), "--import", MODULE,
+         "tune", str(hlo), "--ray", ray.get_runtime_context().gcs_address, "--iters", "3"],
+        capture_output=True, text=True, timeout=300, env=subprocess_env(), check=False,
+    )
+    assert again.returncode == 0, again.stderr
+    assert "tuned 0 distinct calls (0 labels)" in again.stdout and "3 already tuned; 0 errors" in again.stdout
 
 
 def test_calls_that_fail_twice_are_reported_and_the_others_stored(cluster: Any, tmp_path: Path, worker_cache: Path) -> None:
@@ -201,3 +221,23 @@ def test_bad_backend_arguments_are_named() -> None:
         tune_unseen(program, address="auto")
     with pytest.raises(ValueError, match="platform"):
         tune_unseen(program, backend="ray", platform="tpu")  # type: ignore[arg-type]
+
+
+def test_a_tuning_result_travels_as_plain_data_and_comes_back_the_same() -> None:
+    candidates = [
+        CandidateResult(WorkConfig(1), "ok", None, 0.5, 0.0, Timing([1.0, 1.25, 1.5]), floor=True),
+        CandidateResult(WorkConfig(50), "wrong", "relative error inf", 0.4, math.inf, None),
+        CandidateResult(WorkConfig(10), "pruned", "slower", 0.3, 1e-7, Timing([9.0, 8.0])),
+    ]
+    result = TuneResult("raywork@v1", "0123456789abcdef", WorkConfig(1), candidates[0], candidates, 2.0, 1.0)
+    data = result_to_data(result)
+    assert json.loads(json.dumps(data)) == data  # plain data: configs are JSON text, timings samples
+    back = result_from_data(data)
+    assert back.best_cfg == WorkConfig(1) and back.best is back.candidates[0]
+    fields = lambda c: (c.cfg, c.status, c.reason, c.compile_s, c.error, c.floor, c.timing and c.timing.samples_ms)
+    assert [fields(c) for c in back.candidates] == [fields(c) for c in candidates]
+    assert back.stats() == result.stats()
+    with pytest.raises(DecodeError, match="best"):
+        result_from_data({**data, "best": 1})  # a candidate that was never timed cannot win
+    with pytest.raises(DecodeError, match="not registered"):
+        result_from_data({**data, "candidates": [{**data["candidates"][0], "cfg": '{"$dataclass":"os:Nope","fields":{}}'}]})

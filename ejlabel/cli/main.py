@@ -104,7 +104,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    if ":" in args.path and not Path(args.path).exists():
+    if ":" in args.path and not Path(args.path).exists() and args.ray is None:
         return _tune_step_in_context(args)
     import dataclasses
 
@@ -120,9 +120,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         num_iters=args.iters,
         max_configs=args.max_configs,
     )
-    report = tune_unseen(_program(args.path, args.example_args), selector=selector, policy=policy)
+    # --ray: the unseen calls go to a Ray cluster's workers, which import the --import modules.
+    on_ray = {} if args.ray is None else {"backend": "ray", "address": args.ray or None, "modules": args.imports, "progress": True}
+    report = tune_unseen(_program(args.path, args.example_args), selector=selector, policy=policy, **on_ray)
     for (op_id, call_key), result in report.results.items():
-        print(f"tuned  {op_id}:{call_key}  {result.best.timing.median_ms:.4g} ms  {result.best_cfg!r}")
+        where = f"  on {report.worker_of[op_id, call_key]}" if on_ray else ""
+        print(f"tuned  {op_id}:{call_key}  {result.best.timing.median_ms:.4g} ms  {result.best_cfg!r}{where}")
         if result.skipped:
             print(f"       {_skipped_line(result)}")
     for lab, error in report.errors.items():
@@ -285,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--candidates", type=_positive(int), default=None, help="in context: the fastest candidates in isolation confirmed per call (default 2)")
     tune.add_argument("--confirm-slower", action="store_true", help="in context: also confirm candidates slower than XLA in isolation")
     tune.add_argument("--baseline", metavar="MODULE:FUNCTION", help="in context: the step in plain JAX, timed alongside")
+    tune.add_argument(
+        "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+        help="tune the unseen calls (in isolation, of any PATH) on a Ray cluster: ADDRESS as ray.init takes it ('auto', "
+        "'ray://host:10001'; none: RAY_ADDRESS or a new local cluster); workers import the --import modules "
+        '(needs pip install "ejlabel[ray]")',
+    )
     tune.set_defaults(run=_cmd_tune)
 
     cache = commands.add_parser("cache", help="inspect and move tuned configs")
