@@ -1,4 +1,4 @@
-"""Quick H100 check of the Mosaic GPU attention against cuDNN (and our Triton path), one process.
+"""Quick H100 check of the Mosaic GPU attention against cuDNN, one process.
 
     python bench/quick_mosaic.py
 
@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from _timing import time_interleaved
 from ejlabel.kernels import attention_mosaic as am
-from ejlabel.kernels.attention import AttentionConfig, flash_attention
 
 
 def inputs(batch: int, seq: int, heads: int, kv_heads: int, dim: int) -> tuple[jax.Array, ...]:
@@ -41,7 +40,7 @@ def steps(attend: dict[str, Any], q: jax.Array, k: jax.Array, v: jax.Array, prob
     return out
 
 
-def report(title: str, variants: dict[str, Any], flops_fwd: float, samples: int = 15, per_sample: int = 5) -> list[str]:
+def report(title: str, variants: dict[str, Any], flops_fwd: float, samples: int = 9, per_sample: int = 4) -> list[str]:
     working = {}
     for name, step in variants.items():
         try:
@@ -68,7 +67,6 @@ def main() -> None:
     attend = {
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
         "mosaic": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True),
-        "triton": lambda q, k, v: flash_attention(q, k, v, causal=True, cfg=AttentionConfig("pallas")),
     }
     tables += report("causal B4 S4096 H16 D128 bf16", steps(attend, q, k, v, probe), 4 * batch * heads * dim * seq * seq / 2)
 
@@ -79,7 +77,6 @@ def main() -> None:
     attend = {
         "cudnn dense mask": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense[:, None], implementation="cudnn"),
         "mosaic segments": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids),
-        "triton segments": lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=ids, cfg=AttentionConfig("pallas")),
     }
     doc = seq // docs
     tables += report("packed B8 S2048 H12/4 D64, 4 documents", steps(attend, q, k, v, probe), 4 * batch * heads * dim * docs * doc * doc / 2)

@@ -213,44 +213,6 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @gpu
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize(
-    ("dim", "seq", "heads", "kv_heads", "options"),
-    [
-        (64, 1000, 8, 2, {"causal": True}),
-        (128, 777, 4, 4, {"causal": True}),
-        (128, 1024, 8, 1, {"causal": False}),
-        (64, 1000, 12, 4, {"causal": True, "segments": 4}),
-        (128, 513, 4, 2, {"causal": False, "segments": 2}),
-        (64, 640, 4, 4, {"causal": True, "segments": 1}),
-        (128, 1000, 4, 2, {"causal": False, "window": (200, 50)}),
-        (64, 333, 6, 3, {"causal": True, "segments": 3, "window": (100, 0)}),
-    ],
-)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_gpu_values_and_gradients(dim: int, seq: int, heads: int, kv_heads: int, options: dict[str, Any], dtype: Any) -> None:
-    q, k, v = qkv(2, seq, heads, kv_heads, dim, dtype, seed=seq + dim)
-    ids = documents(2, seq, options["segments"], padding=seq // 10, seed=seq) if "segments" in options else None
-    causal, window = options["causal"], options.get("window")
-    probe = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
-    mosaic = lambda q, k, v: am.mosaic_attention(q, k, v, causal=causal, window=window, segment_ids=ids)
-    ref = lambda q, k, v: reference(q, k, v, causal=causal, window=window, segment_ids=ids, scale=dim**-0.5)
-    out = jax.jit(mosaic)(q, k, v)
-    tol = 2e-2 if dtype == jnp.bfloat16 else 5e-3
-    assert rel_error(out, ref(q, k, v)) < tol
-    grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * probe), argnums=(0, 1, 2)))
-    got = grad(mosaic)(q, k, v)
-    want = grad(ref)(*(t.astype(jnp.float32) for t in (q, k, v)))
-    for name, g, w in zip("qkv", got, want):
-        assert rel_error(g, w) < 2 * tol, name
-    if ids is not None:  # padding sees nothing: exactly 0, never NaN
-        pad = np.asarray(ids) <= 0
-        assert not np.any(np.asarray(out.astype(jnp.float32))[pad])
-        assert not np.any(np.asarray(got[0].astype(jnp.float32))[pad])
-
-
-@gpu
-@needs_gpu
-@needs_hopper
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_head_dim_256_forward(causal: bool) -> None:
     q, k, v = qkv(2, 700, 4, 2, 256, jnp.bfloat16, seed=11)
@@ -273,3 +235,45 @@ def test_gpu_other_tiles(params: tuple[FwdParams, BwdParams]) -> None:
     want = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) ** 2), argnums=(0, 1, 2))(*(t.astype(jnp.float32) for t in (q, k, v)))
     for g, w in zip(got, want):
         assert rel_error(g, w) < 4e-2
+
+
+@gpu
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    ("dim", "seq", "heads", "kv_heads", "options"),
+    [
+        (64, 1000, 12, 4, {"causal": True, "segments": 4}),
+        (128, 1000, 4, 2, {"causal": False, "window": (200, 50)}),
+        (64, 333, 6, 3, {"causal": True, "segments": 3, "window": (100, 0)}),
+        (128, 513, 4, 2, {"causal": False, "segments": 2}),
+        (64, 640, 4, 4, {"causal": True, "segments": 1}),
+        (64, 1000, 8, 2, {"causal": True}),
+        (128, 777, 4, 4, {"causal": True}),
+        (128, 1024, 8, 1, {"causal": False}),
+    ],
+)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_values_and_gradients(dim: int, seq: int, heads: int, kv_heads: int, options: dict[str, Any], dtype: Any) -> None:
+    q, k, v = qkv(2, seq, heads, kv_heads, dim, dtype, seed=seq + dim)
+    ids = documents(2, seq, options["segments"], padding=seq // 10, seed=seq) if "segments" in options else None
+    causal, window = options["causal"], options.get("window")
+    probe = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
+    mosaic = lambda q, k, v: am.mosaic_attention(q, k, v, causal=causal, window=window, segment_ids=ids)
+    ref = lambda q, k, v: reference(q, k, v, causal=causal, window=window, segment_ids=ids, scale=dim**-0.5)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 5e-3
+
+    @jax.jit
+    def value_and_grads(q: jax.Array, k: jax.Array, v: jax.Array, f: Any = mosaic) -> tuple[jax.Array, Any]:
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(probe.astype(out.dtype))
+
+    out, got = value_and_grads(q, k, v)
+    want_out, want = jax.jit(lambda q, k, v: value_and_grads(q, k, v, ref))(*(t.astype(jnp.float32) for t in (q, k, v)))
+    assert rel_error(out, want_out) < tol
+    for name, g, w in zip("qkv", got, want):
+        assert rel_error(g, w) < 2 * tol, name
+    if ids is not None:  # padding sees nothing: exactly 0, never NaN
+        pad = np.asarray(ids) <= 0
+        assert not np.any(np.asarray(out.astype(jnp.float32))[pad])
+        assert not np.any(np.asarray(got[0].astype(jnp.float32))[pad])
