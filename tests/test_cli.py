@@ -175,3 +175,17 @@ open({str(path)!r}, "w").write(jax.jit(cost).lower(jnp.ones((8, 128))).compiler_
     assert tuned.startswith("tuned  cost@v1:") and "impl='xla'" in tuned  # the floor's best, timed in full
     assert skipped.strip().startswith("skipped 6 of 8 candidates (time budget; the heuristic and XLA candidates were timed)")
     assert skipped.count("CostConfig(impl='loop'") == 6 and "trace_s=0.3" in skipped
+
+
+def test_importing_nothing_new_mentions_overwrite(tmp_path):
+    import toy_kernels  # registers ScaleConfig here
+
+    source = ejlabel.PersistentCache(tmp_path / "a")
+    source.put("cpu|cpu|cpu", "scale@v1", "0123456789abcdef", toy_kernels.ScaleConfig(), provenance="autotuned")
+    exported = tmp_path / "configs.json"
+    cli("cache", "export", str(exported), cache=tmp_path / "a")
+    first = cli("cache", "import", str(exported), cache=tmp_path / "b").stdout
+    again = cli("cache", "import", str(exported), cache=tmp_path / "b").stdout
+    assert first.startswith("imported 1 entries") and "--overwrite" not in first
+    assert again.startswith("imported 0 entries") and "--overwrite replaces them" in again
+    assert cli("cache", "import", str(exported), "--overwrite", cache=tmp_path / "b").stdout.startswith("imported 1 entries")

@@ -1,11 +1,74 @@
-"""Hostile input: cache files, export documents and call descriptions are data, and data never
-runs code, never breaks the cache, and never makes a call key depend on call order.
+"""Hostile input: program files, dump folders, cache files, export documents and call
+descriptions are data, and data never runs code, hangs, breaks the cache, or makes a call key
+depend on call order.
 
-One section per item of the "hostile input" issue: data that names modules (1), processes
-opening a fresh cache together (2), deep nesting (3), non-finite numbers (4), unbounded reads (5),
-export targets (6), and the call-key memo (7); then a fuzz test of import.
+Sections here carry the numbers of the "hostile input" issue (14); some items are tested in the
+file that owns the behaviour. Every numbered item and the test(s) that reproduce it (``H`` is this
+file, ``tests/test_hostile_input.py``):
+
+====  ==================================  ==========================================================
+item  defect                              tests
+====  ==================================  ==========================================================
+1     data imports any module             H::test_decoding_names_from_data_never_imports,
+                                          H::test_cache_ls_of_a_hostile_cache_imports_nothing,
+                                          H::test_audit_and_tune_of_a_program_naming_modules_import_nothing,
+                                          H::test_kernels_register_themselves_with_their_config_types,
+                                          H::test_explicit_registration_and_user_modules,
+                                          H::test_put_refuses_a_config_that_would_not_read_back,
+                                          test_calls.py::test_missing_kernel_module_is_a_clear_error,
+                                          test_cli.py::test_audit_tune_audit_and_cache_commands
+2     square-time regular expressions     test_labels.py::test_label_regex_runs_in_linear_time_on_adversarial_text,
+                                          test_hlo_grammar.py::test_every_pattern_is_linear_on_hostile_input,
+                                          test_hlo_grammar.py::test_parse_is_fast_on_hostile_input
+3     race on a new cache                 H::test_32_processes_open_a_fresh_cache_at_once
+4     unbounded reads                     H::test_import_refuses_special_files,
+                                          H::test_import_of_dev_zero_is_refused_at_once,
+                                          H::test_import_caps_file_size,
+                                          H::test_program_reader_refuses_special_files_at_once,
+                                          H::test_program_reader_caps_bytes_per_file_and_per_directory,
+                                          H::test_directory_walk_skips_special_files_and_symlinked_directories,
+                                          test_cli.py::test_special_files_are_refused_at_once
+5     one entry breaks the whole cache    H::test_import_refuses_deep_nesting_naming_the_entry,
+                                          H::test_a_deep_entry_in_the_file_is_skipped_not_fatal
+6     non-finite numbers                  H::test_import_refuses_non_finite_created,
+                                          H::test_import_refuses_non_finite_numbers_in_configs_and_stats,
+                                          H::test_old_rows_with_non_finite_time_do_not_break_export
+7     export replaces the target          H::test_export_through_a_symlink_keeps_the_link,
+                                          H::test_export_honours_the_umask_for_new_files,
+                                          H::test_export_refuses_special_targets
+8     call key depends on call order      H::test_call_keys_do_not_depend_on_call_order
+9     label injection                     test_labels.py::test_kernel_names_the_readers_cannot_read_back_are_rejected,
+                                          test_labels.py::test_versions_the_readers_cannot_read_back_are_rejected
+10    markup injection                    H::test_markup_in_static_arguments_and_configs_renders_as_itself,
+                                          H::test_cli_audit_of_a_foreign_program_with_markup,
+                                          H::test_markdown_cells_keep_pipes_and_line_breaks_inside
+11    graph crashes on parsed text        H::test_names_and_widths_the_graph_cannot_trust_are_parse_errors,
+                                          H::test_cli_audit_and_tune_report_a_duplicate_name,
+                                          H::test_fuzz_graph_and_audit_of_parsed_text_never_crash
+12    cached configs are not checked      H::test_config_of_another_kernel_type_is_not_served,
+                                          H::test_import_checks_kernel_version_against_the_op_id
+13    CLI                                 test_cli.py::test_tune_of_unparseable_input_fails_like_audit,
+                                          test_cli.py::test_bad_values_name_their_flag_and_debug_and_version_work_anywhere
+                                          (--iters 0, --debug anywhere, --version, empty cache ls),
+                                          test_cli.py::test_cache_show_takes_a_unique_key_prefix_and_a_closed_pipe_is_quiet,
+                                          test_cli.py::test_importing_nothing_new_mentions_overwrite,
+                                          test_cli.py::test_tune_budget_report_names_what_it_skipped,
+                                          test_tuning.py::test_budget_times_the_floor_first_counts_compile_time_and_says_what_it_skipped,
+                                          test_tuning.py::test_budget_large_enough_times_everything_and_skips_nothing,
+                                          test_tuning.py::test_max_configs_keeps_the_heuristic_and_xla_candidates
+14    kernel inputs                       test_kernel_inputs.py::test_bad_arguments_name_the_argument,
+                                          test_kernel_inputs.py::test_labels_to_configs_rejects_what_is_not_a_program,
+                                          test_kernel_inputs.py::test_labels_to_configs_reads_every_program_form
+====  ==================================  ==========================================================
+
+Fuzz tests (hypothesis; each case bounded in time, the three together well under a minute on 2
+cores): H::test_fuzz_import_succeeds_or_raises_cache_error_and_keeps_entries (cache import),
+H::test_fuzz_graph_and_audit_of_parsed_text_never_crash (HLO reader, graph, audit),
+H::test_fuzz_description_decoder_rebuilds_or_raises_call_decode_error (call descriptions; caps in
+H::test_description_caps_and_long_numbers_are_decode_errors), and in the reader's own files
+test_hlo.py::test_fuzz_parse_returns_module_or_parse_error and
+test_hlo_grammar.py::test_truncations_raise_only_parse_errors.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -258,7 +321,7 @@ def test_config_of_another_kernel_type_is_not_served(tmp_path: pathlib.Path) -> 
         assert selector.cache.get(*inv.cache_key) is None  # not promoted to memory either
 
 
-# ---------------------------------------------------------------- 2. a fresh cache opened by many processes
+# ---------------------------------------------------------------- 3. a fresh cache opened by many processes
 
 
 def _open_together(path: str, barrier, results) -> None:
@@ -295,7 +358,7 @@ def test_32_processes_open_a_fresh_cache_at_once(tmp_path: pathlib.Path) -> None
     assert errors == []
 
 
-# ---------------------------------------------------------------- 3. deep nesting
+# ---------------------------------------------------------------- 5. deep nesting
 
 
 def nested(depth: int) -> object:
@@ -335,7 +398,7 @@ def test_a_deep_entry_in_the_file_is_skipped_not_fatal(cache: PersistentCache, t
     assert from_jsonable(nested(MAX_DEPTH - 1)) == nested(MAX_DEPTH - 1)
 
 
-# ---------------------------------------------------------------- 4. non-finite numbers
+# ---------------------------------------------------------------- 6. non-finite numbers
 
 
 @pytest.mark.parametrize("created", ["1e999", "-1e999", "NaN", "Infinity", "1" + "0" * 400])
@@ -367,7 +430,7 @@ def test_old_rows_with_non_finite_time_do_not_break_export(cache: PersistentCach
     assert json.loads((tmp_path / "out.json").read_text())["entries"][0]["call_key"] == KEY
 
 
-# ---------------------------------------------------------------- 5. unbounded reads
+# ---------------------------------------------------------------- 4. unbounded reads (cache import)
 
 
 def test_import_refuses_special_files(cache: PersistentCache, tmp_path: pathlib.Path) -> None:
@@ -423,7 +486,7 @@ def test_import_caps_file_size(cache: PersistentCache, tmp_path: pathlib.Path, m
     assert cache.import_(doc) == 39
 
 
-# ---------------------------------------------------------------- 6. export targets
+# ---------------------------------------------------------------- 7. export targets
 
 
 def test_export_through_a_symlink_keeps_the_link(cache: PersistentCache, tmp_path: pathlib.Path) -> None:
@@ -472,7 +535,7 @@ def test_export_refuses_special_targets(cache: PersistentCache, tmp_path: pathli
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-# ---------------------------------------------------------------- 7. call keys independent of call order
+# ---------------------------------------------------------------- 8. call keys independent of call order
 
 
 ORDER_PROBE = """
@@ -969,3 +1032,62 @@ def test_import_checks_kernel_version_against_the_op_id(cache: PersistentCache, 
     with pytest.raises(CacheError, match=rf"entries\[1\]\.kernel_version is '{re.escape(kernel_version)}', but op_id good@v1 is version 1"):
         cache.import_(doc)
     assert cache.entries(include_undecodable=True) == before
+
+
+# ---------------------------------------------------------------- 1. (programs) a program naming a module runs nothing
+
+
+def test_audit_and_tune_of_a_program_naming_modules_import_nothing(tmp_path: pathlib.Path) -> None:
+    """A dump folder holding a module and a program whose call description names it (as the
+    kernel and as a `$ref` argument): audit and tune run from inside the folder, where the
+    module is importable (`python -m` puts the working directory on the path), import nothing."""
+    import jax
+    import jax.numpy as jnp
+    from toy_kernels import scale
+
+    from ejlabel.core.calls import encode_call
+
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    module = "dump_kernels"
+    (folder / f"{module}.py").write_text(EVIL_MODULE)
+    lowered = jax.jit(lambda x: scale(x)).lower(jnp.ones((4,), jnp.float32))
+    real = encode_call(Invocation(scale, (jnp.ones((4,), jnp.float32),)))
+    hostile = _b64(json.dumps([1, f"{module}:Cfg", [{"$array": "float32[4]"}], {"offset": {"$ref": f"{module}:geohash"}}, None, None]).encode())
+    text = lowered.compiler_ir("hlo").as_hlo_text()
+    assert real in text
+    (folder / "module_0001.jit_f.cpu_after_optimizations.txt").write_text(text.replace(real, hostile))
+    runs = [
+        [EJLABEL, "--cache-dir", str(tmp_path / "c"), "audit", "."],
+        [EJLABEL, "--cache-dir", str(tmp_path / "c"), "tune", ".", "--iters", "1"],
+        [sys.executable, "-m", "ejlabel", "--cache-dir", str(tmp_path / "c"), "tune", ".", "--iters", "1"],
+    ]
+    outcomes = [subprocess.run(argv, cwd=folder, check=False, capture_output=True, text=True, env=subprocess_env(), timeout=300) for argv in runs]
+    assert not (folder / "IMPORTED").exists()
+    audit, *tunes = outcomes
+    assert audit.returncode == 0, audit.stderr
+    for tune in tunes:
+        assert tune.returncode == 1 and "Traceback" not in tune.stderr
+        assert f"{module}:" in tune.stderr and "is not registered" in tune.stderr and "decoding never imports" in tune.stderr
+
+
+# ---------------------------------------------------------------- the table above stays true
+
+
+def test_the_item_table_names_every_item_and_only_tests_that_exist() -> None:
+    lines = __doc__.splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("====  ")]
+    items: dict[int, list[tuple[str, str]]] = {}
+    current = 0
+    for line in lines[rules[1] + 1 : rules[2]]:  # the rows, between the header rule and the closing one
+        number = re.match(r"(\d+)\s", line)
+        if number:
+            current = int(number.group(1))
+        items.setdefault(current, []).extend(re.findall(r"(H|test_\w+\.py)::(test_\w+)", line))
+    assert sorted(k for k in items if k) == list(range(1, 15))
+    tests = pathlib.Path(__file__).parent
+    for item, named in items.items():
+        assert named or not item, f"item {item} names no test"
+        for file, test in named:
+            source = (tests / ("test_hostile_input.py" if file == "H" else file)).read_text()
+            assert re.search(rf"^def {test}\(", source, re.M), f"item {item}: {file}::{test} does not exist"
