@@ -142,7 +142,7 @@ def _phase(args: argparse.Namespace) -> None:
     root = tempfile.mkdtemp()
     policy = _policy(args, 4)
     if args.phase == "local":
-        report = tune_unseen(program, _selector(root), policy, progress=False)
+        report = tune_unseen(program, _selector(root), policy, modules=["ejlabel.kernels"], progress=False)
         print(json.dumps(_run_summary(report)))
         return
     import ray
@@ -151,7 +151,9 @@ def _phase(args: argparse.Namespace) -> None:
     ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING", object_store_memory=256 * 2**20)
     init_s = time.perf_counter() - start
     try:
-        report = tune_unseen(program, _selector(root), policy, backend="ray", platform=args.platform, workers=1, progress=args.progress)
+        report = tune_unseen(
+            program, _selector(root), policy, backend="ray", modules=["ejlabel.kernels"], platform=args.platform, workers=1, progress=args.progress
+        )
     finally:
         ray.shutdown()
     print(json.dumps(_run_summary(report, ray_init_s=round(init_s, 2), device=report.device)))
@@ -174,6 +176,8 @@ def overhead(args: argparse.Namespace, root: str) -> dict[str, Any]:
     local = _child(args, "--phase", "local", "--programs", str(programs), env=lower_env)
     # The Ray driver reads the program on the CPU; its worker gets the GPU (platform="gpu").
     remote = _child(args, "--phase", "ray", "--programs", str(programs), env=cpu_env)
+    if local["errors"] or remote["errors"] or not local["calls"]:
+        raise RuntimeError(f"(b) could not tune every call: local {local}, ray {remote}")
     same = sum(remote["picks"].get(k) == v for k, v in local["picks"].items())
     overhead_pct = 100 * (remote["wall_s"] / local["wall_s"] - 1) if local.get("wall_s") else None
     print(
@@ -230,6 +234,7 @@ def main() -> None:
             results["overhead"] = overhead(args, root)
     out = os.environ.get("OUT")
     if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, "ray_tuning.json").write_text(json.dumps(results, indent=1))
 
 
