@@ -30,7 +30,6 @@ from ejlabel.config.selection import (  # noqa: E402
     labels_to_configs,
 )
 from ejlabel.core.calls import (  # noqa: E402
-    call_descriptions,
     decode_call,
     encode_call,
     invocations_from_program,
@@ -112,7 +111,6 @@ __all__ = [
     "autotune",
     "autotune_recorded",
     "benchmark",
-    "call_descriptions",
     "clear_invocations",
     "decode_call",
     "default_key_builder_with_sharding",

@@ -208,15 +208,6 @@ def _descriptions_of(program: Any, argument: str) -> Mapping[str, str]:
     return found
 
 
-def call_descriptions(program: Any) -> dict[str, str]:
-    """Transitional: ``ejlabel/__init__.py`` still exports this name; remove both together.
-
-    The program reader lives in :mod:`ejlabel.analysis` now: ``read_program(x).descriptions``.
-    This takes what that reader found (a ``Program`` or a mapping), as ``invocations_from_program``.
-    """
-    return dict(_descriptions_of(program, "program"))
-
-
 def invocation_from_description(lab: str, text: str) -> Invocation[Any, Any]:
     """The Invocation that the description ``text`` next to label ``lab`` describes.
 

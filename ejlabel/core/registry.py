@@ -37,7 +37,12 @@ from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from ejlabel.core.label_format import forward_op_id, is_backward
-from ejlabel.utils.serialize import UnregisteredTypeError, qualified_name, register
+from ejlabel.utils.serialize import (
+    UnregisteredTypeError,
+    qualified_name,
+    register,
+    unregistered_error,
+)
 
 __all__ = [
     "UnregisteredTypeError",
@@ -198,12 +203,7 @@ def registered_kernel(path: str) -> type:
         raise TypeError(f"path: expected 'module:QualName', got {type(path).__name__}")
     found = _KERNELS.get(path)
     if found is None:
-        module = path.partition(":")[0]
-        raise UnregisteredTypeError(
-            f"kernel {path} is not registered: no kernel class of that name was defined in this "
-            f"process, and names read from data are never imported. Import {module} first "
-            f"(on the command line: ejlabel --import {module})"
-        )
+        raise unregistered_error(path, "kernel")
     return found
 
 

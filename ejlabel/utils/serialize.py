@@ -63,6 +63,7 @@ __all__ = [
     "MAX_DEPTH",
     "DecodeError",
     "UnregisteredTypeError",
+    "unregistered_error",
     "to_jsonable",
     "from_jsonable",
     "to_json",
@@ -143,14 +144,29 @@ def registered(name: Any) -> Any:
         raise DecodeError(f"expected a name 'module:QualName', got {name!r:.80}")
     found = _REGISTRY.get(name)
     if found is None:
-        module = name.partition(":")[0]
-        raise UnregisteredTypeError(
-            f"{name} is not registered, so data may not name it (decoding never imports). "
-            f"Import the module that defines it first ({module}; on the command line "
-            f"`ejlabel --import {module}`), or register it: kernels register themselves and "
-            "their config types, other types with ejlabel.core.registry.register_config_type"
-        )
+        raise unregistered_error(name)
     return found
+
+
+def unregistered_error(name: str, kind: str | None = None) -> UnregisteredTypeError:
+    """The error for data that names ``name`` (``module:QualName``) which no code registered.
+
+    One wording for every registry (types here, kernels in :mod:`ejlabel.core.registry`): what is
+    missing, that decoding never imports, and how the user registers it. ``kind`` (``"kernel"``)
+    prefixes the name and picks the hint.
+    """
+    module = name.partition(":")[0]
+    how = (
+        "kernel classes register themselves when their module is imported"
+        if kind == "kernel"
+        else "kernels register themselves and their config types, other types with "
+        "ejlabel.core.registry.register_config_type"
+    )
+    return UnregisteredTypeError(
+        f"{kind + ' ' if kind else ''}{name} is not registered, so data may not name it (decoding never "
+        f"imports). Import the module that defines it first ({module}; on the command line "
+        f"`ejlabel --import {module}`), or register it: {how}"
+    )
 
 
 def is_registered(obj: Any) -> bool:
