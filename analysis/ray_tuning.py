@@ -22,6 +22,9 @@ Design choices:
   node is lost) or whose task raises is sent once more, to another worker when one is idle; a
   dead worker is replaced by a fresh one. After the second failure the call is reported with the
   reason. A call whose candidates all fail is a tuning outcome (as in a local run), not retried.
+* Order: the calls wait in one queue, round-robin over kernels at first, then the kernels whose
+  calls took longest so far first (:class:`_Queue`), so that a long call rarely starts last and
+  keeps one worker busy while the others idle.
 * Which device: ``platform="auto"`` takes the one the program says it was compiled for (an XLA
   dump's ``*gpu_after_optimizations*`` / ``*cpu_after_optimizations*`` files, a ``Lowered``'s
   backend), else the driver's own JAX platform. CPU workers get ``JAX_PLATFORMS=cpu``, so a CPU
@@ -43,10 +46,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
+import math
+import statistics
 import sys
 import sysconfig
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -249,7 +255,7 @@ class RayTuningPool:
         failed twice (its task raised, or its worker died).
         """
         ray = self._ray
-        queue = collections.deque(requests)
+        queue = _Queue(requests)
         attempts: collections.Counter[Key] = collections.Counter()
         idle = collections.deque(self._workers)
         running: dict[Any, tuple[Key, _Worker]] = {}
@@ -276,6 +282,7 @@ class RayTuningPool:
             else:
                 idle.append(worker)
                 worker.name = answer.get("worker") or worker.name
+                queue.took(key[0], answer)
                 if answer.get("device", self.device) != self.device and not warned:
                     warned = True
                     warnings.warn(
@@ -287,7 +294,7 @@ class RayTuningPool:
                 continue
             if attempts[key] < _ATTEMPTS:
                 # Retried first; by another worker when one is idle (this one went to the back).
-                queue.appendleft(key)
+                queue.retry(key)
             else:
                 yield key, {"status": "error", "error": failure, "worker": worker.name, "attempts": attempts[key]}
 
@@ -315,6 +322,46 @@ class RayTuningPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Queue:
+    """The calls waiting for a worker, longest expected first, so that no long call starts last.
+
+    Nothing says in advance how long a call takes to tune (mostly compiling: it depends on the
+    kernel far more than on the shapes), so the queue starts round-robin over the kernels (op
+    ids), which samples every kernel in the first wave, and then orders the rest by the mean time
+    the calls of their kernel took so far, kernels not seen yet first. Retries go to the front.
+    """
+
+    def __init__(self, keys: Iterable[Key]) -> None:
+        by_op: dict[str, list[Key]] = collections.defaultdict(list)
+        for key in keys:
+            by_op[key[0]].append(key)
+        waves = itertools.zip_longest(*by_op.values())
+        self._waiting = [key for wave in waves for key in wave if key is not None]
+        self._retries: collections.deque[Key] = collections.deque()
+        self._took: dict[str, list[float]] = collections.defaultdict(list)
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting or self._retries)
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter([*self._retries, *self._waiting])
+
+    def popleft(self) -> Key:
+        return self._retries.popleft() if self._retries else self._waiting.pop(0)
+
+    def retry(self, key: Key) -> None:
+        self._retries.appendleft(key)
+
+    def took(self, op_id: str, answer: dict[str, Any]) -> None:
+        """Learn from a finished call how long its kernel's calls take; reorder the rest."""
+        wall = (answer.get("result") or {}).get("wall_s")
+        if not isinstance(wall, (int, float)):
+            return
+        self._took[op_id].append(float(wall))
+        expected = {op: statistics.fmean(times) for op, times in self._took.items()}
+        self._waiting.sort(key=lambda key: -expected.get(key[0], math.inf))  # stable: ties keep their order
 
 
 def _reason(err: BaseException) -> str:
