@@ -3,8 +3,11 @@
 Next to its label, every labelled op carries ``ejcall="<text>"``: the call's kernel (import path
 of its class and its op id), version, abstract arguments (shape, dtype, weak type; sharding as
 its fingerprint), static keyword arguments and batch axes. The text is tagged JSON
-(:mod:`ejlabel.serialize`), zlib-compressed and base64url-encoded, because HLO printing emits
-frontend attribute values unquoted-inside-quotes and would mangle raw JSON. With it,
+(:mod:`ejlabel.utils.serialize`), base64url-encoded, because HLO printing emits frontend
+attribute values unquoted-inside-quotes and would mangle raw JSON. Decoding is for data from
+elsewhere: it never imports (kernels and types come from the registry), refuses text over
+:data:`MAX_DESCRIPTION_CHARS` and nesting past the serializer's ``MAX_DEPTH``, and turns every
+failure into one :class:`CallDecodeError`. With it,
 ``invocations_from_program`` rebuilds each call's :class:`~ejlabel.kernel.Invocation` with
 ``jax.ShapeDtypeStruct`` arguments from a program file alone, in a process that never ran the
 model, which is what offline tuning needs.
