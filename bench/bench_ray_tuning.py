@@ -81,7 +81,15 @@ def _run_summary(report: Any, **extra: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- (a) scaling
 
 
-def scaling(args: argparse.Namespace, root: str) -> dict[str, Any]:
+def _save(results: dict[str, Any]) -> None:
+    """Write what is measured so far to $OUT (a run cut short keeps its finished parts)."""
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "ray_tuning.json").write_text(json.dumps(results, indent=1))
+
+
+def scaling(args: argparse.Namespace, root: str, results: dict[str, Any]) -> dict[str, Any]:
     import ray
     from ejlabel.analysis import read_program, tune_unseen
 
@@ -90,6 +98,7 @@ def scaling(args: argparse.Namespace, root: str) -> dict[str, Any]:
     _write_programs("tiny", args.seq_lens, programs)
     program = read_program(programs)
     runs: dict[str, Any] = {}
+    results["scaling"] = {"programs": args.seq_lens, "runs": runs}
     for n in args.workers:
         start = time.perf_counter()
         ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False, logging_level="WARNING", object_store_memory=256 * 2**20)
@@ -102,11 +111,13 @@ def scaling(args: argparse.Namespace, root: str) -> dict[str, Any]:
             ray.shutdown()
         runs[f"ray_{n}"] = _run_summary(report, workers=n, ray_init_s=round(init_s, 2))
         print(f"ray, {n} workers: {report.summary()}", file=sys.stderr, flush=True)
+        _save(results)
     if not args.no_local:
         cpus = os.cpu_count() or 1
         report = tune_unseen(program, _selector(root), _policy(args, cpus), progress=False)
         runs["local"] = _run_summary(report, compile_workers=cpus)
         print(f"local: {report.summary()}", file=sys.stderr, flush=True)
+        _save(results)
     one = runs.get("ray_1", {}).get("wall_s")
     lines = [
         (
@@ -200,8 +211,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scaling", action="store_true", help="run (a) only (with --overhead: both)")
     parser.add_argument("--overhead", action="store_true", help="run (b) only (with --scaling: both)")
-    parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8], help="(a) worker counts, e.g. 1,2")
-    parser.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 48, 64, 96, 128], help="(a) one TINY program per sequence length")
+    parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 2, 4, 8], help="(a) worker counts, e.g. 1,2 (empty: the local tuner only)")
+    parser.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 48, 64], help="(a) one TINY program per sequence length")
     parser.add_argument("--no-local", action="store_true", help="(a) skip the local tuner")
     parser.add_argument("--model", choices=("125m", "tiny"), default="125m", help="(b) the program")
     parser.add_argument("--platform", choices=("gpu", "cpu"), default="gpu", help="(b) where the Ray worker tunes (cpu: a check without a GPU)")
@@ -229,13 +240,10 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as root:
         if args.scaling or not args.overhead:
-            results["scaling"] = scaling(args, root)
+            results["scaling"] = scaling(args, root, results)
         if args.overhead or not args.scaling:
             results["overhead"] = overhead(args, root)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "ray_tuning.json").write_text(json.dumps(results, indent=1))
+    _save(results)
 
 
 if __name__ == "__main__":
