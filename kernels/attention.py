@@ -27,6 +27,8 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
   bias), no windows. ``use_implementation("xla")`` and the untuned default pick it on a GPU
   wherever cuDNN takes the call, as ``jax.nn.dot_product_attention`` would, so a labelled
   packed-documents model is never slower than the plain one.
+- ``"mosaic"``: the same algorithm on the Pallas Mosaic GPU backend for Hopper (TMA, wgmma,
+  warp specialisation; kernels/attention_mosaic.py), 16-bit inputs, head dim <= 128.
 - ``"pallas"``: a flash-attention-2 forward on the Triton backend. Each program owns one
   ``q`` block of one head and walks the key/value blocks with an online softmax in base 2,
   skipping the blocks that causal masks or windows leave empty and building a mask only for
@@ -63,11 +65,12 @@ from ejlabel import BwdParams, FwdParams, Invocation, Kernel
 
 from ._attention_blocks import segment_block_ranges, uniform_block_ranges
 from ._checks import check_config, check_floating, check_integer, check_same_dtype
+from .attention_mosaic import mosaic_backward, mosaic_fits, mosaic_forward, mosaic_supports, on_hopper
 from ._pallas import MASK_VALUE, compiler_params, dot, interpret_mode, next_power_of_2, on_gpu, pad_axis, pad_to
 
 __all__ = ["AttentionConfig", "AttentionKernel", "cu_seqlens_to_segment_ids", "flash_attention"]
 
-_IMPLS = ("xla", "cudnn", "pallas")
+_IMPLS = ("xla", "cudnn", "pallas", "mosaic")
 _LOG2E = math.log2(math.e)
 Window = tuple[int | None, int | None]
 
@@ -77,7 +80,7 @@ class AttentionConfig:
     """How to run one attention call.
 
     Attributes:
-      impl: ``"xla"``, ``"cudnn"`` or ``"pallas"``.
+      impl: ``"xla"``, ``"cudnn"``, ``"pallas"`` or ``"mosaic"`` (Hopper; kernels/attention_mosaic.py).
       fwd: tiles and launch parameters of the Pallas forward (unset fields get defaults).
       bwd: the same for the Pallas backward kernels.
     """
@@ -519,6 +522,9 @@ def _default_bwd(dim: int) -> BwdParams:
 # The leaders of that sweep; the tuner tries every pairing, since forward and backward add up.
 _FWD_TILES = ((128, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3))
 _BWD_TILES = ((64, 64, 4, 2), (64, 64, 4, 1), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2))
+# Mosaic GPU tiles: forward (kv block, stages); backward (q block, kv block) with 2 stages.
+_MOSAIC_FWD = ((128, 2), (64, 3))
+_MOSAIC_BWD = ((64, 128, None, 2), (128, 64, None, 2), (64, 64, None, 2))
 
 
 class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
@@ -543,6 +549,8 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             if cfg.impl == "cudnn":
                 raise ValueError("the cudnn implementation takes no sliding window")
             return _attention_xla(q, k, v, segment_ids, scale=scale, bounds=bounds)
+        if cfg.impl == "mosaic":
+            return mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd)[0]
         fwd = _default_fwd(q.shape[3]).merge(cfg.fwd)
         out, _ = _forward_pallas(_pad(q, k, v, segment_ids, fwd, scale=scale, bounds=bounds), fwd)
         return out[:, : q.shape[1], :, : q.shape[3]]
@@ -556,6 +564,9 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         segment_ids = _segments(q, k, kwargs.get("segment_ids"), kwargs.get("cu_seqlens"))
         scale = _scale(q, kwargs.get("softmax_scale"))
         bounds = _bounds(kwargs.get("causal", False), kwargs.get("sliding_window"))
+        if cfg.impl == "mosaic":
+            out, lse = mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd)
+            return mosaic_backward(q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=cfg.bwd)
         dim = q.shape[3]
         fwd, bwd = _default_fwd(dim).merge(cfg.fwd), _default_bwd(dim).merge(cfg.bwd)
         out, lse = _forward_pallas(_pad(q, k, v, segment_ids, fwd, scale=scale, bounds=bounds), fwd)
@@ -566,7 +577,7 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         return dq[:, : q.shape[1], :, :dim], dk[:, : k.shape[1], :, :dim], dv[:, : k.shape[1], :, :dim]
 
     def differentiated_by_jax(self, cfg: AttentionConfig) -> bool:
-        return cfg.impl != "pallas"
+        return cfg.impl not in ("pallas", "mosaic")
 
     def config_for(self, inv: Invocation[AttentionConfig, jax.Array], implementation: str) -> AttentionConfig | None:
         """``"xla"`` means what ``jax.nn.dot_product_attention`` gives a JAX user: cuDNN on a GPU
@@ -614,7 +625,8 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             return [AttentionConfig("xla"), AttentionConfig("pallas", FwdParams(16, 16, 4, 1), small), AttentionConfig("pallas", FwdParams(32, 16, 4, 1), small)]
         pairs = itertools.product(_FWD_TILES, _BWD_TILES)
         pallas = [AttentionConfig("pallas", FwdParams(*fwd), BwdParams(*bwd)) for fwd, bwd in pairs]
-        return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas
+        mosaic = [AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd)) for bk, st in _MOSAIC_FWD for bwd in _MOSAIC_BWD]
+        return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas + mosaic
 
     def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:
         q = inv.args[0]
@@ -623,6 +635,8 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             # cuDNN trains with a mask (a bias to it) only on even sequence lengths.
             shapes = q.shape[3] % 8 == 0 and q.shape[3] <= 128 and not (masked and (q.shape[1] % 2 or inv.args[1].shape[1] % 2))
             return on_gpu() and inv.kwargs.get("sliding_window") is None and q.dtype in (jnp.bfloat16, jnp.float16) and shapes
+        if cfg.impl == "mosaic":  # Hopper, 16-bit, head dim <= 128, tiles that fit shared memory
+            return on_hopper() and mosaic_supports(q.dtype, q.shape[3]) and mosaic_fits(q.shape[3], cfg.fwd, cfg.bwd)
         if cfg.impl == "pallas":
             fwd = _default_fwd(q.shape[3]).merge(cfg.fwd)
             return fwd.q_blocksize <= max(16, 2 * q.shape[1]) and fwd.kv_blocksize <= max(16, 2 * inv.args[1].shape[1])

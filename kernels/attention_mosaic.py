@@ -62,6 +62,7 @@ __all__ = [
     "mosaic_attention",
     "mosaic_available",
     "mosaic_backward",
+    "mosaic_fits",
     "mosaic_forward",
     "mosaic_supports",
     "on_hopper",
@@ -756,6 +757,25 @@ def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int]:
         if value not in (64, 128):
             raise ValueError(f"{name}: the mosaic kernels take 64 or 128, got {value}")
     return block_q, block_k, stages
+
+
+_SMEM_BYTES = 227 * 1024 - 4096  # Hopper's per-block limit, less room for barriers and id rings
+
+
+def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams) -> bool:
+    """Whether the kernels' shared memory fits at this head dim and these tiles (and the
+    tiles are ones the kernels take)."""
+    padded = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
+    try:
+        _, fwd_k, fwd_stages = _blocks(fwd, padded)
+        bwd_q, bwd_k, bwd_stages = _blocks(bwd, padded)
+    except ValueError:
+        return False
+    row = padded * 2  # bytes of one 16-bit row
+    forward = _TILE * row + fwd_stages * 2 * fwd_k * row
+    dq = 2 * _TILE * row + bwd_stages * 2 * bwd_k * row
+    dkv = 2 * _TILE * row + bwd_stages * 2 * bwd_q * row
+    return max(forward, dq, dkv) <= _SMEM_BYTES
 
 
 def _check(q: jax.Array, k: jax.Array) -> None:
