@@ -27,8 +27,9 @@ Design choices:
   keeps one worker busy while the others idle.
 * Which device: ``platform="auto"`` takes the one the program says it was compiled for (an XLA
   dump's ``*gpu_after_optimizations*`` / ``*cpu_after_optimizations*`` files, a ``Lowered``'s
-  backend), else the driver's own JAX platform. CPU workers get ``JAX_PLATFORMS=cpu``, so a CPU
-  tuning run never takes a GPU of a GPU node. The configs are stored under the device
+  backend), else GPUs when the cluster has any, else CPUs. The driver's own JAX backend is never
+  started for this (on a one-GPU machine it would take the memory the worker needs). CPU
+  workers get ``JAX_PLATFORMS=cpu``, so a CPU tuning run never takes a GPU of a GPU node. The configs are stored under the device
   fingerprint the workers report, which on a cluster of one accelerator kind is the driver's
   for a GPU it does not have: pin ``accelerator_type`` on a mixed cluster.
 * The user's kernels reach the workers by the module names the user gave (``modules``): each
@@ -142,7 +143,7 @@ class RayTuningPool:
         does, ``"auto"`` an existing local one, ``"ray://host:10001"`` a remote one). A driver
         already connected (``ray.is_initialized()``) keeps its connection.
       modules: module names every worker imports (the user's kernels).
-      platform: ``"gpu"``, ``"cpu"`` (see the module docstring for ``"auto"``).
+      platform: ``"gpu"``, ``"cpu"``, or ``"auto"``: GPUs when the cluster has any.
       accelerator_type: Ray's accelerator type to tune on (``"H100"``), GPU only.
       workers: how many workers at most (default: one per free GPU or ``cpus_per_worker`` CPUs).
       calls: how many calls there are to tune (no more workers are started).
@@ -155,17 +156,17 @@ class RayTuningPool:
         *,
         address: str | None = None,
         modules: Sequence[str] = (),
-        platform: str = "cpu",
+        platform: str = "auto",
         accelerator_type: str | None = None,
         workers: int | None = None,
         calls: int | None = None,
         cpus_per_worker: float = 1,
         runtime_env: Mapping[str, Any] | None = None,
     ) -> None:
-        if platform not in ("cpu", "gpu"):
-            raise ValueError(f"platform: expected 'cpu' or 'gpu', got {platform!r}")
-        if accelerator_type is not None and platform != "gpu":
-            raise ValueError("accelerator_type: only applies to GPU tuning (platform='gpu')")
+        if platform not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"platform: expected 'auto', 'cpu' or 'gpu', got {platform!r}")
+        if accelerator_type is not None and platform == "cpu":
+            raise ValueError("accelerator_type: only applies to GPU tuning, not platform='cpu'")
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers: expected None or an int >= 1, got {workers!r}")
         if not cpus_per_worker > 0:
@@ -179,6 +180,9 @@ class RayTuningPool:
             shipped = _modules_to_ship(self.modules)
             job_env = {"py_modules": shipped} if shipped else None
             ray.init(address=address, runtime_env=job_env, log_to_driver=False, logging_level="WARNING")
+        if platform == "auto":  # decided by the cluster, never by initialising this process's GPU
+            has_gpus = any(n["Resources"].get("GPU", 0) > 0 for n in ray.nodes() if n.get("Alive"))
+            self.platform = platform = "gpu" if has_gpus or accelerator_type is not None else "cpu"
         slots = self._slots(accelerator_type, cpus_per_worker)
         count = slots if workers is None else workers
         count = max(1, count if calls is None else min(count, calls))
@@ -373,11 +377,3 @@ def _reason(err: BaseException) -> str:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         text = lines[-1] if lines else type(err).__name__
     return text.splitlines()[0][:500] if text else type(err).__name__
-
-
-def default_platform() -> str:
-    """The driver's own JAX platform family, ``"gpu"`` or ``"cpu"``."""
-    from ejlabel.utils.fingerprint import get_device_platform
-
-    return "gpu" if get_device_platform() == "gpu" else "cpu"
-

@@ -111,7 +111,7 @@ def tune_unseen(
     ``backend="ray"`` tunes on a Ray cluster (``pip install "ejlabel[ray]"``): ``address`` is
     the cluster (None: ``ray.init()``'s default; an already connected driver keeps its
     connection); ``platform`` where to tune (``"auto"``: what the program was compiled for,
-    else this machine's platform); ``accelerator_type`` pins a Ray accelerator type
+    else GPUs when the cluster has any, else CPUs); ``accelerator_type`` pins a Ray accelerator type
     (``"H100"``); ``workers`` caps the workers (default: one per GPU, or per
     ``cpus_per_worker`` CPUs); ``runtime_env`` adds to the workers' Ray runtime environment.
     ``progress`` prints one line per finished call (None: when stderr is a terminal).
@@ -203,16 +203,11 @@ def _tune_on_ray(
     runtime_env: dict[str, Any] | None,
 ) -> TuneReport:
     """The driver of a Ray run: the workers tune, this process checks, stores and reports."""
-    from .ray_tuning import (
-        RayTuningPool,
-        default_platform,
-        import_ray,
-        program_platform,
-    )
+    from .ray_tuning import RayTuningPool, import_ray, program_platform
 
     import_ray()  # before anything else: a clear error when Ray is not installed
-    if platform == "auto":
-        platform = program_platform(x, [pm.source for pm in program.modules]) or default_platform()
+    if platform == "auto":  # what the program was compiled for, else the cluster decides
+        platform = program_platform(x, [pm.source for pm in program.modules]) or "auto"
     # Every distinct call first, whether tuned or not (which are tuned depends on the workers'
     # device), so that no more workers start than there are calls, and none when there are none.
     report = TuneReport()

@@ -241,3 +241,12 @@ def test_a_tuning_result_travels_as_plain_data_and_comes_back_the_same() -> None
         result_from_data({**data, "best": 1})  # a candidate that was never timed cannot win
     with pytest.raises(DecodeError, match="not registered"):
         result_from_data({**data, "candidates": [{**data["candidates"][0], "cfg": '{"$dataclass":"os:Nope","fields":{}}'}]})
+
+
+def test_the_platform_comes_from_the_program_when_it_says() -> None:
+    from ejlabel.analysis.ray_tuning import program_platform
+
+    assert program_platform(_lowered((8,)), []) == "cpu"  # a Lowered knows its backend
+    assert program_platform(None, ["d/module_0001.jit_step.sm_9.0_gpu_after_optimizations.txt"]) == "gpu"
+    assert program_platform(None, ["d/module_0001.jit_step.cpu_after_optimizations.txt"]) == "cpu"
+    assert program_platform(None, ["d/module_0001.jit_step.before_optimizations.txt", "x.hlo"]) is None
