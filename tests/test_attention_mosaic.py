@@ -15,10 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ejlabel.kernels import attention_mosaic as am
-from ejlabel.kernels.attention import _attention_xla, _bounds
+from ejlabel.kernels.attention import (
+    AttentionConfig,
+    AttentionKernel,
+    _attention_xla,
+    _bounds,
+    flash_attention,
+)
 from kernel_checks import gpu, needs_gpu, rel_error
 
-from ejlabel import BwdParams, FwdParams
+from ejlabel import BwdParams, FwdParams, Invocation
 
 pytestmark = pytest.mark.skipif(not am.mosaic_available(), reason="this JAX has no Pallas Mosaic GPU backend")
 
@@ -173,6 +179,20 @@ def test_rejects_what_it_cannot_run() -> None:
     assert not am.mosaic_supports(jnp.bfloat16, 256) and am.mosaic_supports(jnp.bfloat16, 256, backward=False)
 
 
+def test_flash_attention_offers_mosaic_only_where_it_runs() -> None:
+    q, k, v = qkv(1, 64, 2, 1, 64, jnp.bfloat16)
+    kernel = AttentionKernel()
+    inv = Invocation(kernel, (q, k, v), {"causal": True})
+    cfg = AttentionConfig("mosaic", FwdParams(kv_blocksize=128, num_stages=2), BwdParams(64, 128, None, 2))
+    assert kernel.candidate_is_valid(inv, cfg) == am.on_hopper()
+    assert not kernel.differentiated_by_jax(cfg)  # its own backward kernels
+    if not am.on_hopper():
+        assert all(c.impl != "mosaic" for c in kernel.config_space(inv) if kernel.candidate_is_valid(inv, c))
+    # Shared memory: three stages of 128-row key and value blocks at dim 128 do not fit.
+    assert not am.mosaic_fits(128, FwdParams(kv_blocksize=128, num_stages=3), BwdParams())
+    assert am.mosaic_fits(128, FwdParams(kv_blocksize=64, num_stages=3), BwdParams())
+
+
 # --------------------------------------------------------------------------------------------
 # Values in the Mosaic GPU interpreter (CPU)
 
@@ -279,3 +299,24 @@ def test_gpu_values_and_gradients(dim: int, seq: int, heads: int, kv_heads: int,
         pad = np.asarray(ids) <= 0
         assert not np.any(np.asarray(out.astype(jnp.float32))[pad])
         assert not np.any(np.asarray(got[0].astype(jnp.float32))[pad])
+
+
+@gpu
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("kwargs", [{"causal": True}, {"segment_ids": "documents"}, {"cu_seqlens": "packed"}, {"sliding_window": (128, 0)}])
+def test_gpu_flash_attention_mosaic(kwargs: dict[str, Any]) -> None:
+    batch = 1 if "cu_seqlens" in kwargs else 2
+    q, k, v = qkv(batch, 1000, 8, 2, 64, jnp.bfloat16, seed=21)
+    if "segment_ids" in kwargs:
+        kwargs = {"segment_ids": documents(2, 1000, 4, padding=100), "causal": True}
+    if "cu_seqlens" in kwargs:
+        kwargs = {"cu_seqlens": jnp.array([0, 100, 450, 451, 980], jnp.int32), "causal": True}
+    cfg = AttentionConfig("mosaic", FwdParams(kv_blocksize=128, num_stages=2), BwdParams(64, 128, None, 2))
+    xla = AttentionConfig("xla")
+    loss = lambda cfg: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, cfg=cfg, **kwargs).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+    (value, got), (want_value, want) = loss(cfg)(q, k, v), loss(xla)(q, k, v)
+    assert rel_error(flash_attention(q, k, v, cfg=cfg, **kwargs), flash_attention(q, k, v, cfg=xla, **kwargs)) < 2e-2
+    assert abs(float(value) - float(want_value)) <= 2e-2 * abs(float(want_value))
+    for g, w in zip(got, want):
+        assert rel_error(g, w) < 4e-2
