@@ -205,6 +205,8 @@ def _program_files(path: Path) -> list[Path]:
         if not files:
             raise ValueError(f"x: the directory {path} holds no program files ({', '.join(_DUMP_SUFFIXES)})")
         return files
+    if path.exists():  # a FIFO or a device: reading it could block or never end
+        raise ValueError(f"x: {path} is not a regular file or directory (special files are never read)")
     raise FileNotFoundError(f"x: no such file or directory: {path}")
 
 
