@@ -120,6 +120,13 @@ def _modules_to_ship(modules: Sequence[str]) -> list[str]:
     return list(shipped.values())
 
 
+def _holds_a_gpu() -> bool:
+    """Whether this process's JAX runtime has a GPU backend (importing kernels starts it)."""
+    from jax.extend import backend
+
+    return any(name in ("cuda", "rocm", "gpu") for name in backend.backends())
+
+
 class _RayWorker(TuningWorker):
     """A :class:`TuningWorker` that knows its cluster node (the Ray actor's class)."""
 
@@ -204,6 +211,12 @@ class RayTuningPool:
         #: The device fingerprint the workers tune for (the first to start says): the key of
         #: their configs in the cache. Each answer names its own device, which it is stored under.
         self.device: str = identity["device"]
+        if self.platform == "gpu" and identity.get("node") == ray.get_runtime_context().get_node_id() and _holds_a_gpu():
+            warnings.warn(
+                "this process holds a GPU of the node its GPU workers run on (JAX reserves most of a GPU's memory "
+                "when it starts); run the driver with JAX_PLATFORMS=cpu: it needs no accelerator",
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ the pool
 
