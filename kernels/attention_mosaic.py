@@ -318,6 +318,9 @@ def _compiler_params() -> Any:
 def _interpret_params() -> Any:
     """The Mosaic GPU interpreter's parameters (a private class in the JAX releases we use):
     it simulates shared memory, barriers, TMA and wgmma on the CPU, so values are tested there."""
+    public = getattr(plgpu, "InterpretParams", None)
+    if public is not None:
+        return public()
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
