@@ -16,7 +16,8 @@ python bench/bench_ray_tuning.py [--scaling] [--overhead] [options]   (both when
     (the local tuner and the Ray driver would otherwise share one GPU's memory); the driver of
     the Ray run never touches the GPU (``JAX_PLATFORMS=cpu``), its one worker does.
 
-Prints a markdown table per part and writes ``ray_tuning.json`` to ``$OUT`` when it is set.
+Prints a markdown table per part and writes ``ray_tuning.json`` (``ray_tuning_scaling.json`` or
+``ray_tuning_overhead.json`` when one part runs) to ``$OUT`` when it is set, after each run.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def _save(results: dict[str, Any]) -> None:
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "ray_tuning.json").write_text(json.dumps(results, indent=1))
+        parts = [part for part in ("scaling", "overhead") if results.get("parts", {}).get(part)]
+        name = "ray_tuning.json" if len(parts) != 1 else f"ray_tuning_{parts[0]}.json"
+        Path(out, name).write_text(json.dumps(results, indent=1))
 
 
 def scaling(args: argparse.Namespace, root: str, results: dict[str, Any]) -> dict[str, Any]:
@@ -237,6 +240,7 @@ def main() -> None:
         "python": platform.python_version(),
         "jax": jax.__version__,
         "policy": {"num_warmup": 1, "num_iters": args.iters, "max_configs": args.max_configs},
+        "parts": {"scaling": args.scaling or not args.overhead, "overhead": args.overhead or not args.scaling},
     }
     with tempfile.TemporaryDirectory() as root:
         if args.scaling or not args.overhead:
