@@ -486,6 +486,8 @@ def _dq_call(
         q_smem, do_smem, k_ring, v_ring, lse_smem, delta_smem, qseg_smem, kseg_ring = scratch
         q_ready, k_ready, v_ready, k_used, v_used, kseg_ready = barriers
         h, b, tile = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("tiles")
+        if shape.bounds[1] is not None:  # causal: the longest rows first, as in the forward
+            tile = tiles - 1 - tile
         wg = lax.axis_index("wg")
 
         @pl.when(wg < _CONSUMERS)
