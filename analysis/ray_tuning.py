@@ -181,32 +181,17 @@ class RayTuningPool:
         self._ray = ray = import_ray()
         self.modules = list(modules)
         self.platform = platform
+        self._workers: list[_Worker] = []
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             # Local files reach the workers only through the job's runtime environment.
             shipped = _modules_to_ship(self.modules)
             job_env = {"py_modules": shipped} if shipped else None
             ray.init(address=address, runtime_env=job_env, log_to_driver=False, logging_level="WARNING")
-        if platform == "auto":  # decided by the cluster, never by initialising this process's GPU
-            has_gpus = any(n["Resources"].get("GPU", 0) > 0 for n in ray.nodes() if n.get("Alive"))
-            self.platform = platform = "gpu" if has_gpus or accelerator_type is not None else "cpu"
-        slots = self._slots(accelerator_type, cpus_per_worker)
-        count = slots if workers is None else workers
-        count = max(1, count if calls is None else min(count, calls))
-        options: dict[str, Any] = {"num_cpus": cpus_per_worker, "max_restarts": 0, "max_task_retries": 0}
-        if platform == "gpu":
-            options["num_gpus"] = 1
-            if accelerator_type is not None:
-                options["accelerator_type"] = accelerator_type
-        options["runtime_env"] = self._runtime_env(runtime_env)
-        self._actor = ray.remote(_RayWorker).options(**options)
-        self._replacements_left = 2 * count
-        self._workers: list[_Worker] = []
         try:
-            self._workers = [self._start() for _ in range(count)]
-            identity = self._first_identity()
+            identity = self._start_workers(accelerator_type, workers, calls, cpus_per_worker, runtime_env)
         except BaseException:
-            self.close()
+            self.close()  # and Ray, when this pool started it
             raise
         #: The device fingerprint the workers tune for (the first to start says): the key of
         #: their configs in the cache. Each answer names its own device, which it is stored under.
@@ -219,6 +204,29 @@ class RayTuningPool:
             )
 
     # ------------------------------------------------------------------ the pool
+
+    def _start_workers(
+        self, accelerator_type: str | None, workers: int | None, calls: int | None, cpus_per_worker: float,
+        runtime_env: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        """Start the workers; the identity of the first one up."""
+        ray = self._ray
+        if self.platform == "auto":  # decided by the cluster, never by starting this process's GPU
+            has_gpus = any(n["Resources"].get("GPU", 0) > 0 for n in ray.nodes() if n.get("Alive"))
+            self.platform = "gpu" if has_gpus or accelerator_type is not None else "cpu"
+        slots = self._slots(accelerator_type, cpus_per_worker)
+        count = slots if workers is None else workers
+        count = max(1, count if calls is None else min(count, calls))
+        options: dict[str, Any] = {"num_cpus": cpus_per_worker, "max_restarts": 0, "max_task_retries": 0}
+        if self.platform == "gpu":
+            options["num_gpus"] = 1
+            if accelerator_type is not None:
+                options["accelerator_type"] = accelerator_type
+        options["runtime_env"] = self._runtime_env(runtime_env)
+        self._actor = ray.remote(_RayWorker).options(**options)
+        self._replacements_left = 2 * count
+        self._workers = [self._start() for _ in range(count)]
+        return self._first_identity()
 
     def _slots(self, accelerator_type: str | None, cpus_per_worker: float) -> int:
         nodes = [n for n in self._ray.nodes() if n.get("Alive")]

@@ -118,7 +118,7 @@ def cluster() -> Any:
     # A driver that starts Ray itself ships the modules its workers import (as tune_unseen does
     # when it connects on its own): this file, which defines the kernels.
     ray.init(
-        num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+        num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
         object_store_memory=100 * 2**20, runtime_env={"py_modules": [__file__]},
     )
     yield
@@ -204,6 +204,12 @@ def test_calls_that_fail_twice_are_reported_and_the_others_stored(cluster: Any, 
     assert key[0].startswith("raywork@") and result.best_cfg == WorkConfig(1)
     assert PersistentCache(tmp_path / "cache").get(report.device, *key) == WorkConfig(1)
     assert list(worker_cache.iterdir()) == []
+
+
+def test_gpu_tuning_on_a_cluster_without_gpus_is_refused_at_once(cluster: Any) -> None:
+    with pytest.raises(ValueError, match="no GPU of type H100"):
+        tune_unseen(_program((8,)), backend="ray", platform="gpu", accelerator_type="H100", modules=[MODULE])
+    assert ray.is_initialized()  # the test's own connection is left alone
 
 
 def test_without_ray_the_error_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
