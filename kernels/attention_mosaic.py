@@ -280,21 +280,27 @@ def _operand(x: Any) -> jax.Array:
     return x if isinstance(x, jax.Array) else x[...]
 
 
-def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool) -> jax.Array:
+def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, between: Any = None) -> jax.Array:
     """``a @ b`` (``a @ b^T`` with ``transpose_b``) into a fresh float32 accumulator: ``a`` in
-    shared memory or registers, ``b`` in shared memory, the product with wgmma.
+    shared memory or registers, ``b`` in shared memory, the product with wgmma. ``between()``,
+    if given, runs after the wgmma is issued and before its result is awaited.
 
     The interpreter cannot take transposed shared-memory operands, so there the same product
     is an ordinary dot of the loaded values.
     """
     if shape.interpret:
-        return lax.dot_general(_operand(a), b[...], (((1,), (1 if transpose_b else 0,)), ((), ())), preferred_element_type=jnp.float32)
+        out = lax.dot_general(_operand(a), b[...], (((1,), (1 if transpose_b else 0,)), ((), ())), preferred_element_type=jnp.float32)
+        if between is not None:
+            between()
+        return out
     rhs = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
     rows = a.shape[0]
     cols = b.shape[0] if transpose_b else b.shape[1]
 
     def run(acc_ref: Any) -> jax.Array:
         plgpu.wgmma(acc_ref, a, rhs)
+        if between is not None:
+            between()
         return acc_ref[...]
 
     return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
@@ -336,9 +342,15 @@ _PRODUCER_REGISTERS = 40
 
 def _forward_call(
     q: jax.Array, k: jax.Array, v: jax.Array, plan: jax.Array, segment_ids: jax.Array | None,
-    shape: _Shape, *, block_k: int, stages: int,
+    shape: _Shape, *, block_k: int, stages: int, pingpong: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(out [batch, seq_q, heads, dim], lse [batch, heads, seq_q])`` on padded operands."""
+    """``(out [batch, seq_q, heads, dim], lse [batch, heads, seq_q])`` on padded operands.
+
+    ``pingpong``: the two consumers meet at a two-arrival barrier twice per step (after issuing
+    ``q k^T``, and after the softmax), offset by half a step, so one's softmax runs while the
+    other's matrix products use the tensor cores. Both walk the same blocks, so their meetings
+    pair up; consumer 1 meets once before its loop and consumer 0 once after.
+    """
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     tiles = seq_q // _TILE
@@ -351,7 +363,7 @@ def _forward_call(
         else:
             (out_ref, lse_ref, scratch, barriers), seg_ref = refs, None
         q_smem, k_ring, v_ring, lse_smem, qseg_smem, kseg_ring = scratch
-        q_ready, k_ready, v_ready, k_used, v_used, qseg_ready, kseg_ready = barriers
+        q_ready, k_ready, v_ready, k_used, v_used, qseg_ready, kseg_ready, turn = barriers
         h, b = lax.axis_index("heads"), lax.axis_index("batch")
         tile = lax.axis_index("tiles")
         if reverse:
@@ -371,6 +383,10 @@ def _forward_call(
                 q_seg = _load(shape, qseg_smem.at[wg], _row_layout())
             plgpu.barrier_wait(q_ready.at[wg])
 
+            def meet() -> None:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
+
             def step(j: jax.Array, t: jax.Array, carry: Any, masked: bool) -> Any:
                 acc, m, l = carry
                 slot = lax.rem(t, stages)
@@ -381,7 +397,7 @@ def _forward_call(
                         k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
                 plgpu.barrier_wait(k_ready.at[slot])
 
-                s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
+                s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
                 plgpu.barrier_arrive(k_used.at[slot])
                 s = s * shape.scale
                 mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False) if masked else None
@@ -396,8 +412,11 @@ def _forward_call(
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
+                if pingpong:
+                    plgpu.barrier_arrive(turn)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
-
+                if pingpong:
+                    plgpu.barrier_wait(turn)  # the other consumer's products are issued
                 acc = _mma_into(shape, acc, p16, v_ring.at[slot])
                 plgpu.barrier_arrive(v_used.at[slot])
                 return acc, m_new, l
@@ -407,7 +426,11 @@ def _forward_call(
                 _cast(shape, jnp.full((WG_ROWS,), MASK_VALUE, jnp.float32), _row_layout()),
                 _cast(shape, jnp.zeros((WG_ROWS,), jnp.float32), _row_layout()),
             )
+            if pingpong:
+                pl.when(wg == 1)(meet)
             acc, m, l = _three_loops(plan_ref, b, tile, step, init)
+            if pingpong:
+                pl.when(wg == 0)(meet)
             seen = l > 0.0
             safe_l = jnp.where(seen, l, 1.0)
             inv = jnp.where(seen, 1.0 / safe_l, 0.0)
@@ -447,6 +470,7 @@ def _forward_call(
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_barriers=_CONSUMERS),
         plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS),
     )
     extra = {"interpret": _interpret_params()} if shape.interpret else {}
     operands = (q, k, v, plan) + ((segment_ids,) if segmented else ())
@@ -743,12 +767,12 @@ def _pad(
     return _Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim)
 
 
-def _forward_padded(p: _Padded, *, block_k: int, stages: int) -> tuple[jax.Array, jax.Array]:
+def _forward_padded(p: _Padded, *, block_k: int, stages: int, pingpong: bool = False) -> tuple[jax.Array, jax.Array]:
     batch, rows = p.q.shape[:2]
     cols = p.k.shape[1]
     plan = _visit_plan(rows, cols, _TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
     segments = None if p.segment_ids is None else p.segment_ids
-    return _forward_call(p.q, p.k, p.v, plan, segments, p.shape, block_k=block_k, stages=stages)
+    return _forward_call(p.q, p.k, p.v, plan, segments, p.shape, block_k=block_k, stages=stages, pingpong=pingpong)
 
 
 def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int]:
@@ -793,12 +817,17 @@ def _check(q: jax.Array, k: jax.Array) -> None:
 def mosaic_forward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, *, scale: float, bounds: Window, params: FwdParams, interpret: bool = False,
+    pingpong: bool = False,
 ) -> tuple[Float[Array, "batch sq heads dim"], Float[Array, "batch heads sq"]]:
-    """``(out, lse)``: the attention output and its base-2 log-sum-exp ``[batch, heads, sq]``."""
+    """``(out, lse)``: the attention output and its base-2 log-sum-exp ``[batch, heads, sq]``.
+
+    ``pingpong`` alternates the two consumer warpgroups between matrix products and softmax
+    (see :func:`_forward_call`); checked in the interpreter, not yet measured on the GPU.
+    """
     _check(q, k)
     _, block_k, stages = _blocks(params, q.shape[3])
     p = _pad(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
-    out, lse = _forward_padded(p, block_k=block_k, stages=stages)
+    out, lse = _forward_padded(p, block_k=block_k, stages=stages, pingpong=pingpong)
     return out[:, : p.seq_q, :, : p.dim], lse[:, :, : p.seq_q]
 
 
@@ -828,19 +857,19 @@ def mosaic_backward(
     return dq[:, : p.seq_q, :, : p.dim], dk[:, :seq_kv, :, : p.dim], dv[:, :seq_kv, :, : p.dim]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, scale: float, bounds: Window,
-               fwd: FwdParams, bwd: BwdParams, interpret: bool) -> jax.Array:
-    return mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=interpret)[0]
+               fwd: FwdParams, bwd: BwdParams, interpret: bool, pingpong: bool) -> jax.Array:
+    return mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=interpret, pingpong=pingpong)[0]
 
 
 def _attention_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, scale: float, bounds: Window,
-                   fwd: FwdParams, bwd: BwdParams, interpret: bool) -> tuple[jax.Array, tuple[Any, ...]]:
-    out, lse = mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=interpret)
+                   fwd: FwdParams, bwd: BwdParams, interpret: bool, pingpong: bool) -> tuple[jax.Array, tuple[Any, ...]]:
+    out, lse = mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=interpret, pingpong=pingpong)
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _attention_bwd(scale: float, bounds: Window, fwd: FwdParams, bwd: BwdParams, interpret: bool,
+def _attention_bwd(scale: float, bounds: Window, fwd: FwdParams, bwd: BwdParams, interpret: bool, pingpong: bool,
                    residuals: tuple[Any, ...], g: jax.Array) -> tuple[Any, ...]:
     q, k, v, segment_ids, out, lse = residuals
     dq, dk, dv = mosaic_backward(q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=bwd, interpret=interpret)
@@ -854,7 +883,7 @@ def mosaic_attention(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     *, scale: float | None = None, causal: bool = False, window: tuple[int, int] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None, params: tuple[FwdParams, BwdParams] | None = None,
-    interpret: bool = False,
+    interpret: bool = False, pingpong: bool = False,
 ) -> Float[Array, "batch sq heads dim"]:
     """Attention on the Mosaic GPU kernels, differentiable (the forward's output and log-sum-exp
     are kept for the backward).
@@ -869,6 +898,7 @@ def mosaic_attention(
         are padding (output 0).
       params: forward and backward launch parameters (kv/q block 64 or 128, stages).
       interpret: run in the Mosaic GPU interpreter (CPU tests).
+      pingpong: alternate the forward's two consumer warpgroups (see :func:`mosaic_forward`).
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with kv heads dividing heads, got {q.shape}, {k.shape}, {v.shape}")
@@ -879,4 +909,4 @@ def mosaic_attention(
         right = 0 if right is None else min(right, 0)
     fwd, bwd = params if params is not None else (FwdParams(), BwdParams())
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, interpret)
+    return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, interpret, pingpong)
