@@ -12,7 +12,9 @@ python bench/bench_ray_tuning.py [--scaling] [--overhead] [options]   (both when
     reported apart.
 (b) ``--overhead``: one program's unseen calls (``--model 125m``: the GPU_125M training step;
     ``tiny`` for a CPU check) through Ray on this machine's GPU against the local tuner, the same
-    calls and the same reduced policy (``--max-configs``, ``--iters``), each in a fresh process
+    calls and the same reduced policy (``--max-configs``, ``--iters``; 4 compile threads, and at
+    least as many candidates per call, which the full spaces have too: a worker compiles one call's
+    candidates at a time, the local tuner all calls' in one pool), each in a fresh process
     (the local tuner and the Ray driver would otherwise share one GPU's memory); the driver of
     the Ray run never touches the GPU (``JAX_PLATFORMS=cpu``), its one worker does.
 
@@ -220,7 +222,11 @@ def main() -> None:
     parser.add_argument("--model", choices=("125m", "tiny"), default="125m", help="(b) the program")
     parser.add_argument("--platform", choices=("gpu", "cpu"), default="gpu", help="(b) where the Ray worker tunes (cpu: a check without a GPU)")
     parser.add_argument("--iters", type=int, default=5, help="timed runs per candidate")
-    parser.add_argument("--max-configs", type=int, default=2, help="candidates per call at most (the heuristic and XLA ones always run)")
+    parser.add_argument(
+        "--max-configs", type=int, default=4,
+        help="candidates per call at most (the heuristic and XLA ones always run); (b) keeps it >= the 4 compile threads: "
+        "a Ray worker compiles one call's candidates at a time, the local tuner every call's in one pool",
+    )
     parser.add_argument("--progress", action="store_true", help="print each call as it finishes")
     parser.add_argument("--phase", choices=("lower", "local", "ray"), help=argparse.SUPPRESS)
     parser.add_argument("--programs", help=argparse.SUPPRESS)
