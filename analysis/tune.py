@@ -114,7 +114,10 @@ def tune_unseen(
     else GPUs when the cluster has any, else CPUs); ``accelerator_type`` pins a Ray accelerator type
     (``"H100"``); ``workers`` caps the workers (default: one per GPU, or per
     ``cpus_per_worker`` CPUs); ``runtime_env`` adds to the workers' Ray runtime environment.
-    ``progress`` prints one line per finished call (None: when stderr is a terminal).
+    ``progress`` prints one line per finished call (None: when stderr is a terminal). Only this
+    process writes the cache, each winner as it arrives; a call whose worker dies or whose task
+    raises is retried once, on another worker when one is free, then reported in ``errors``;
+    ``worker_of`` says which worker tuned each call.
     """
     if backend not in ("local", "ray"):
         raise ValueError(f"backend: expected 'local' or 'ray', got {backend!r}")
@@ -122,8 +125,9 @@ def tune_unseen(
         raise ValueError(f"platform: expected 'auto', 'cpu' or 'gpu', got {platform!r}")
     if isinstance(modules, str):
         modules = [modules]
-    if backend == "local" and (address is not None or accelerator_type is not None or workers is not None or runtime_env is not None):
-        raise ValueError('address, accelerator_type, workers, runtime_env: only apply to backend="ray"')
+    ray_only = (address is not None, platform != "auto", accelerator_type is not None, workers is not None, runtime_env is not None)
+    if backend == "local" and any(ray_only):
+        raise ValueError('address, platform, accelerator_type, workers, runtime_env: only apply to backend="ray"')
     start = time.perf_counter()
     import_user_modules(modules)
     if selector is None:
