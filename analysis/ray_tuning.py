@@ -272,56 +272,68 @@ class RayTuningPool:
     def size(self) -> int:
         return len(self._workers)
 
-    def tune(self, requests: Mapping[Key, dict[str, Any]]) -> Iterator[tuple[Key, dict[str, Any]]]:
+    def tune(self, requests: Mapping[Key, dict[str, Any]], calls_per_task: int = 1) -> Iterator[tuple[Key, dict[str, Any]]]:
         """Send every request; yield ``(key, answer)`` as each call finishes, retried or not.
 
         ``answer`` is a worker's answer (:meth:`TuningWorker.tune`) with ``"attempts"`` added, or
         ``{"status": "error", "error": ..., "worker": ..., "attempts": ...}`` for a call that
-        failed twice (its task raised, or its worker died).
+        failed twice (its task raised, or its worker died). With ``calls_per_task`` > 1 a worker
+        tunes that many calls together (one compile pool, as a local run), and their answers
+        arrive together; the calls of a task that fails are each retried alone, twice at most.
         """
+        if not isinstance(calls_per_task, int) or calls_per_task < 1:
+            raise ValueError(f"calls_per_task: expected an int >= 1, got {calls_per_task!r}")
         ray = self._ray
         queue = _Queue(requests)
-        attempts: collections.Counter[Key] = collections.Counter()
+        attempts: collections.Counter[Key] = collections.Counter()  # tries of a call on its own
         idle = collections.deque(self._workers)
-        running: dict[Any, tuple[Key, _Worker]] = {}
+        running: dict[Any, tuple[list[Key], _Worker]] = {}
         warned = False
         while queue or running:
             while queue and idle:
-                key, worker = queue.popleft(), idle.popleft()
-                attempts[key] += 1
-                running[worker.handle.tune.remote(requests[key])] = (key, worker)
+                batch, worker = queue.pop_batch(calls_per_task), idle.popleft()
+                if len(batch) == 1:
+                    attempts[batch[0]] += 1
+                running[worker.handle.tune_many.remote([requests[key] for key in batch])] = (batch, worker)
             if not running:  # calls left, but no worker could be (re)started
                 for key in queue:
                     yield key, {"status": "error", "error": "no tuning worker left: every worker died", "worker": None, "attempts": attempts[key]}
                 return
             [ref], _ = ray.wait(list(running), num_returns=1)
-            key, worker = running.pop(ref)
+            batch, worker = running.pop(ref)
             try:
-                answer = ray.get(ref)
-            except ray.exceptions.RayTaskError as err:  # the call raised; the worker lives on
+                answers = ray.get(ref)
+                if not isinstance(answers, list) or len(answers) != len(batch):
+                    raise ValueError(f"the worker gave {len(answers) if isinstance(answers, list) else 'no'} answers for {len(batch)} calls")
+            except ray.exceptions.RayTaskError as err:  # the task raised; the worker lives on
                 idle.append(worker)
                 failure = _reason(err)
             except ray.exceptions.RayError as err:  # the worker died (or its node): replace it
                 failure = f"the tuning worker {worker.name or ''} died: {_reason(err)}".replace("  ", " ")
                 self._replace(worker, idle)
+            except ValueError as err:
+                idle.append(worker)
+                failure = str(err)
             else:
                 idle.append(worker)
-                worker.name = answer.get("worker") or worker.name
-                queue.took(key[0], answer)
-                if answer.get("device", self.device) != self.device and not warned:
-                    warned = True
-                    warnings.warn(
-                        f"worker {worker.name} tunes on {answer['device']}, not {self.device}; its configs are stored "
-                        "under its own device: pass accelerator_type to tune for one kind",
-                        stacklevel=2,
-                    )
-                yield key, {**answer, "attempts": attempts[key]}
+                for key, answer in zip(batch, answers):
+                    worker.name = answer.get("worker") or worker.name
+                    queue.took(key[0], answer)
+                    if answer.get("device", self.device) != self.device and not warned:
+                        warned = True
+                        warnings.warn(
+                            f"worker {worker.name} tunes on {answer['device']}, not {self.device}; its configs are "
+                            "stored under its own device: pass accelerator_type to tune for one kind",
+                            stacklevel=2,
+                        )
+                    yield key, {**answer, "attempts": max(attempts[key], 1)}
                 continue
-            if attempts[key] < _ATTEMPTS:
-                # Retried first; by another worker when one is idle (this one went to the back).
-                queue.retry(key)
-            else:
-                yield key, {"status": "error", "error": failure, "worker": worker.name, "attempts": attempts[key]}
+            for key in reversed(batch):
+                if attempts[key] < _ATTEMPTS:
+                    # Retried alone and first; by another worker when one is idle (this one went to the back).
+                    queue.retry(key)
+                else:
+                    yield key, {"status": "error", "error": failure, "worker": worker.name, "attempts": attempts[key]}
 
     def _replace(self, dead: _Worker, idle: collections.deque[_Worker]) -> None:
         self._workers.remove(dead)
@@ -373,8 +385,12 @@ class _Queue:
     def __iter__(self) -> Iterator[Key]:
         return iter([*self._retries, *self._waiting])
 
-    def popleft(self) -> Key:
-        return self._retries.popleft() if self._retries else self._waiting.pop(0)
+    def pop_batch(self, size: int) -> list[Key]:
+        """The next retry alone, else the next ``size`` waiting calls."""
+        if self._retries:
+            return [self._retries.popleft()]
+        batch, self._waiting = self._waiting[:size], self._waiting[size:]
+        return batch
 
     def retry(self, key: Key) -> None:
         self._retries.appendleft(key)

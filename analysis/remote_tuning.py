@@ -151,20 +151,32 @@ class TuningWorker:
         outcome, as in a local run). Anything else (the description does not decode here, the
         kernel's own code raises) propagates, so that the driver can retry the call elsewhere.
         """
-        if not isinstance(request, dict) or not all(isinstance(request.get(k), str) for k in ("label", "description")):
-            raise TypeError("request: expected call_request(label, description, policy)")
-        if not isinstance(request.get("policy"), dict):
-            raise TypeError("request['policy']: expected the policy's fields as a dict")
-        policy = AutotunePolicy(**request["policy"])
-        inv = invocation_from_description(request["label"], request["description"])
-        [outcome] = Autotuner(policy, progress=False).tune_each([inv])
-        worker = worker_name(self._where)
-        if isinstance(outcome, AutotuneError):
-            return {"status": "failed", "error": str(outcome), "worker": worker}
-        return {
-            "status": "tuned",
-            "result": result_to_data(outcome),
-            "device": device_fingerprint(),
-            "kernel_version": inv.kernel_version,
-            "worker": worker,
-        }
+        return self.tune_many([request])[0]
+
+    def tune_many(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Tune several calls together, as a local run does (one compile pool for all their
+        candidates); one answer per request, in order, each as :meth:`tune` gives it."""
+        if not isinstance(requests, list) or not requests:
+            raise TypeError("requests: expected a non-empty list of call_request(...) dicts")
+        for request in requests:
+            if not isinstance(request, dict) or not all(isinstance(request.get(k), str) for k in ("label", "description")):
+                raise TypeError("request: expected call_request(label, description, policy)")
+            if not isinstance(request.get("policy"), dict) or request["policy"] != requests[0]["policy"]:
+                raise TypeError("request['policy']: expected the policy's fields as a dict, the same for every request")
+        policy = AutotunePolicy(**requests[0]["policy"])
+        invocations = [invocation_from_description(r["label"], r["description"]) for r in requests]
+        outcomes = Autotuner(policy, progress=False).tune_each(invocations)
+        worker, device = worker_name(self._where), device_fingerprint()
+        answers = []
+        for inv, outcome in zip(invocations, outcomes, strict=True):
+            if isinstance(outcome, AutotuneError):
+                answers.append({"status": "failed", "error": str(outcome), "worker": worker})
+            else:
+                answers.append({
+                    "status": "tuned",
+                    "result": result_to_data(outcome),
+                    "device": device,
+                    "kernel_version": inv.kernel_version,
+                    "worker": worker,
+                })
+        return answers

@@ -100,6 +100,7 @@ def tune_unseen(
     workers: int | None = None,
     cpus_per_worker: float = 1,
     runtime_env: dict[str, Any] | None = None,
+    calls_per_task: int = 1,
 ) -> TuneReport:
     """Tune every call in ``x`` that has no tuned config; store winners persistently.
 
@@ -114,6 +115,9 @@ def tune_unseen(
     else GPUs when the cluster has any, else CPUs); ``accelerator_type`` pins a Ray accelerator type
     (``"H100"``); ``workers`` caps the workers (default: one per GPU, or per
     ``cpus_per_worker`` CPUs); ``runtime_env`` adds to the workers' Ray runtime environment.
+    ``calls_per_task`` > 1 has a worker tune that many calls together, in one compile pool as a
+    local run does (fewer idle compile threads when calls have fewer candidates than the policy
+    has compile threads; answers then arrive, and are stored, a task at a time).
     ``progress`` prints one line per finished call (None: when stderr is a terminal). Only this
     process writes the cache, each winner as it arrives; a call whose worker dies or whose task
     raises is retried once, on another worker when one is free, then reported in ``errors``;
@@ -125,9 +129,9 @@ def tune_unseen(
         raise ValueError(f"platform: expected 'auto', 'cpu' or 'gpu', got {platform!r}")
     if isinstance(modules, str):
         modules = [modules]
-    ray_only = (address is not None, platform != "auto", accelerator_type is not None, workers is not None, runtime_env is not None)
-    if backend == "local" and any(ray_only):
-        raise ValueError('address, platform, accelerator_type, workers, runtime_env: only apply to backend="ray"')
+    ray_only = (address, platform != "auto", accelerator_type, workers, runtime_env, calls_per_task != 1)
+    if backend == "local" and any(option not in (None, False) for option in ray_only):
+        raise ValueError('address, platform, accelerator_type, workers, runtime_env, calls_per_task: only apply to backend="ray"')
     start = time.perf_counter()
     import_user_modules(modules)
     if selector is None:
@@ -138,7 +142,7 @@ def tune_unseen(
         report = _tune_on_ray(
             x, program, selector, policy, progress=progress, address=address, modules=list(modules),
             platform=platform, accelerator_type=accelerator_type, workers=workers,
-            cpus_per_worker=cpus_per_worker, runtime_env=runtime_env,
+            cpus_per_worker=cpus_per_worker, runtime_env=runtime_env, calls_per_task=calls_per_task,
         )
         report.wall_s = time.perf_counter() - start
         return report
@@ -205,6 +209,7 @@ def _tune_on_ray(
     workers: int | None,
     cpus_per_worker: float,
     runtime_env: dict[str, Any] | None,
+    calls_per_task: int,
 ) -> TuneReport:
     """The driver of a Ray run: the workers tune, this process checks, stores and reports."""
     from .ray_tuning import RayTuningPool, import_ray, program_platform
@@ -232,7 +237,7 @@ def _tune_on_ray(
         if show:
             print(f"tuning {len(requests)} calls on {pool.size} Ray workers ({report.device})", file=sys.stderr, flush=True)
         done = collections.Counter()
-        for key, answer in pool.tune(requests):
+        for key, answer in pool.tune(requests, calls_per_task):
             report.worker_of[key] = answer.get("worker") or "?"
             outcome = _store_answer(key, answer, calls[key], selector, report, labels_of[key])
             done[report.worker_of[key]] += 1

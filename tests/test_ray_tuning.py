@@ -133,7 +133,7 @@ def worker_cache(tmp_path: Path) -> Path:
     return path
 
 
-def _tune_on_ray(program: Any, cache: Path, worker_cache: Path) -> Any:
+def _tune_on_ray(program: Any, cache: Path, worker_cache: Path, calls_per_task: int = 1) -> Any:
     return tune_unseen(
         program,
         ConfigSelectorChain(persistent=PersistentCache(cache)),
@@ -143,6 +143,7 @@ def _tune_on_ray(program: Any, cache: Path, worker_cache: Path) -> Any:
         workers=2,
         progress=False,
         runtime_env={"env_vars": {"EJLABEL_CACHE_DIR": str(worker_cache)}},
+        calls_per_task=calls_per_task,
     )
 
 
@@ -168,7 +169,9 @@ def test_ray_picks_the_same_configs_as_a_local_run(cluster: Any, tmp_path: Path,
 def test_a_dead_worker_is_replaced_its_call_retried_and_a_rerun_resumes(cluster: Any, tmp_path: Path, worker_cache: Path) -> None:
     marker = tmp_path / "died"
     program = _program((8, 16), {"die_once": marker})
-    report = _tune_on_ray(program, tmp_path / "cache", worker_cache)
+    # Two calls per task: the first task (a raywork call and the faulty one) dies with its worker,
+    # and both of its calls are retried alone.
+    report = _tune_on_ray(program, tmp_path / "cache", worker_cache, calls_per_task=2)
     assert report.errors == {}
     assert sorted(report.tuned) == sorted(program.labels) and len(report.results) == 3
     # The first attempt killed its worker; the retry ran with the workers' cache location.
