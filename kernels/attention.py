@@ -39,9 +39,9 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
   mask. Backward kernels follow the same recipe: one computes ``dq`` per ``q``
   block; the other computes ``dk`` and ``dv`` per key/value block and head, summing over the
   query heads of its group inside the program, so grouped-query attention writes no
-  per-query-head partials. The custom VJP receives only the inputs, so the backward reruns
-  the forward for the output and the log-sum-exp: one extra forward instead of keeping them
-  alive, the usual flash-attention trade.
+  per-query-head partials. The forward keeps its output and base-2 log-sum-exp
+  ``[batch, heads, seq]`` for the backward (``fwd_with_residuals``/``vjp``), as flash attention
+  does: one ``[batch, heads, seq]`` float array more in memory, no forward rerun.
 
 Sequences are padded to whole blocks and the head dimension to a power of two; the padding is
 masked out and sliced off.
@@ -549,30 +549,44 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             if cfg.impl == "cudnn":
                 raise ValueError("the cudnn implementation takes no sliding window")
             return _attention_xla(q, k, v, segment_ids, scale=scale, bounds=bounds)
-        if cfg.impl == "mosaic":
-            return mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd)[0]
-        fwd = _default_fwd(q.shape[3]).merge(cfg.fwd)
-        out, _ = _forward_pallas(_pad(q, k, v, segment_ids, fwd, scale=scale, bounds=bounds), fwd)
-        return out[:, : q.shape[1], :, : q.shape[3]]
+        return self.fwd_with_residuals(
+            q, k, v, cfg=cfg, causal=causal, softmax_scale=softmax_scale, sliding_window=sliding_window, segment_ids=segment_ids
+        )[0]
 
-    def custom_vjp(
-        self, primals: tuple[Any, ...], cfg: AttentionConfig, kwargs: dict[str, Any], cotangents: tuple[Any, ...]
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        # Only the Pallas path gets here: XLA's and cuDNN's are differentiated by JAX.
-        q, k, v = primals
-        (g,) = cotangents
-        segment_ids = _segments(q, k, kwargs.get("segment_ids"), kwargs.get("cu_seqlens"))
-        scale = _scale(q, kwargs.get("softmax_scale"))
-        bounds = _bounds(kwargs.get("causal", False), kwargs.get("sliding_window"))
+    def fwd_with_residuals(
+        self, q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+        *, cfg: AttentionConfig, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+    ) -> tuple[Float[Array, "batch sq heads dim"], Float[Array, "batch heads sq"]]:
+        """The output and its base-2 log-sum-exp ``[batch, heads, seq_q]``, which the backward
+        keeps (with the output) instead of rerunning the forward.
+
+        Only the Pallas and Mosaic paths get here: XLA's and cuDNN's are differentiated by JAX.
+        """
+        segment_ids = _segments(q, k, segment_ids, cu_seqlens)
+        scale, bounds = _scale(q, softmax_scale), _bounds(causal, sliding_window)
         if cfg.impl == "mosaic":
-            out, lse = mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd)
+            return mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd)
+        fwd = _default_fwd(q.shape[3]).merge(cfg.fwd)
+        out, lse = _forward_pallas(_pad(q, k, v, segment_ids, fwd, scale=scale, bounds=bounds), fwd)
+        return out[:, : q.shape[1], :, : q.shape[3]], lse[:, :, : q.shape[1]]
+
+    def vjp(
+        self, lse: Float[Array, "batch heads sq"], out: Float[Array, "batch sq heads dim"], g: Float[Array, "batch sq heads dim"],
+        q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+        *, cfg: AttentionConfig, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        segment_ids = _segments(q, k, segment_ids, cu_seqlens)
+        scale, bounds = _scale(q, softmax_scale), _bounds(causal, sliding_window)
+        if cfg.impl == "mosaic":
             return mosaic_backward(q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=cfg.bwd)
         dim = q.shape[3]
-        fwd, bwd = _default_fwd(dim).merge(cfg.fwd), _default_bwd(dim).merge(cfg.bwd)
-        out, lse = _forward_pallas(_pad(q, k, v, segment_ids, fwd, scale=scale, bounds=bounds), fwd)
+        bwd = _default_bwd(dim).merge(cfg.bwd)
         padded = _pad(q, k, v, segment_ids, bwd, scale=scale, bounds=bounds)
         # The forward may have used other tiles: bring its outputs to the backward's padding.
-        out, lse = pad_axis(out[:, : q.shape[1]], 1, padded.q.shape[1]), pad_axis(lse[:, :, : q.shape[1]], 2, padded.q.shape[1])
+        rows = padded.q.shape[1]
+        out, lse = pad_axis(pad_axis(out, 3, padded.q.shape[3]), 1, rows), pad_axis(lse, 2, rows)
         dq, dk, dv = _backward_pallas(padded, out, lse, g, bwd)
         return dq[:, : q.shape[1], :, :dim], dk[:, : k.shape[1], :, :dim], dv[:, : k.shape[1], :, :dim]
 
