@@ -14,6 +14,11 @@ for step in "$@"; do
     attention|matmul|norms|cross_entropy) timeout 570 python3 bench/bench_kernels.py --only "$step" --out "$OUT/kernels_$step.md" 2>&1 | tee "$OUT/kernels_$step.log" | grep -v "^W1\|Delay kernel" | tail -n 60 ;;
     attntests) timeout 300 python3 -m pytest -q tests/test_kernels_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -n 15 ;;
     sweep) timeout 420 python3 bench/sweep_attention.py 2>&1 | tee "$OUT/sweep_attention.log" | tail -n 8 ;;
+    attnbench) timeout 240 python3 bench/bench_attention.py --only a,b,c --samples 7 2>&1 | tee "$OUT/attention.log" | grep -v "^W1\|Delay kernel" | tail -n 60 ;;
+    attncheck) timeout 120 python3 bench/bench_attention.py --only check --quick 2>&1 | tee "$OUT/attention_check.log" | tail -n 30 ;;
+    attngpu) timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_attention.py tests/test_attention_mosaic.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -n 25 ;;
+    lce) timeout 90 python3 bench/bench_linear_cross_entropy.py --samples 9 --out "$OUT/lce.md" 2>&1 | tee "$OUT/lce.log" | tail -n 12 ;;
+    modelpacked) timeout 300 python3 bench/bench_model.py --packed --samples 6 --tune-budget 90 --out "$OUT/model_packed.md" 2>&1 | tee "$OUT/model_packed.log" | tail -n 25 ;;
     model) timeout 560 python3 bench/bench_model.py --out "$OUT/model.md" 2>&1 | tee "$OUT/model.log" | tail -n 40 ;;
     modelquick) timeout 400 python3 bench/bench_model.py --quick --out "$OUT/model_quick.md" 2>&1 | tee "$OUT/model_quick.log" | tail -n 40 ;;
   esac
