@@ -168,7 +168,8 @@ def _phase(args: argparse.Namespace) -> None:
     init_s = time.perf_counter() - start
     try:
         report = tune_unseen(
-            program, _selector(root), policy, backend="ray", modules=["ejlabel.kernels"], platform=args.platform, workers=1, progress=args.progress
+            program, _selector(root), policy, backend="ray", modules=["ejlabel.kernels"], platform=args.platform, workers=1,
+            calls_per_task=args.calls_per_task[0], progress=args.progress,
         )
     finally:
         ray.shutdown()
@@ -177,6 +178,8 @@ def _phase(args: argparse.Namespace) -> None:
 
 def _child(args: argparse.Namespace, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     command = [sys.executable, __file__, *extra, "--iters", str(args.iters), "--max-configs", str(args.max_configs), "--platform", args.platform]
+    if "--calls-per-task" not in extra:
+        command += ["--calls-per-task", "1"]
     proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=560, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(extra)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -190,26 +193,33 @@ def overhead(args: argparse.Namespace, root: str) -> dict[str, Any]:
     lower_env = {"JAX_PLATFORMS": "cpu" if args.platform == "cpu" else ""}  # "": JAX picks the GPU
     _child(args, "--phase", "lower", "--model", args.model, "--programs", str(programs), env=lower_env)
     local = _child(args, "--phase", "local", "--programs", str(programs), env=lower_env)
-    # The Ray driver reads the program on the CPU; its worker gets the GPU (platform="gpu").
-    remote = _child(args, "--phase", "ray", "--programs", str(programs), env=cpu_env)
-    if local["errors"] or remote["errors"] or not local["calls"]:
-        raise RuntimeError(f"(b) could not tune every call: local {local}, ray {remote}")
-    same = sum(remote["picks"].get(k) == v for k, v in local["picks"].items())
-    overhead_pct = 100 * (remote["wall_s"] / local["wall_s"] - 1) if local.get("wall_s") else None
-    print(
-        "\n".join([
-            (
-                f"One program's unseen calls ({args.model} training step, {local['calls']} distinct calls, "
-                f"max_configs={args.max_configs}, num_iters={args.iters}) on {remote.get('device', '?')}"
-            ),
-            "",
-            "| tuner | wall s | overhead | same picks | ray.init s |",
-            "|---|---:|---:|---:|---:|",
-            f"| local | {local['wall_s']:.1f} | - | - | - |",
-            f"| ray, 1 worker | {remote['wall_s']:.1f} | {overhead_pct:+.1f}% | {same}/{len(local['picks'])} | {remote['ray_init_s']} |",
-        ])
+    if local["errors"] or not local["calls"]:
+        raise RuntimeError(f"(b) the local tuner could not tune every call: {local}")
+    lines = [
+        "| tuner | wall s | overhead | same picks | ray.init s |",
+        "|---|---:|---:|---:|---:|",
+        f"| local | {local['wall_s']:.1f} | - | - | - |",
+    ]
+    runs: dict[str, Any] = {}
+    for per_task in args.calls_per_task:
+        # The Ray driver reads the program on the CPU; its worker gets the GPU (platform="gpu").
+        remote = _child(args, "--phase", "ray", "--programs", str(programs), "--calls-per-task", str(per_task), env=cpu_env)
+        if remote["errors"]:
+            raise RuntimeError(f"(b) the Ray run could not tune every call: {remote}")
+        remote["same_picks"] = sum(remote["picks"].get(k) == v for k, v in local["picks"].items())
+        remote["overhead_pct"] = 100 * (remote["wall_s"] / local["wall_s"] - 1)
+        runs[f"ray_{per_task}_per_task"] = remote
+        lines.append(
+            f"| ray, 1 worker, {per_task} call{'s' if per_task > 1 else ''} per task | {remote['wall_s']:.1f} "
+            f"| {remote['overhead_pct']:+.1f}% | {remote['same_picks']}/{len(local['picks'])} | {remote['ray_init_s']} |"
+        )
+    device = next(iter(runs.values())).get("device", "?") if runs else "?"
+    title = (
+        f"One program's unseen calls ({args.model} training step, {local['calls']} distinct calls, "
+        f"max_configs={args.max_configs}, num_iters={args.iters}) on {device}"
     )
-    return {"model": args.model, "local": local, "ray": remote, "overhead_pct": overhead_pct, "same_picks": same}
+    print("\n".join([title, "", *lines]))
+    return {"model": args.model, "local": local, **runs}
 
 
 def main() -> None:
@@ -226,6 +236,10 @@ def main() -> None:
         "--max-configs", type=int, default=4,
         help="candidates per call at most (the heuristic and XLA ones always run); (b) keeps it >= the 4 compile threads: "
         "a Ray worker compiles one call's candidates at a time, the local tuner every call's in one pool",
+    )
+    parser.add_argument(
+        "--calls-per-task", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+        help="(b) one Ray run per value, e.g. 1,8: calls a worker tunes together (8: the whole program in one compile pool)",
     )
     parser.add_argument("--progress", action="store_true", help="print each call as it finishes")
     parser.add_argument("--phase", choices=("lower", "local", "ray"), help=argparse.SUPPRESS)
