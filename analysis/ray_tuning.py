@@ -22,6 +22,10 @@ Design choices:
   node is lost) or whose task raises is sent once more, to another worker when one is idle; a
   dead worker is replaced by a fresh one. After the second failure the call is reported with the
   reason. A call whose candidates all fail is a tuning outcome (as in a local run), not retried.
+* Granularity: one call per task by default, so answers stream in and a lost worker costs one
+  call. A worker compiles one task's candidates at a time, so calls with fewer candidates than
+  the policy's compile threads leave threads idle that a local run (one pool for every call)
+  keeps busy; ``calls_per_task`` > 1 tunes several calls in one pool (one GPU, few candidates).
 * Order: the calls wait in one queue, round-robin over kernels at first, then the kernels whose
   calls took longest so far first (:class:`_Queue`), so that a long call rarely starts last and
   keeps one worker busy while the others idle.
