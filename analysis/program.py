@@ -60,6 +60,7 @@ from typing import Any, Literal
 
 import jax
 
+from ejlabel.utils.files import FileTooLargeError, SpecialFileError, file_kind, read_regular_file
 from ejlabel.core import calls
 from ejlabel.core.kernel import Invocation
 from ejlabel.core.label_format import (
@@ -90,7 +91,6 @@ __all__ = [
 MAX_PROGRAM_BYTES = 1 << 30
 #: Most directory entries walked when reading a directory (an XLA dump holds a few per module).
 MAX_DIRECTORY_ENTRIES = 100_000
-_READ_CHUNK = 1 << 20
 
 Stage = Literal["after", "before"]
 _PROGRAM_SUFFIXES = (".txt", ".hlo", ".mlir")
@@ -244,7 +244,7 @@ def read_program(x: Any, *, stage: Stage = "after") -> Program:
             reader.add_directory(path, stage)
             return reader.program("dump" if reader.dump else "directory")
         if not stat.S_ISREG(mode):
-            raise ProgramReadError(f"x: {path} is {_file_kind(mode)}, not a program file or dump directory (special files are never read)")
+            raise ProgramReadError(f"x: {path} is {file_kind(mode)}, not a program file or dump directory (special files are never read)")
         reader.add_text(reader.read_file(path), str(path))
         return reader.program("file")
     if isinstance(x, str):
@@ -287,35 +287,18 @@ class _Reader:
         Opened non-blocking and checked again on the descriptor (the path may have changed since
         it was listed), then read in chunks up to the bytes left, so nothing reads without end.
         """
-        limit = self.bytes_left
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(path, flags)
+            data = read_regular_file(path, self.bytes_left)
+        except SpecialFileError as err:
+            raise ProgramReadError(f"x: {path} is {err.kind}, not a program file (special files are never read)") from None
+        except FileTooLargeError:
+            raise ProgramReadError(
+                f"x: {path} takes the program past the {MAX_PROGRAM_BYTES}-byte limit (ejlabel.analysis.program.MAX_PROGRAM_BYTES)"
+            ) from None
         except OSError as err:
             raise ProgramReadError(f"x: cannot read {path}: {err.strerror or err}") from None
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise ProgramReadError(f"x: {path} is {_file_kind(mode)}, not a program file (special files are never read)")
-            chunks: list[bytes] = []
-            total = 0
-            while True:
-                chunk = os.read(fd, min(_READ_CHUNK, limit + 1 - total))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                total += len(chunk)
-                if total > limit:
-                    raise ProgramReadError(
-                        f"x: {path} takes the program past the {MAX_PROGRAM_BYTES}-byte limit "
-                        "(ejlabel.analysis.program.MAX_PROGRAM_BYTES)"
-                    )
-        except OSError as err:
-            raise ProgramReadError(f"x: cannot read {path}: {err.strerror or err}") from None
-        finally:
-            os.close(fd)
-        self.bytes_left -= total
-        return b"".join(chunks).decode("utf-8", "replace")
+        self.bytes_left -= len(data)
+        return data.decode("utf-8", "replace")
 
     def program(self, origin: str) -> Program:
         return Program(self.modules, origin, self.unread, self.notes)
@@ -392,7 +375,7 @@ class _Reader:
                     elif entry.is_symlink():
                         self.notes.append(f"{entry.path}: a symlink to something other than a regular file, not followed")
                     else:
-                        self.notes.append(f"{entry.path}: {_file_kind(entry.stat(follow_symlinks=False).st_mode)}, not read")
+                        self.notes.append(f"{entry.path}: {file_kind(entry.stat(follow_symlinks=False).st_mode)}, not read")
                 except OSError as err:
                     self.notes.append(f"{entry.path}: not read ({err.strerror or err})")
         return sorted(files)
@@ -412,15 +395,6 @@ class _Reader:
             if _module_key(p) not in chosen:
                 self.notes.append(f"{p.name}: no {names[stage]} file for this module, not read")
         return list(chosen.values())
-
-
-def _file_kind(mode: int) -> str:
-    """``a FIFO``, ``a character device``, ... for the refusal messages."""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "a special file"
 
 
 def _module_key(path: Path) -> str:

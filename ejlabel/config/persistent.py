@@ -54,6 +54,7 @@ import jax
 import jaxlib
 
 from ejlabel.core.registry import register_config_type
+from ejlabel.utils.files import FileTooLargeError, SpecialFileError, file_kind, read_regular_file
 from ejlabel.utils.serialize import (
     MAX_DEPTH,
     DecodeError,
@@ -83,7 +84,6 @@ BUSY_TIMEOUT_S = 30.0
 #: the file is read in chunks and refused as soon as it grows past this, so a huge or endless
 #: file (``/dev/zero``, a file still being written) cannot exhaust memory.
 MAX_IMPORT_BYTES = 64 * 1024 * 1024
-_READ_CHUNK = 1 << 20
 STATUS_OK = "ok"
 STATUS_UNDECODABLE = "undecodable"
 
@@ -734,7 +734,7 @@ def _write_atomic(path: pathlib.Path, data: bytes) -> None:
     except OSError as err:
         raise CacheError(f"cannot export to {path}: {err.strerror or err}") from None
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise CacheError(f"cannot export to {path}: {_file_kind(st.st_mode)} exists there, not a regular file")
+        raise CacheError(f"cannot export to {path}: {file_kind(st.st_mode)} exists there, not a regular file")
     # A new file gets what open() would give it; a replaced one keeps its mode.
     mode = stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_current_umask()
     try:
@@ -768,14 +768,6 @@ def _write_atomic(path: pathlib.Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "a special file"
-
-
 def _read_limited(path: pathlib.Path) -> bytes:
     """The bytes of the regular file ``path``, at most MAX_IMPORT_BYTES; CacheError otherwise.
 
@@ -788,33 +780,17 @@ def _read_limited(path: pathlib.Path) -> bytes:
     except OSError as err:
         raise CacheError(f"cannot read {path}: {err.strerror or err}") from None
     if not stat.S_ISREG(before.st_mode):
-        raise CacheError(f"cannot import {path}: it is {_file_kind(before.st_mode)}, not a regular file")
+        raise CacheError(f"cannot import {path}: it is {file_kind(before.st_mode)}, not a regular file")
     if before.st_size > MAX_IMPORT_BYTES:
         raise CacheError(f"cannot import {path}: {before.st_size} bytes is more than the {MAX_IMPORT_BYTES}-byte limit")
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        return read_regular_file(path, MAX_IMPORT_BYTES)
+    except SpecialFileError as err:
+        raise CacheError(f"cannot import {path}: it is {err.kind}, not a regular file") from None
+    except FileTooLargeError:
+        raise CacheError(f"cannot import {path}: larger than the {MAX_IMPORT_BYTES}-byte limit") from None
     except OSError as err:
         raise CacheError(f"cannot read {path}: {err.strerror or err}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CacheError(f"cannot import {path}: it is {_file_kind(st.st_mode)}, not a regular file")
-        chunks, total = [], 0
-        while True:
-            try:
-                chunk = os.read(fd, min(_READ_CHUNK, MAX_IMPORT_BYTES + 1 - total))
-            except OSError as err:
-                raise CacheError(f"cannot read {path}: {err.strerror or err}") from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > MAX_IMPORT_BYTES:
-                raise CacheError(f"cannot import {path}: larger than the {MAX_IMPORT_BYTES}-byte limit")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def _check_text(value: Any, what: str, bad: Callable[[str], CacheError]) -> str:
