@@ -60,6 +60,7 @@ from typing import Any, Literal
 
 import jax
 
+from ejlabel.utils import files
 from ejlabel.utils.files import FileTooLargeError, SpecialFileError, file_kind, read_regular_file
 from ejlabel.core import calls
 from ejlabel.core.kernel import Invocation
@@ -86,9 +87,9 @@ __all__ = [
     "read_program",
 ]
 
-#: Most bytes read for one program (one file, or all files of a directory together). The HLO of
-#: a 10^6-instruction program is ~150 MiB; parsing takes ~2.5x the text in memory.
-MAX_PROGRAM_BYTES = 1 << 30
+#: Most bytes read for one program (one file, or all files of a directory together); the one
+#: value is ``ejlabel.utils.files.MAX_PROGRAM_BYTES``, rebound here so it can be set per reader.
+MAX_PROGRAM_BYTES = files.MAX_PROGRAM_BYTES
 #: Most directory entries walked when reading a directory (an XLA dump holds a few per module).
 MAX_DIRECTORY_ENTRIES = 100_000
 

@@ -27,6 +27,7 @@ item  defect                              tests
                                           H::test_program_reader_refuses_special_files_at_once,
                                           H::test_program_reader_caps_bytes_per_file_and_per_directory,
                                           H::test_directory_walk_skips_special_files_and_symlinked_directories,
+                                          H::test_label_reader_of_paths_is_bounded_too,
                                           test_cli.py::test_special_files_are_refused_at_once
 5     one entry breaks the whole cache    H::test_import_refuses_deep_nesting_naming_the_entry,
                                           H::test_a_deep_entry_in_the_file_is_skipped_not_fatal
@@ -884,6 +885,28 @@ def test_program_reader_caps_bytes_per_file_and_per_directory(tmp_path: pathlib.
         read_program(folder)
     monkeypatch.setattr(program_module, "MAX_PROGRAM_BYTES", 2 * size)
     assert len(read_program(folder).modules) == 2
+
+
+def test_label_reader_of_paths_is_bounded_too(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # labels_to_configs and find_labels read paths through core.labels, not the analysis reader:
+    # the same cap over all files of a folder, and special files refused on the descriptor.
+    import ejlabel.core.labels as labels_module
+
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (folder / name).write_text(SMALL_PROGRAM)
+    size = len(SMALL_PROGRAM.encode())
+    monkeypatch.setattr(labels_module, "MAX_PROGRAM_BYTES", size)
+    assert labels_module.program_texts(folder / "a.txt") == [SMALL_PROGRAM]
+    with pytest.raises(ValueError, match="b.txt takes the program past"):
+        labels_module.program_texts(folder)
+    monkeypatch.setattr(labels_module, "MAX_PROGRAM_BYTES", 2 * size)
+    assert len(labels_module.program_texts(folder)) == 2
+    os.mkfifo(folder / "c.txt")
+    assert len(labels_module.program_texts(folder)) == 2  # a FIFO in a folder is passed over, never opened
+    with pytest.raises(ValueError, match="special files are never read"):
+        labels_module.program_texts(folder / "c.txt")
 
 
 def test_directory_walk_skips_special_files_and_symlinked_directories(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,6 +33,7 @@ from ejlabel.core.label_format import (
     format_label,
 )
 from ejlabel.utils.fingerprint import abstractify, short_hash
+from ejlabel.utils.files import MAX_PROGRAM_BYTES, FileTooLargeError, SpecialFileError, read_regular_file
 
 __all__ = [
     "label",
@@ -156,7 +157,7 @@ def program_texts(x: Any) -> list[str]:
             raise ValueError(f"x: this {type(x).__name__} has no text form")
         return [text]
     if isinstance(x, os.PathLike) or (isinstance(x, str) and _looks_like_path(x)):
-        return [p.read_text(errors="replace") for p in _program_files(Path(x))]
+        return _read_program_files(_program_files(Path(x)))
     if isinstance(x, bytes):
         x = x.decode(errors="replace")
     if isinstance(x, str):
@@ -167,6 +168,22 @@ def program_texts(x: Any) -> list[str]:
         "x: expected a Lowered, a Compiled, program text, or a path to an HLO file or XLA dump "
         f"directory, got {type(x).__name__}{hint}"
     )
+
+
+def _read_program_files(paths: list[Path]) -> list[str]:
+    """The texts of ``paths``, regular files only, at most ``MAX_PROGRAM_BYTES`` together."""
+    texts: list[str] = []
+    left = MAX_PROGRAM_BYTES
+    for path in paths:
+        try:
+            data = read_regular_file(path, left)
+        except FileTooLargeError:
+            raise ValueError(f"x: {path} takes the program past the {MAX_PROGRAM_BYTES}-byte limit") from None
+        except SpecialFileError as err:
+            raise ValueError(f"x: {path} is {err.kind}, not a program file (special files are never read)") from None
+        left -= len(data)
+        texts.append(data.decode("utf-8", "replace"))
+    return texts
 
 
 def _looks_like_path(text: str) -> bool:

@@ -13,7 +13,11 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["FileTooLargeError", "SpecialFileError", "file_kind", "read_regular_file"]
+__all__ = ["MAX_PROGRAM_BYTES", "FileTooLargeError", "SpecialFileError", "file_kind", "read_regular_file"]
+
+#: Most bytes read for one program (one file, or all files of a directory together). The HLO of
+#: a 10^6-instruction program is ~150 MiB; parsing takes ~2.5x the text in memory.
+MAX_PROGRAM_BYTES = 1 << 30
 
 _CHUNK = 1 << 20
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
