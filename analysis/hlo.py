@@ -104,6 +104,11 @@ _MAX_INT_DIGITS = 18
 # recursion; deeper text is refused rather than let Python's stack run out.
 _MAX_DEPTH = 64
 
+#: Longest ``frontend_attributes={...}`` text of one instruction. Ours hold a label (~60
+#: characters) and at most one call description (at most 1 MiB, ``core.calls``); anything
+#: longer is not a program we wrote or read, and is refused before it is split into pairs.
+MAX_ATTRIBUTE_CHARS = 4 << 20
+
 
 
 
@@ -1672,6 +1677,11 @@ class _Parser:
     def frontend_attributes(self, value: str) -> Mapping[str, str]:
         cached = self.attrs_cache.get(value)
         if cached is None:
+            if len(value) > MAX_ATTRIBUTE_CHARS:
+                raise HloParseError(
+                    f"a frontend_attributes value of {len(value)} characters is over the {MAX_ATTRIBUTE_CHARS}-character limit "
+                    "(ejlabel.analysis.hlo.MAX_ATTRIBUTE_CHARS)", 0, value[:60]
+                )
             pairs = _frontend_pairs(value)
             cached = MappingProxyType(pairs) if pairs else _EMPTY_ATTRS
             if len(self.attrs_cache) < 100_000:

@@ -28,6 +28,7 @@ item  defect                              tests
                                           H::test_program_reader_caps_bytes_per_file_and_per_directory,
                                           H::test_directory_walk_skips_special_files_and_symlinked_directories,
                                           H::test_label_reader_of_paths_is_bounded_too,
+                                          H::test_frontend_attributes_are_capped,
                                           test_cli.py::test_special_files_are_refused_at_once
 5     one entry breaks the whole cache    H::test_import_refuses_deep_nesting_naming_the_entry,
                                           H::test_a_deep_entry_in_the_file_is_skipped_not_fatal
@@ -885,6 +886,18 @@ def test_program_reader_caps_bytes_per_file_and_per_directory(tmp_path: pathlib.
         read_program(folder)
     monkeypatch.setattr(program_module, "MAX_PROGRAM_BYTES", 2 * size)
     assert len(read_program(folder).modules) == 2
+
+
+def test_frontend_attributes_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ejlabel.analysis.hlo as hlo_module
+    from ejlabel.analysis import HloParseError, parse_hlo
+
+    long_value = 'frontend_attributes={ejlabel="ejkernel_ops#scale@v1:0123456789abcdef",ejcall="' + "a" * 300 + '"}'
+    text = _module("%p = f32[4]{0} parameter(0)", f"ROOT %a = f32[4]{{0}} add(%p, %p), {long_value}")
+    assert parse_hlo(text).instructions()  # under the real cap
+    monkeypatch.setattr(hlo_module, "MAX_ATTRIBUTE_CHARS", 200)
+    with pytest.raises(HloParseError, match="MAX_ATTRIBUTE_CHARS"):
+        parse_hlo(text)
 
 
 def test_label_reader_of_paths_is_bounded_too(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
