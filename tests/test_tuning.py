@@ -244,3 +244,20 @@ def test_max_configs_keeps_the_heuristic_and_xla_candidates():
     result = Autotuner(policy).tune(Invocation(cost, (COST_X,)))
     assert [c.cfg for c in result.candidates] == COST_FLOOR
     assert result.best_cfg == CostConfig("xla", steps=300)
+
+
+def test_max_configs_takes_candidates_round_robin_over_implementations() -> None:
+    import dataclasses
+
+    from ejlabel.execution.tuning import _spread_over_implementations
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        impl: str
+        tile: int = 0
+
+    floor = [Cfg("xla")]
+    space = [Cfg("pallas", t) for t in range(5)] + [Cfg("mosaic", t) for t in range(2)]
+    picked = _spread_over_implementations(floor + space, 1, 5)
+    assert picked == [Cfg("xla"), Cfg("pallas", 0), Cfg("mosaic", 0), Cfg("pallas", 1), Cfg("mosaic", 1)]
+    assert _spread_over_implementations(floor + space, 1, 20) == floor + space  # no cap hit: order kept

@@ -382,7 +382,8 @@ class Autotuner:
         """The call's candidates: the floor (heuristic, then XLA) first, then the config space.
 
         Given ``configs``, only those are tried (in their order, the floor among them first).
-        ``max_configs`` caps the list but never drops a floor candidate.
+        ``max_configs`` caps the list but never drops a floor candidate, and takes the others
+        round-robin over their implementations, so a cap never leaves a whole implementation out.
         """
         kernel = inv.kernel
         floor = _floor_configs(inv)
@@ -394,7 +395,7 @@ class Autotuner:
         unique = [cfg for cfg in unique if kernel.candidate_is_valid(inv, cfg)]
         floored = sum(cfg in floor for cfg in unique)
         if self.policy.max_configs is not None:
-            unique = unique[: max(self.policy.max_configs, floored)]
+            unique = _spread_over_implementations(unique, floored, max(self.policy.max_configs, floored))
         if not unique:
             raise AutotuneError(f"{inv.op_id} call {inv.call_key}: no valid candidate configs")
         job = _Job(inv, [CandidateResult(cfg, floor=cfg in floor) for cfg in unique], budget_s=self.policy.time_budget_s)
@@ -760,3 +761,24 @@ def autotune_recorded(
         # The calls that did tune are stored already; the error names the others.
         raise AutotuneError(f"{len(failures)} of {len(unique)} calls could not be tuned: " + " | ".join(failures))
     return winners
+
+
+def _spread_over_implementations(configs: list[Any], floored: int, limit: int) -> list[Any]:
+    """The first ``limit`` of ``configs``: the ``floored`` leading ones, then the rest taken
+    round-robin over their ``impl`` field (in order within each), so a space that lists one
+    implementation's thirty tilings before another's six still gets both ranked under a cap."""
+    if len(configs) <= limit:
+        return configs
+    groups: dict[Any, list[Any]] = {}
+    for cfg in configs[floored:]:
+        groups.setdefault(getattr(cfg, "impl", None), []).append(cfg)
+    picked = list(configs[:floored])
+    queues = [iter(group) for group in groups.values()]
+    while len(picked) < limit and queues:
+        for queue in list(queues):
+            cfg = next(queue, None)
+            if cfg is None:
+                queues.remove(queue)
+            elif len(picked) < limit:
+                picked.append(cfg)
+    return picked
