@@ -4,7 +4,8 @@ python bench/bench_linear_cross_entropy.py [--tokens 16384 --d 768 --vocab 32000
 
 Baseline: ``logits = hidden @ weight`` (bf16), then ``logsumexp(logits) - logits[label]`` in
 float32, mean over tokens, forward and backward by ``jax.value_and_grad``. Ours: the
-``"chunked"`` implementation at several chunk sizes. Each variant is compiled ahead of time;
+``"chunked"`` implementation (vocabulary chunks) and the ``"chunked_tokens"`` one (token
+chunks, the gradient computed with the loss) at several chunk sizes. Each variant is compiled ahead of time;
 times are medians of interleaved samples (a sample = 5 back-to-back steps, synchronised); memory
 is the compiled program's temporary allocation (``memory_analysis().temp_size_in_bytes``).
 """
@@ -26,7 +27,8 @@ def main() -> int:
     parser.add_argument("--d", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--samples", type=int, default=15)
-    parser.add_argument("--chunks", default="2048,4096,8192")
+    parser.add_argument("--chunks", default="2048,4096,8192", help="vocabulary chunks of the chunked implementation")
+    parser.add_argument("--token-chunks", default="1024,2048,4096", help="token chunks of the chunked_tokens implementation")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -47,6 +49,9 @@ def main() -> int:
     for chunk in (int(c) for c in args.chunks.split(",")):
         cfg = LinearCrossEntropyConfig("chunked", chunk)
         variants[f"ours, chunked {chunk}"] = lambda h, w, cfg=cfg: linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
+    for chunk in (int(c) for c in args.token_chunks.split(",")):
+        cfg = LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk)
+        variants[f"ours, token chunks {chunk}"] = lambda h, w, cfg=cfg: linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
 
     compiled, memory, values = {}, {}, {}
     for name, fn in variants.items():

@@ -20,15 +20,24 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
   chunk's logits from ``hidden`` and that log-sum-exp and
   accumulates ``d_hidden += d_z @ w_c^T`` and ``d_weight[:, c] = hidden^T @ d_z``: the
   logits never exist whole in either direction, the cost being one more pass of the matmul.
+  The least memory; many small matrix products.
+- ``"chunked_tokens"``: a ``lax.scan`` over chunks of ``chunk_tokens`` tokens, each against the
+  whole vocabulary, so every product is as large as the plain program's along the vocabulary.
+  When the output is reduced (``"mean"``/``"sum"``) its cotangent is one scalar, so the forward,
+  run under differentiation, also computes each chunk's gradient while its logits are at hand
+  (``d_z``, then ``d_hidden_c = d_z @ w^T`` and ``d_weight += h_c^T @ d_z``) and the backward
+  only scales them: three passes of the matmul in all, as in the plain program, but the logits
+  of one chunk at a time. With ``reduction="none"`` the backward recomputes the chunks instead.
 
-Tokens labelled ``ignore_index`` get loss 0 and no gradient. Reduction (``"mean"`` over the
-tokens that count, ``"sum"`` or ``"none"``) is plain ``jax.numpy`` after the kernel.
+Tokens labelled ``ignore_index`` get loss 0 and no gradient. The reduction (``"mean"`` over the
+tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is
+``_Loss.reduce``, whose pullback gives the backward its per-token cotangent.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +47,11 @@ from jaxtyping import Array, Float, Int
 from ejlabel import Invocation, Kernel
 
 from ._checks import check_config, check_floating, check_integer
-from ._pallas import on_gpu
+from ._pallas import on_gpu, pad_axis
 
 __all__ = ["LinearCrossEntropyConfig", "LinearCrossEntropyKernel", "linear_cross_entropy"]
 
-_IMPLS = ("xla", "chunked")
+_IMPLS = ("xla", "chunked", "chunked_tokens")
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -51,18 +60,23 @@ class LinearCrossEntropyConfig:
     """How to run one fused linear cross-entropy.
 
     Attributes:
-      impl: ``"xla"`` (the plain expression) or ``"chunked"`` (online over vocabulary chunks).
+      impl: ``"xla"`` (the plain expression), ``"chunked"`` (online over vocabulary chunks) or
+        ``"chunked_tokens"`` (over token chunks, the gradient computed with the loss).
       chunk_vocab: vocabulary columns per step of ``"chunked"``.
+      chunk_tokens: tokens per step of ``"chunked_tokens"``.
     """
 
     impl: str = "xla"
     chunk_vocab: int = 4096
+    chunk_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.impl not in _IMPLS:
             raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
-        if not isinstance(self.chunk_vocab, int) or self.chunk_vocab < 1:
-            raise ValueError(f"chunk_vocab: expected a positive int, got {self.chunk_vocab!r}")
+        for name in ("chunk_vocab", "chunk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +86,7 @@ class _Loss:
     ignore_index: int | None
     label_smoothing: float
     logit_soft_cap: float | None
+    reduction: str = "none"
 
     def cap(self, z: jax.Array) -> jax.Array:
         return z if self.logit_soft_cap is None else self.logit_soft_cap * jnp.tanh(z / self.logit_soft_cap)
@@ -82,6 +97,22 @@ class _Loss:
 
     def counts(self, labels: jax.Array) -> jax.Array:
         return jnp.ones(labels.shape, bool) if self.ignore_index is None else labels != self.ignore_index
+
+    def reduce(self, per_token: jax.Array, labels: jax.Array) -> jax.Array:
+        """The call's output from the ``[tokens]`` losses: the one home of the reduction."""
+        if self.reduction == "none":
+            return per_token
+        if self.ignore_index is None:  # every token counts: the expression a JAX user writes
+            return jnp.mean(per_token) if self.reduction == "mean" else jnp.sum(per_token)
+        total = jnp.sum(per_token)
+        return total if self.reduction == "sum" else total / jnp.maximum(jnp.sum(self.counts(labels)), 1)
+
+    def token_cotangent(self, g: jax.Array | float, labels: jax.Array) -> Float[Array, "tokens"]:
+        """The cotangent of each token's loss, given the output's cotangent ``g``: the pullback
+        of :meth:`reduce` (linear in the losses), zero where a token does not count."""
+        _, pullback = jax.vjp(lambda per_token: self.reduce(per_token, labels), jnp.zeros(labels.shape, jnp.float32))
+        (per_token_g,) = pullback(jnp.asarray(g, jnp.float32))
+        return jnp.where(self.counts(labels), per_token_g, 0.0)
 
 
 def _loss_xla(hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss) -> jax.Array:
@@ -162,10 +193,59 @@ def _backward_chunked(
     return d_hidden.astype(hidden.dtype), d_weight
 
 
+class _TokenPass(NamedTuple):
+    per_token: Float[Array, "tokens"]
+    d_hidden: Float[Array, "tokens d"] | None
+    d_weight: Float[Array, "d vocab"] | None  # float32
+
+
+def _token_chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """``x [tokens, ...]`` as ``[n, chunk, ...]``, zero-padded to whole chunks."""
+    n = -(-x.shape[0] // chunk)
+    return pad_axis(x, 0, n * chunk).reshape(n, chunk, *x.shape[1:])
+
+
+def _tokens_pass(
+    hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss, chunk: int, token_g: jax.Array | None = None
+) -> _TokenPass:
+    """Per-token losses, one chunk of tokens against the whole vocabulary at a time, and with
+    ``token_g [tokens]`` the gradient of ``sum(token_g * loss)`` from the same logits."""
+    tokens, vocab = hidden.shape[0], weight.shape[1]
+    chunk = min(chunk, tokens)
+    eps = loss.label_smoothing
+    safe = jnp.where(loss.counts(labels), labels, 0)
+    xs = (_token_chunks(hidden, chunk), _token_chunks(safe, chunk))
+    if token_g is not None:
+        xs += (_token_chunks(token_g.astype(jnp.float32), chunk),)  # zero on padded tokens
+
+    def step(d_weight: jax.Array | None, xs: tuple[jax.Array, ...]) -> tuple[jax.Array | None, tuple[jax.Array, ...]]:
+        h_c, y_c = xs[:2]
+        z = loss.cap((h_c @ weight).astype(jnp.float32))  # the plain program's logits, one chunk
+        lse = jax.nn.logsumexp(z, axis=-1)
+        picked = jnp.take_along_axis(z, y_c[:, None], axis=-1)[:, 0]
+        per_token = lse - picked
+        if eps:
+            per_token = per_token + eps * (picked - jnp.mean(z, axis=-1))
+        if d_weight is None:
+            return None, (per_token,)
+        onehot = y_c[:, None] == jnp.arange(vocab)[None, :]
+        d_z = jnp.exp(z - lse[:, None]) - (1.0 - eps) * onehot - eps / vocab
+        d_z = (d_z * loss.cap_grad(z) * xs[2][:, None]).astype(hidden.dtype)
+        d_weight = d_weight + jnp.dot(h_c.T, d_z, preferred_element_type=jnp.float32)
+        return d_weight, (per_token, d_z @ weight.T)
+
+    init = None if token_g is None else jnp.zeros(weight.shape, jnp.float32)
+    d_weight, outs = lax.scan(step, init, xs)
+    per_token = jnp.where(loss.counts(labels), outs[0].reshape(-1)[:tokens], 0.0)
+    d_hidden = None if token_g is None else outs[1].reshape(-1, hidden.shape[1])[:tokens]
+    return _TokenPass(per_token, d_hidden, d_weight)
+
+
 class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
     """Per-token cross-entropy of ``hidden @ weight``; see the module docstring."""
 
-    version = "1"
+    # 2: the reduction is part of the call (version 1 returned per-token losses only).
+    version = "2"
 
     def __init__(self) -> None:
         super().__init__("linear_cross_entropy")
@@ -173,39 +253,62 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
     def run(
         self, hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], *, labels: Int[Array, "tokens"],
         cfg: LinearCrossEntropyConfig, ignore_index: int | None = -100, label_smoothing: float = 0.0, logit_soft_cap: float | None = None,
-    ) -> Float[Array, "tokens"]:
-        loss = _Loss(ignore_index, label_smoothing, logit_soft_cap)
+        reduction: str = "none",
+    ) -> Float[Array, "..."]:
+        loss = _Loss(ignore_index, label_smoothing, logit_soft_cap, reduction)
         if cfg.impl == "xla":
-            return _loss_xla(hidden, weight, labels, loss)
-        return _forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)[0]
+            per_token = _loss_xla(hidden, weight, labels, loss)
+        elif cfg.impl == "chunked":
+            per_token = _forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)[0]
+        else:
+            per_token = _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens).per_token
+        return loss.reduce(per_token, labels)
 
     def fwd_with_residuals(
         self, hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], *, labels: Int[Array, "tokens"],
         cfg: LinearCrossEntropyConfig, ignore_index: int | None = -100, label_smoothing: float = 0.0, logit_soft_cap: float | None = None,
-    ) -> tuple[Float[Array, "tokens"], Float[Array, "tokens"]]:
-        # Only the chunked path gets here (the XLA one is differentiated by JAX). The residual is
-        # the per-token log-sum-exp, [tokens] floats: the backward recomputes each chunk's logits
-        # from it instead of rerunning the whole forward.
-        loss = _Loss(ignore_index, label_smoothing, logit_soft_cap)
-        return _forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)
+        reduction: str = "none",
+    ) -> tuple[Float[Array, "..."], Any]:
+        # Only the chunked paths get here (the XLA one is differentiated by JAX), and only under
+        # differentiation: the executor runs `run` for a forward that is not differentiated.
+        loss = _Loss(ignore_index, label_smoothing, logit_soft_cap, reduction)
+        if cfg.impl == "chunked":
+            # The per-token log-sum-exp, [tokens] floats: the backward recomputes each chunk's
+            # logits from it instead of rerunning the whole forward.
+            per_token, lse = _forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)
+            return loss.reduce(per_token, labels), lse
+        if reduction == "none":  # a cotangent per token, known only in the backward
+            return _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens).per_token, None
+        # A scalar output: the gradient for a unit cotangent now, from the logits at hand.
+        done = _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(1.0, labels))
+        return loss.reduce(done.per_token, labels), (done.d_hidden, done.d_weight)
 
     def vjp(
-        self, lse: Float[Array, "tokens"], per_token: Float[Array, "tokens"], g: Float[Array, "tokens"],
+        self, residuals: Any, out: Float[Array, "..."], g: Float[Array, "..."],
         hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], *, labels: Int[Array, "tokens"],
         cfg: LinearCrossEntropyConfig, ignore_index: int | None = -100, label_smoothing: float = 0.0, logit_soft_cap: float | None = None,
+        reduction: str = "none",
     ) -> tuple[jax.Array, jax.Array]:
-        del per_token
-        loss = _Loss(ignore_index, label_smoothing, logit_soft_cap)
-        return _backward_chunked(hidden, weight, labels, lse, g, loss, cfg.chunk_vocab)
+        del out
+        loss = _Loss(ignore_index, label_smoothing, logit_soft_cap, reduction)
+        if cfg.impl == "chunked":
+            return _backward_chunked(hidden, weight, labels, residuals, loss.token_cotangent(g, labels), loss, cfg.chunk_vocab)
+        if residuals is None:
+            done = _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(g, labels))
+            return done.d_hidden, done.d_weight.astype(weight.dtype)
+        d_hidden, d_weight = residuals
+        g = jnp.asarray(g, jnp.float32)
+        return (d_hidden * g).astype(hidden.dtype), (d_weight * g).astype(weight.dtype)
 
     def differentiated_by_jax(self, cfg: LinearCrossEntropyConfig) -> bool:
         return cfg.impl == "xla"
 
     def reference(
         self, hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], *, labels: Int[Array, "tokens"],
-        ignore_index: int | None = -100, label_smoothing: float = 0.0, logit_soft_cap: float | None = None,
-    ) -> Float[Array, "tokens"]:
-        return _loss_xla(hidden.astype(jnp.float32), weight.astype(jnp.float32), labels, _Loss(ignore_index, label_smoothing, logit_soft_cap))
+        ignore_index: int | None = -100, label_smoothing: float = 0.0, logit_soft_cap: float | None = None, reduction: str = "none",
+    ) -> Float[Array, "..."]:
+        loss = _Loss(ignore_index, label_smoothing, logit_soft_cap, reduction)
+        return loss.reduce(_loss_xla(hidden.astype(jnp.float32), weight.astype(jnp.float32), labels, loss), labels)
 
     def make_inputs(self, inv: Invocation[LinearCrossEntropyConfig, jax.Array], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
         hidden, weight = inv.args
@@ -222,21 +325,23 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
         return LinearCrossEntropyConfig("xla")
 
     def config_space(self, inv: Invocation[LinearCrossEntropyConfig, jax.Array]) -> list[LinearCrossEntropyConfig]:
-        vocab = inv.args[1].shape[1]
-        sizes = (1024, 2048, 4096, 8192) if on_gpu() else (16, 64)
-        # A chunk much wider than the vocabulary is padding, but at least one chunked candidate stays.
-        fitting = [c for c in sizes if c < 2 * vocab] or [sizes[0]]
-        return [LinearCrossEntropyConfig("xla")] + [LinearCrossEntropyConfig("chunked", c) for c in fitting]
+        tokens, vocab = inv.args[0].shape[0], inv.args[1].shape[1]
+        vocab_sizes, token_sizes = ((2048, 4096, 8192), (1024, 2048, 4096)) if on_gpu() else ((16, 64), (8, 32))
+        return (
+            [LinearCrossEntropyConfig("xla")]
+            + [LinearCrossEntropyConfig("chunked", chunk_vocab=c) for c in _fitting(vocab_sizes, vocab)]
+            + [LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=c) for c in _fitting(token_sizes, tokens)]
+        )
+
+
+def _fitting(sizes: tuple[int, ...], length: int) -> list[int]:
+    """The chunk sizes that split ``length`` into at least two chunks, and the smallest that does
+    not (one chunk, the whole length): a larger chunk would only be the same program again."""
+    below = [c for c in sizes if c < length]
+    return below + [c for c in sizes if c >= length][:1]
 
 
 _LINEAR_CROSS_ENTROPY = LinearCrossEntropyKernel()
-
-
-def _reduce(per_token: jax.Array, counts: jax.Array, reduction: str) -> jax.Array:
-    if reduction == "none":
-        return per_token
-    total = jnp.sum(per_token)
-    return total if reduction == "sum" else total / jnp.maximum(jnp.sum(counts), 1)
 
 
 def linear_cross_entropy(
@@ -276,8 +381,7 @@ def linear_cross_entropy(
     if ignore_index is not None and not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int or None, got {type(ignore_index).__name__}")
     cap = None if logit_soft_cap is None else float(logit_soft_cap)
-    per_token = _LINEAR_CROSS_ENTROPY(
-        hidden, weight, labels=labels, ignore_index=ignore_index, label_smoothing=float(label_smoothing), logit_soft_cap=cap, cfg=cfg
+    return _LINEAR_CROSS_ENTROPY(
+        hidden, weight, labels=labels, ignore_index=ignore_index, label_smoothing=float(label_smoothing), logit_soft_cap=cap,
+        reduction=reduction, cfg=cfg,
     )
-    counts = jnp.ones(labels.shape, bool) if ignore_index is None else labels != ignore_index
-    return _reduce(per_token, counts, reduction)

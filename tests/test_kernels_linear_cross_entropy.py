@@ -1,8 +1,11 @@
-"""Fused linear cross-entropy: both implementations against float32 XLA, values and gradients,
+"""Fused linear cross-entropy: every implementation against float32 XLA, values and gradients,
 with ignored tokens, label smoothing, a logit soft cap, odd sizes and bf16 inputs; the chunked
-program never holds the whole logits array."""
+programs never hold the whole logits array; the token-chunked one computes a reduced loss's
+gradient with the loss (three matrix products in all) and a forward alone as one product."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +17,14 @@ from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linea
 
 from kernel_checks import assert_close
 
-CONFIGS = {"xla": LinearCrossEntropyConfig("xla"), "chunked": LinearCrossEntropyConfig("chunked", 16), "one-chunk": LinearCrossEntropyConfig("chunked", 128)}
+CONFIGS = {
+    "xla": LinearCrossEntropyConfig("xla"),
+    "chunked": LinearCrossEntropyConfig("chunked", 16),
+    "one-chunk": LinearCrossEntropyConfig("chunked", 128),
+    # 13 or 37 tokens in chunks of 4: the last chunk is padded.
+    "token-chunks": LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=4),
+    "one-token-chunk": LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=64),
+}
 
 
 def inputs(tokens: int, d: int, vocab: int, dtype, ignored: int = 3, seed: int = 0):
@@ -91,18 +101,39 @@ def test_chunked_program_never_holds_the_logits():
     chunked = temp_bytes(LinearCrossEntropyConfig("chunked", 512))
     assert xla >= 2 * logits_bytes
     assert chunked < 3 * weight_bytes and chunked < xla / 6
+    # Token chunks of 64 hold 1/8 of the logits at a time, with d_weight in float32 beside them.
+    token_chunked = temp_bytes(LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=64))
+    assert token_chunked < 3 * logits_bytes / 8 + 2 * weight_bytes and token_chunked < xla / 3
+
+
+def _matrix_products(fn, *args) -> int:
+    """How many matrix products the compiled program of ``fn`` runs (the loop body once)."""
+    return len(re.findall(r"\bdot\(", jax.jit(fn).lower(*args).compile().as_text()))
+
+
+@pytest.mark.parametrize("reduction, with_grad", [("mean", 3), ("sum", 3), ("none", 4)])
+def test_token_chunks_compute_a_reduced_gradient_with_the_loss(reduction: str, with_grad: int):
+    hidden, weight, labels = inputs(64, 16, 96, jnp.float32)
+    cfg = LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=16)
+    loss = lambda h, w: jnp.sum(linear_cross_entropy(h, w, labels, cfg=cfg, reduction=reduction))
+    # A forward that is not differentiated runs the logits product only, however it is reduced.
+    assert _matrix_products(loss, hidden, weight) == 1
+    # Differentiated: a scalar output's gradient comes with the loss (logits, d_hidden,
+    # d_weight: the plain program's three products); per-token losses recompute the logits.
+    assert _matrix_products(jax.value_and_grad(loss, argnums=(0, 1)), hidden, weight) == with_grad
+    assert _matrix_products(jax.value_and_grad(lambda h, w: jnp.sum(jnp.mean((h @ w).astype(jnp.float32))), argnums=(0, 1)), hidden, weight) == 3
 
 
 def test_calls_are_labelled_and_tune():
     hidden, weight, labels = inputs(16, 8, 40, jnp.float32)
     lowered = jax.jit(lambda h, w: linear_cross_entropy(h, w, labels, cfg=LinearCrossEntropyConfig("chunked", 16))).lower(hidden, weight)
-    assert any("#linear_cross_entropy@v1:" in lab for lab in ejlabel.find_labels_in_lowered(lowered))
+    assert any("#linear_cross_entropy@v2:" in lab for lab in ejlabel.find_labels_in_lowered(lowered))
     inv = ejlabel.Invocation(
         linear_cross_entropy.__globals__["_LINEAR_CROSS_ENTROPY"], (hidden, weight),
         {"labels": labels, "ignore_index": -100, "label_smoothing": 0.0, "logit_soft_cap": None},
     )
     result = ejlabel.Autotuner(ejlabel.AutotunePolicy(num_warmup=1, num_iters=3)).tune(inv)
-    assert {c.cfg.impl for c in result.candidates} == {"xla", "chunked"}
+    assert {c.cfg.impl for c in result.candidates} == {"xla", "chunked", "chunked_tokens"}
     assert all(c.status in ("ok", "pruned") for c in result.candidates)
 
 

@@ -74,7 +74,7 @@ class Ops(NamedTuple):
     rms_norm: Callable[[Array, Array], Array]
     # (q, k, v, segment_ids or None) -> causal attention; [batch, seq, heads, dim], ids [batch, seq]
     attention: Callable[[Array, Array, Array, Array | None], Array]
-    # (hidden [tokens, d], unembedding [d, vocab], labels [tokens]) -> per-token float32 loss
+    # (hidden [tokens, d], unembedding [d, vocab], labels [tokens]) -> mean float32 loss
     unembed_loss: Callable[[Array, Array, Array], Array]
 
 
@@ -107,7 +107,7 @@ def _plain_attention(q: Array, k: Array, v: Array, segment_ids: Array | None) ->
 def _plain_unembed_loss(hidden: Array, unembedding: Array, labels: Array) -> Array:
     logits32 = (hidden @ unembedding).astype(jnp.float32)
     picked = jnp.take_along_axis(logits32, labels[:, None], axis=-1)[:, 0]
-    return jax.nn.logsumexp(logits32, axis=-1) - picked
+    return jnp.mean(jax.nn.logsumexp(logits32, axis=-1) - picked)
 
 
 PLAIN_OPS = Ops(_plain_matmul, _plain_rms_norm, _plain_attention, _plain_unembed_loss)
@@ -115,7 +115,7 @@ KERNEL_OPS = Ops(
     matmul,
     rms_norm,
     lambda q, k, v, segment_ids: flash_attention(q, k, v, causal=True, segment_ids=segment_ids),
-    lambda hidden, unembedding, labels: linear_cross_entropy(hidden, unembedding, labels, ignore_index=None, reduction="none"),
+    lambda hidden, unembedding, labels: linear_cross_entropy(hidden, unembedding, labels, ignore_index=None, reduction="mean"),
 )
 
 
@@ -196,7 +196,7 @@ def logits_fn(params: Params, tokens: Int[Array, "batch seq"], cfg: ModelConfig,
 def loss_fn(params: Params, batch: dict[str, Array], cfg: ModelConfig, ops: Ops) -> Float[Array, ""]:
     """Mean next-token cross-entropy."""
     hidden = hidden_fn(params, batch["tokens"], cfg, ops, batch.get("segment_ids"))
-    return jnp.mean(ops.unembed_loss(hidden, params["unembed"], batch["targets"].reshape(-1)))
+    return ops.unembed_loss(hidden, params["unembed"], batch["targets"].reshape(-1))
 
 
 def make_train_step(cfg: ModelConfig, ops: Ops = KERNEL_OPS, learning_rate: float = 0.05) -> Callable[[Params, dict[str, Array]], tuple[Params, Array]]:

@@ -151,7 +151,7 @@ def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
     static_kwargs = inv.static_kwargs
     pair = kernel.residual_vjp(get_device_platform())
     if pair is not None:
-        return _run_residual_vjp(inv, cfg, pair, forward_label, backward_label, description)
+        return _run_residual_vjp(inv, cfg, impl, pair, forward_label, backward_label, description)
 
     @jax.custom_vjp
     def call(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> Any:
@@ -176,9 +176,13 @@ def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
     return call(inv.args, inv.array_kwargs)
 
 
-def _run_residual_vjp(inv: Invocation[Any, Any], cfg: Any, pair: Any, forward_label: str, backward_label: str, description: Any) -> Any:
+def _run_residual_vjp(
+    inv: Invocation[Any, Any], cfg: Any, impl: Any, pair: Any, forward_label: str, backward_label: str, description: Any
+) -> Any:
     """ejkernel's ``fwd_with_residuals(*args, cfg, **kw) -> (y, res)`` and
-    ``vjp(res, y, dy, *args, cfg, **kw) -> grads`` wired through ``jax.custom_vjp``, labelled."""
+    ``vjp(res, y, dy, *args, cfg, **kw) -> grads`` wired through ``jax.custom_vjp``, labelled.
+    A forward that is not differentiated runs ``impl`` (the kernel's run method where it has
+    one): it need not compute residuals no backward will read."""
     fwd, vjp = pair
     kernel, static_kwargs = inv.kernel, inv.static_kwargs
 
@@ -188,7 +192,8 @@ def _run_residual_vjp(inv: Invocation[Any, Any], cfg: Any, pair: Any, forward_la
 
     @jax.custom_vjp
     def call(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> Any:
-        return forward(args, array_kwargs)[0]
+        with label_scope(forward_label, description):
+            return impl(*args, cfg=cfg, **array_kwargs, **static_kwargs)
 
     def call_fwd(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> tuple[Any, Any]:
         y, res = forward(args, array_kwargs)
