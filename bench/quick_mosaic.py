@@ -19,8 +19,15 @@ fwd+bwd rows are ``mosaic_attention``, which keeps the forward's output and log-
 | packed B8 S2048 H12/4 D64, 4 docs (cuDNN: dense mask) | fwd | 0.535 | 0.210 | 2.5x |
 | packed B8 S2048 H12/4 D64, 4 docs (cuDNN: dense mask) | fwd+bwd | 1.657 | 0.463 | 3.6x |
 
-The ``pingpong`` rows (the forward's consumers alternating between products and softmax) came
-after that run and have not been measured yet.
+Measured 2026-11-25, same H100 and jax, with the ``pingpong`` schedule (the forward's consumers
+alternating between products and softmax; the default since), one interleaved run:
+
+| shape | variant | cuDNN ms | mosaic ms (no pingpong) | mosaic ms (pingpong) | pingpong / cuDNN speed |
+|---|---|---|---|---|---|
+| causal B4 S4096 H16 D128 | fwd | 0.691 (398 TFLOP/s) | 0.676 (406) | 0.639 (430) | 1.08x |
+| causal B4 S4096 H16 D128 | fwd+bwd | 2.409 (399) | 2.435 (395) | 2.373 (405) | 1.02x |
+| packed B8 S2048 H12/4 D64, 4 docs (cuDNN: dense mask) | fwd | 0.594 | 0.355 | 0.330 | 1.80x |
+| packed B8 S2048 H12/4 D64, 4 docs (cuDNN: dense mask) | fwd+bwd | 1.714 | 0.568 | 0.529 | 3.24x |
 """
 
 from __future__ import annotations
@@ -80,7 +87,7 @@ def main() -> None:
     q, k, v, probe = inputs(batch, seq, heads, heads, dim)
     attend = {
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
-        "mosaic": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True),
+        "mosaic (no pingpong)": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, pingpong=False),
         "mosaic pingpong": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, pingpong=True),
     }
     tables += report("causal B4 S4096 H16 D128 bf16", steps(attend, q, k, v, probe), 4 * batch * heads * dim * seq * seq / 2)
@@ -91,7 +98,7 @@ def main() -> None:
     dense = (ids[:, :, None] == ids[:, None, :]) & (jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :])
     attend = {
         "cudnn dense mask": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense[:, None], implementation="cudnn"),
-        "mosaic segments": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids),
+        "mosaic segments (no pingpong)": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, pingpong=False),
         "mosaic segments pingpong": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, pingpong=True),
     }
     doc = seq // docs
