@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--steps-per-sample", type=int, default=3)
     parser.add_argument("--tune-budget", type=float, default=200.0, help="seconds for tune_in_context; 0 skips it")
+    parser.add_argument("--max-configs", type=int, default=6, help="candidates per call in the isolated ranking")
     parser.add_argument("--out", default=None, help="write the Markdown table here too")
     args = parser.parse_args()
     os.environ.setdefault("EJLABEL_CACHE_DIR", tempfile.mkdtemp(prefix="ejlabel-bench-model-"))
@@ -96,7 +97,7 @@ def main() -> int:
 
         # The isolated ranking's policy: at most 12 candidates per call (no per-call time budget:
         # with one, a call whose candidates are still compiling when it runs out gets no timing).
-        policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=10, max_configs=12, compile_workers=12)
+        policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=10, max_configs=args.max_configs, compile_workers=12)
         selector = ejlabel.ConfigSelectorChain(persistent=ejlabel.PersistentCache(), policy=policy)
         ejlabel.set_default_executor(ejlabel.Executor(selector))
         start = time.perf_counter()
