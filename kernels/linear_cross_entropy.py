@@ -49,7 +49,7 @@ from ejlabel import Invocation, Kernel
 from ._checks import check_config, check_floating, check_integer
 from ._pallas import on_gpu, pad_axis
 
-__all__ = ["LinearCrossEntropyConfig", "LinearCrossEntropyKernel", "linear_cross_entropy", "logsumexp_one_pass"]
+__all__ = ["LinearCrossEntropyConfig", "LinearCrossEntropyKernel", "linear_cross_entropy"]
 
 _IMPLS = ("xla", "chunked", "chunked_tokens")
 _REDUCTIONS = ("mean", "sum", "none")
@@ -193,22 +193,6 @@ def _backward_chunked(
     return d_hidden.astype(hidden.dtype), d_weight
 
 
-def logsumexp_one_pass(z: Float[Array, "... n"]) -> Float[Array, "..."]:
-    """``logsumexp(z, axis=-1)`` in one read of ``z``: a variadic reduction carrying the running
-    max and the sum of exponentials rescaled to it (``jax.nn.logsumexp`` reads ``z`` twice: the
-    max, then the sum). Rows of ``-inf`` give ``-inf``."""
-    def combine(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        (m_a, s_a), (m_b, s_b) = a, b
-        m = jnp.maximum(m_a, m_b)
-        # A side that has seen only -inf adds nothing (and -inf - -inf would be NaN).
-        scale = lambda m_x: jnp.where(m_x == -jnp.inf, 0.0, jnp.exp(m_x - m))
-        return m, s_a * scale(m_a) + s_b * scale(m_b)
-
-    init = (jnp.array(-jnp.inf, z.dtype), jnp.array(0.0, z.dtype))
-    m, total = lax.reduce((z, jnp.ones_like(z)), init, combine, (z.ndim - 1,))
-    return m + jnp.log(total)
-
-
 class _TokenPass(NamedTuple):
     per_token: Float[Array, "tokens"]
     d_hidden: Float[Array, "tokens d"] | None
@@ -237,7 +221,7 @@ def _tokens_pass(
     def step(d_weight: jax.Array | None, xs: tuple[jax.Array, ...]) -> tuple[jax.Array | None, tuple[jax.Array, ...]]:
         h_c, y_c = xs[:2]
         z = loss.cap((h_c @ weight).astype(jnp.float32))  # the plain program's logits, one chunk
-        lse = logsumexp_one_pass(z)
+        lse = jax.nn.logsumexp(z, axis=-1)
         picked = jnp.take_along_axis(z, y_c[:, None], axis=-1)[:, 0]
         per_token = lse - picked
         if eps:
