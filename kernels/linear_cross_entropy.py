@@ -242,7 +242,7 @@ def _tokens_pass(
 
 
 class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
-    """Per-token cross-entropy of ``hidden @ weight``; see the module docstring."""
+    """Cross-entropy of ``hidden @ weight``, per token or reduced; see the module docstring."""
 
     # 2: the reduction is part of the call (version 1 returned per-token losses only).
     version = "2"
