@@ -11,6 +11,8 @@ SGD) and serving step (forward):
 - ``ejlabel, all XLA``: every call labelled, under ``ejlabel.use_implementation("xla")``; the
   compiled program should be the plain one (the zero-cost path).
 - ``ejlabel, heuristic``: every call labelled, configs from the kernels' heuristics.
+- ``ejlabel, fused loss``: the same with ``linear_cross_entropy`` forced onto its
+  ``"chunked_tokens"`` implementation (``use_implementation``), the loss's effect alone.
 - ``ejlabel, tuned in context``: the configs ``tune_in_context`` picked for the training step,
   each confirmed by timing the whole step against the all-XLA floor.
 
@@ -90,6 +92,9 @@ def main() -> int:
     add("plain JAX (baseline)", lambda: compiled(examples.PLAIN_OPS))
     add("ejlabel, all XLA (use_implementation)", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(), "xla"))
     add("ejlabel, heuristic configs", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain()))
+    # The fused loss set by hand (token chunks of 2048, the memory goal's size), every other call
+    # on its heuristic (XLA) path: what the loss alone does to the whole step.
+    add("ejlabel, fused loss (chunked_tokens), the rest heuristic", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(), "chunked_tokens"))
 
     tune_note = "tune_in_context skipped"
     if args.tune_budget > 0:

@@ -20,6 +20,7 @@ for step in "$@"; do
     quickmosaic) timeout 200 python3 bench/quick_mosaic.py 2>&1 | tee "$OUT/quick_mosaic.log" | grep -v "^W1\|Delay kernel" | tail -n 30 ;;
     probelse) timeout 60 python3 bench/probe_lse.py 2>&1 | tee "$OUT/probe_lse.log" | tail -n 5 ;;
     mosaiccosts) timeout 150 python3 bench/probe_mosaic_costs.py 2>&1 | tee "$OUT/mosaic_costs.log" | grep -v "^W1\|Delay kernel" | tail -n 14 ;;
+    modelfused) timeout 240 python3 bench/bench_model.py --samples 10 --tune-budget 0 --out "$OUT/model_fused.md" 2>&1 | tee "$OUT/model_fused.log" | tail -n 14 ;;
     modellce) timeout 560 python3 bench/bench_model.py --samples 6 --max-configs 4 --tune-budget 400 --out "$OUT/model_lce.md" 2>&1 | tee "$OUT/model_lce.log" | tail -n 25 ;;
     mosaictests) timeout 240 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_flash_attention_mosaic tests/test_attention_mosaic.py::test_gpu_head_dim_256_forward tests/test_attention_mosaic.py::test_gpu_values_and_gradients -p no:cacheprovider 2>&1 | tee "$OUT/pytest_mosaic_gpu.log" | tail -n 25 ;;
     mosaicgrads) timeout 330 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_values_and_gradients tests/test_attention_mosaic.py::test_gpu_forward_pingpong -p no:cacheprovider 2>&1 | tee "$OUT/pytest_mosaic_grads_gpu.log" | tail -n 25 ;;
