@@ -98,6 +98,29 @@ class _Loss:
     def counts(self, labels: jax.Array) -> jax.Array:
         return jnp.ones(labels.shape, bool) if self.ignore_index is None else labels != self.ignore_index
 
+    def from_logits(self, z: Float[Array, "tokens vocab"], safe_labels: Int[Array, "tokens"]) -> tuple[jax.Array, jax.Array]:
+        """``(per-token loss, log-sum-exp)`` from capped float32 logits over the whole vocabulary."""
+        picked = jnp.take_along_axis(z, safe_labels[:, None], axis=-1)[:, 0]
+        lse = jax.nn.logsumexp(z, axis=-1)
+        per_token = lse - picked
+        if self.label_smoothing:
+            per_token = per_token + self.label_smoothing * (picked - jnp.mean(z, axis=-1))
+        return per_token, lse
+
+    def d_logits(
+        self, z: Float[Array, "tokens cols"], lse: Float[Array, "tokens"], onehot: jax.Array, token_g: Float[Array, "tokens"],
+        vocab: int, dtype: Any, real: jax.Array | None = None,
+    ) -> jax.Array:
+        """``d loss / d raw logits`` of columns ``z`` (capped float32), each token's row scaled
+        by ``token_g``, in ``dtype``; ``real`` masks padded columns (zero gradient)."""
+        eps = self.label_smoothing
+        probs = jnp.exp(z - lse[:, None])
+        smoothing = eps / vocab
+        if real is not None:
+            probs, smoothing = jnp.where(real, probs, 0.0), jnp.where(real, smoothing, 0.0)
+        d_z = probs - (1.0 - eps) * onehot - smoothing
+        return (d_z * token_g[:, None] * self.cap_grad(z)).astype(dtype)
+
     def reduce(self, per_token: jax.Array, labels: jax.Array) -> jax.Array:
         """The call's output from the ``[tokens]`` losses: the one home of the reduction."""
         if self.reduction == "none":
@@ -118,10 +141,7 @@ class _Loss:
 def _loss_xla(hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss) -> jax.Array:
     logits = loss.cap((hidden @ weight).astype(jnp.float32))
     safe = labels if loss.ignore_index is None else jnp.where(loss.counts(labels), labels, 0)
-    picked = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
-    per_token = jax.nn.logsumexp(logits, axis=-1) - picked
-    if loss.label_smoothing:
-        per_token = per_token + loss.label_smoothing * (picked - jnp.mean(logits, axis=-1))
+    per_token, _ = loss.from_logits(logits, safe)
     return per_token if loss.ignore_index is None else jnp.where(loss.counts(labels), per_token, 0.0)
 
 
@@ -174,17 +194,14 @@ def _backward_chunked(
 ) -> tuple[jax.Array, jax.Array]:
     """``(d_hidden, d_weight)`` of ``sum(g * loss)``, recomputing each chunk's logits."""
     chunks, vocab = _chunks(weight, chunk)
-    eps = loss.label_smoothing
     scale = jnp.where(loss.counts(labels), g.astype(jnp.float32), 0.0)
 
     def step(d_hidden: jax.Array, xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         index, w_chunk = xs
         start = index * chunk
         z, real = _chunk_logits(hidden, w_chunk, start, vocab, loss)
-        probs = jnp.where(real, jnp.exp(z - lse[:, None]), 0.0)
         onehot = (labels - start)[:, None] == jnp.arange(chunk)[None, :]
-        d_z = probs - (1.0 - eps) * onehot - jnp.where(real, eps / vocab, 0.0)
-        d_z = (d_z * scale[:, None] * loss.cap_grad(z)).astype(hidden.dtype)
+        d_z = loss.d_logits(z, lse, onehot, scale, vocab, hidden.dtype, real)
         d_hidden = d_hidden + jnp.dot(d_z, w_chunk.T, preferred_element_type=jnp.float32)
         return d_hidden, jnp.dot(hidden.T, d_z, preferred_element_type=jnp.float32).astype(weight.dtype)
 
@@ -212,7 +229,6 @@ def _tokens_pass(
     ``token_g [tokens]`` the gradient of ``sum(token_g * loss)`` from the same logits."""
     tokens, vocab = hidden.shape[0], weight.shape[1]
     chunk = min(chunk, tokens)
-    eps = loss.label_smoothing
     safe = jnp.where(loss.counts(labels), labels, 0)
     xs = (_token_chunks(hidden, chunk), _token_chunks(safe, chunk))
     if token_g is not None:
@@ -221,16 +237,11 @@ def _tokens_pass(
     def step(d_weight: jax.Array | None, xs: tuple[jax.Array, ...]) -> tuple[jax.Array | None, tuple[jax.Array, ...]]:
         h_c, y_c = xs[:2]
         z = loss.cap((h_c @ weight).astype(jnp.float32))  # the plain program's logits, one chunk
-        lse = jax.nn.logsumexp(z, axis=-1)
-        picked = jnp.take_along_axis(z, y_c[:, None], axis=-1)[:, 0]
-        per_token = lse - picked
-        if eps:
-            per_token = per_token + eps * (picked - jnp.mean(z, axis=-1))
+        per_token, lse = loss.from_logits(z, y_c)
         if d_weight is None:
             return None, (per_token,)
         onehot = y_c[:, None] == jnp.arange(vocab)[None, :]
-        d_z = jnp.exp(z - lse[:, None]) - (1.0 - eps) * onehot - eps / vocab
-        d_z = (d_z * loss.cap_grad(z) * xs[2][:, None]).astype(hidden.dtype)
+        d_z = loss.d_logits(z, lse, onehot, xs[2], vocab, hidden.dtype)
         d_weight = d_weight + jnp.dot(h_c.T, d_z, preferred_element_type=jnp.float32)
         return d_weight, (per_token, d_z @ weight.T)
 
