@@ -100,7 +100,7 @@ def main() -> int:
     if args.tune_budget > 0:
         from ejlabel.execution.context_tuning import tune_in_context
 
-        # The isolated ranking's policy: at most 12 candidates per call (no per-call time budget:
+        # The isolated ranking's policy: at most --max-configs candidates per call (no per-call time budget:
         # with one, a call whose candidates are still compiling when it runs out gets no timing).
         policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=10, max_configs=args.max_configs, compile_workers=12)
         selector = ejlabel.ConfigSelectorChain(persistent=ejlabel.PersistentCache(), policy=policy)
