@@ -241,39 +241,172 @@ def _three_loops(plan_ref: Any, b: jax.Array, tile: jax.Array, step: Any, carry:
 
 def _produce(
     plan_ref: Any, b: jax.Array, tile: jax.Array, stages: int,
-    streams: list[tuple[Any, Any, Any, Any]], repeats: int = 1,
-) -> None:
-    """The producer warpgroup: for every planned block, TMA each stream's block into its ring.
+    streams: list[tuple[Any, Any, Any, Any]], *, offset: jax.Array, repeats: int = 1,
+) -> jax.Array:
+    """The producer warpgroup's part of one item: for every planned block, TMA each stream's
+    block into its ring; returns the steps taken.
 
     ``streams``: ``(source(j, r) -> gmem ref, ring, ready barriers, consumed barriers)``; a slot
     is refilled only after both consumers arrived on its consumed barrier (streams with None
     there are freed with the stream before them). The planned blocks are walked ``repeats``
-    times, ``r`` counting the walks (the query heads of a group in the backward).
+    times, ``r`` counting the walks (the query heads of a group in the backward). ``offset``
+    counts the steps of the program's earlier items: the ring runs on across items.
     """
     lo, hi = plan_ref[0, b, tile], plan_ref[1, b, tile]
     n = hi - lo
 
     def body(t: jax.Array, carry: Any) -> Any:
-        slot = lax.rem(t, stages)
+        step = offset + t
+        slot = lax.rem(step, stages)
         r, j = (jnp.int32(0), lo + t) if repeats == 1 else (lax.div(t, n), lo + lax.rem(t, n))
         for source, ring, ready, consumed in streams:
             if consumed is not None:
-                pl.when(t >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
+                pl.when(step >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
             plgpu.copy_gmem_to_smem(source(j, r), ring.at[slot], ready.at[slot])
         return carry
 
     steps = repeats * n
     lax.fori_loop(0, steps, body, None)
+    return steps
 
-    # Observe the last consumptions too, so every barrier phase is waited for before the
-    # program's shared memory goes away (the interpreter checks it; on the GPU it is free).
-    def drain(t: jax.Array, carry: Any) -> Any:
-        for _, _, _, consumed in streams:
-            if consumed is not None:
-                plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+
+def _drain(consumed: list[Any], stages: int, steps: jax.Array) -> None:
+    """Wait for the consumers' last ``stages`` consumptions, so every barrier phase is observed
+    before the program's shared memory goes away (the interpreter checks it; on the GPU it is free)."""
+
+    def body(t: jax.Array, carry: Any) -> Any:
+        for barrier in consumed:
+            plgpu.barrier_wait(barrier.at[lax.rem(t, stages)])
         return carry
 
-    lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
+    lax.fori_loop(jnp.maximum(steps - stages, 0), steps, body, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Persistent programs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Items:
+    """A kernel's work as items (one tile of one head of one batch row) dealt to persistent programs.
+
+    A program costs a fixed 11.7 us on the H100 (start, its tile's load, filling the ring,
+    writing out: bench/RESULTS.md), about seven blocks' work, which short documents cannot
+    hide. So ``programs`` (one per SM) each walk several items: the producer streams the next
+    item's blocks while the consumers finish the current one, and the next tile loads while
+    the current results are written. ``order [count]`` lists the items costliest first (by
+    planned blocks); programs take them in snake order (``p``, then ``2P - 1 - p``, ...), so
+    every program gets a similar mix of long and short items.
+    """
+
+    count: int
+    programs: int
+    heads: int
+    tiles: int
+
+    def decode(self, item: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(batch row, head, tile)`` of an item id ``(b * tiles + tile) * heads + h``."""
+        row_tile, h = lax.div(item, self.heads), lax.rem(item, self.heads)
+        return lax.div(row_tile, self.tiles), h, lax.rem(row_tile, self.tiles)
+
+    def at(self, order_ref: Any, i: jax.Array | int) -> jax.Array:
+        """The id of this program's ``i``-th item."""
+        return order_ref[_snake_position(i, lax.axis_index("programs"), self.programs)]
+
+    def mine(self) -> jax.Array:
+        """How many items this program walks."""
+        return _snake_count(lax.axis_index("programs"), self.count, self.programs)
+
+
+def _snake_position(i: Any, program: Any, programs: int) -> Any:
+    """Where program ``program``'s ``i``-th item is in the order: rounds of ``programs`` items,
+    dealt forwards in even rounds and backwards in odd ones."""
+    return i * programs + jnp.where(i % 2 == 0, program, programs - 1 - program)
+
+
+def _snake_count(program: Any, count: int, programs: int) -> Any:
+    """How many of ``count`` items program ``program`` gets (only the last round can be short)."""
+    rounds = -(-count // programs)
+    return jnp.int32(rounds - 1) + (_snake_position(rounds - 1, program, programs) < count).astype(jnp.int32)
+
+
+def _program_count(items: int, persistent: bool) -> int:
+    """Programs to launch: one per item, or with ``persistent`` at most one per SM."""
+    if not persistent:
+        return items
+    device = jax.devices()[0]
+    sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return min(items, int(sms) if sms else 132)  # 132: the H100 SXM, when lowering elsewhere
+
+
+def _work_order(plan: jax.Array, heads: int) -> Int[Array, "items"]:
+    """Item ids (see :class:`_Items`), the items with the most planned blocks first."""
+    cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
+    row_tiles = jnp.argsort(-cost, stable=True).astype(jnp.int32)
+    return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
+
+
+def _items(plan: jax.Array, heads: int, persistent: bool, interpret: bool) -> tuple[_Items, jax.Array]:
+    batch, tiles = plan.shape[1:]
+    count = batch * tiles * heads
+    # The interpreter runs programs one after another: three show the walk across items.
+    programs = min(count, 3) if interpret and persistent else _program_count(count, persistent)
+    return _Items(count, programs, heads, tiles), _work_order(plan, heads)
+
+
+def _tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
+    """Buffers for a program's tile: two (the next item's tile loads during this one) when they
+    fit in shared memory beside the ring, else one."""
+    return 2 if 2 * tile_bytes + ring_bytes <= _SMEM_BYTES else 1
+
+
+def _consume_items(
+    items: _Items, order_ref: Any, buffers: int, load: Any, process: Any,
+) -> None:
+    """A consumer warpgroup's walk over its program's items.
+
+    ``load(item, buf)`` starts the copies of an item's tile into buffer ``buf``;
+    ``process(item, buf, t0) -> (t1, write)`` waits for that buffer, walks the item's blocks
+    (producer steps ``t0 .. t1``) and returns ``write()``, which puts the item's results into
+    the buffer's shared memory and starts their copies out. With two buffers the next item's
+    tile is already on its way while these results are written; with one it follows them.
+    """
+    mine = items.mine()
+    pl.when(mine > 0)(lambda: load(items.at(order_ref, 0), jnp.int32(0)))
+
+    def body(i: jax.Array, t0: jax.Array) -> jax.Array:
+        buf = lax.rem(i, buffers)
+        t1, write = process(items.at(order_ref, i), buf, t0)
+
+        def prefetch() -> None:
+            load(items.at(order_ref, i + 1), lax.rem(i + 1, buffers))
+
+        # Results leave shared memory asynchronously: before a buffer is reused (the other
+        # tile buffer, or the one-row outputs every item writes), the reads must be done.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if buffers > 1:
+            pl.when(i + 1 < mine)(prefetch)
+        write()
+        if buffers == 1:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            pl.when(i + 1 < mine)(prefetch)
+        return t1
+
+    lax.fori_loop(0, mine, body, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _produce_items(
+    items: _Items, order_ref: Any, plan_ref: Any, stages: int, streams_of: Any, consumed: list[Any], repeats: int = 1,
+) -> None:
+    """The producer warpgroup's walk: ``streams_of(b, h)`` gives an item's streams (see
+    :func:`_produce`), ``consumed`` the barriers the consumers free ring slots on."""
+
+    def body(i: jax.Array, t0: jax.Array) -> jax.Array:
+        b, h, tile = items.decode(items.at(order_ref, i))
+        return t0 + _produce(plan_ref, b, tile, stages, streams_of(b, h), offset=t0, repeats=repeats)
+
+    _drain(consumed, stages, lax.fori_loop(0, items.mine(), body, jnp.int32(0)))
 
 
 def _operand(x: Any) -> jax.Array:
@@ -342,144 +475,156 @@ _PRODUCER_REGISTERS = 40
 
 def _forward_call(
     q: jax.Array, k: jax.Array, v: jax.Array, plan: jax.Array, segment_ids: jax.Array | None,
-    shape: _Shape, *, block_k: int, stages: int, pingpong: bool = False,
+    shape: _Shape, *, block_k: int, stages: int, pingpong: bool = False, persistent: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out [batch, seq_q, heads, dim], lse [batch, heads, seq_q])`` on padded operands.
 
-    ``pingpong``: the two consumers meet at a two-arrival barrier twice per step (after issuing
-    ``q k^T``, and after the softmax), offset by half a step, so one's softmax runs while the
-    other's matrix products use the tensor cores. Both walk the same blocks, so their meetings
-    pair up; consumer 1 meets once before its loop and consumer 0 once after.
+    Items are query tiles of one head (see :class:`_Items`). ``pingpong``: the two consumers
+    meet at a two-arrival barrier twice per step (after issuing ``q k^T``, and after the
+    softmax), offset by half a step, so one's softmax runs while the other's matrix products
+    use the tensor cores. Both walk the same blocks, so their meetings pair up; per item,
+    consumer 1 meets once before its loop and consumer 0 once after.
     """
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
-    tiles = seq_q // _TILE
     segmented = segment_ids is not None
-    reverse = shape.bounds[1] is not None  # causal: the longest rows first
+    items, order = _items(plan, heads, persistent, shape.interpret)
+    row_bytes = dim * jnp.dtype(dtype).itemsize
+    buffers = _tile_buffers(_TILE * row_bytes, stages * 2 * block_k * row_bytes)
 
-    def body(q_ref: Any, k_ref: Any, v_ref: Any, plan_ref: Any, *refs: Any) -> None:
+    def body(q_ref: Any, k_ref: Any, v_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         if segmented:
             seg_ref, out_ref, lse_ref, scratch, barriers = refs
         else:
             (out_ref, lse_ref, scratch, barriers), seg_ref = refs, None
         q_smem, k_ring, v_ring, lse_smem, qseg_smem, kseg_ring = scratch
-        q_ready, k_ready, v_ready, k_used, v_used, qseg_ready, kseg_ready, turn = barriers
-        h, b = lax.axis_index("heads"), lax.axis_index("batch")
-        tile = lax.axis_index("tiles")
-        if reverse:
-            tile = tiles - 1 - tile
+        q_ready, k_ready, v_ready, k_used, v_used, kseg_ready, turn = barriers
         wg = lax.axis_index("wg")
 
         @pl.when(wg < _CONSUMERS)
         def _consumer() -> None:
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-            row0 = tile * _TILE + wg * WG_ROWS
-            my_q = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, WG_ROWS), h], my_q, q_ready.at[wg])
-            q_seg = None
-            if segmented:
-                plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(row0, WG_ROWS)], qseg_smem.at[wg], qseg_ready.at[wg])
-                plgpu.barrier_wait(qseg_ready.at[wg])
-                q_seg = _load(shape, qseg_smem.at[wg], _row_layout())
-            plgpu.barrier_wait(q_ready.at[wg])
 
             def meet() -> None:
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(turn)
 
-            def step(j: jax.Array, t: jax.Array, carry: Any, masked: bool) -> Any:
-                acc, m, l = carry
-                slot = lax.rem(t, stages)
-                k_seg = None
+            def load(item: jax.Array, buf: jax.Array) -> None:
+                b, h, tile = items.decode(item)
+                rows = pl.ds(tile * _TILE + wg * WG_ROWS, WG_ROWS)
+                ready = q_ready.at[buf * _CONSUMERS + wg]
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[buf, wg], ready)
                 if segmented:
-                    plgpu.barrier_wait(kseg_ready.at[slot])
-                    if masked:
-                        k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
-                plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
 
-                s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
-                plgpu.barrier_arrive(k_used.at[slot])
-                s = s * shape.scale
-                mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False) if masked else None
-                if mask is not None:
-                    s = jnp.where(mask, s, MASK_VALUE)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                if mask is not None:
-                    # A row with nothing visible yet has m_new == MASK_VALUE and exp2(0) == 1.
-                    p = jnp.where(mask, p, 0.0)
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(dtype)
-                if pingpong:
-                    plgpu.barrier_arrive(turn)  # softmax done
-                plgpu.barrier_wait(v_ready.at[slot])
-                if pingpong:
-                    plgpu.barrier_wait(turn)  # the other consumer's products are issued
-                acc = _mma_into(shape, acc, p16, v_ring.at[slot])
-                plgpu.barrier_arrive(v_used.at[slot])
-                return acc, m_new, l
+            def process(item: jax.Array, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+                b, h, tile = items.decode(item)
+                row0 = tile * _TILE + wg * WG_ROWS
+                my_q = q_smem.at[buf, wg]
+                plgpu.barrier_wait(q_ready.at[buf * _CONSUMERS + wg])
+                q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
-            init = (
-                _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA),
-                _cast(shape, jnp.full((WG_ROWS,), MASK_VALUE, jnp.float32), _row_layout()),
-                _cast(shape, jnp.zeros((WG_ROWS,), jnp.float32), _row_layout()),
-            )
-            if pingpong:
-                pl.when(wg == 1)(meet)
-            acc, m, l = _three_loops(plan_ref, b, tile, step, init)
-            if pingpong:
-                pl.when(wg == 0)(meet)
-            seen = l > 0.0
-            safe_l = jnp.where(seen, l, 1.0)
-            inv = jnp.where(seen, 1.0 / safe_l, 0.0)
-            my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-            # Rows that see nothing get any finite value: every use of it is masked.
-            lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(safe_l) * (1.0 / _LN2), 0.0)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, out_ref.at[b, pl.ds(row0, WG_ROWS), h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, WG_ROWS)])
-            plgpu.wait_smem_to_gmem(0)
+                def step(j: jax.Array, t: jax.Array, carry: Any, masked: bool) -> Any:
+                    acc, m, l = carry
+                    slot = lax.rem(t, stages)
+                    k_seg = None
+                    if segmented:
+                        plgpu.barrier_wait(kseg_ready.at[slot])
+                        if masked:
+                            k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
+                    plgpu.barrier_wait(k_ready.at[slot])
+
+                    s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
+                    plgpu.barrier_arrive(k_used.at[slot])
+                    s = s * shape.scale
+                    mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False) if masked else None
+                    if mask is not None:
+                        s = jnp.where(mask, s, MASK_VALUE)
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    if mask is not None:
+                        # A row with nothing visible yet has m_new == MASK_VALUE and exp2(0) == 1.
+                        p = jnp.where(mask, p, 0.0)
+                    l = l * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p16 = p.astype(dtype)
+                    if pingpong:
+                        plgpu.barrier_arrive(turn)  # softmax done
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    if pingpong:
+                        plgpu.barrier_wait(turn)  # the other consumer's products are issued
+                    acc = _mma_into(shape, acc, p16, v_ring.at[slot])
+                    plgpu.barrier_arrive(v_used.at[slot])
+                    return acc, m_new, l
+
+                init = (
+                    _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA),
+                    _cast(shape, jnp.full((WG_ROWS,), MASK_VALUE, jnp.float32), _row_layout()),
+                    _cast(shape, jnp.zeros((WG_ROWS,), jnp.float32), _row_layout()),
+                )
+                if pingpong:
+                    pl.when(wg == 1)(meet)
+                acc, m, l = _three_loops(plan_ref, b, tile, step, init, offset=t0)
+                if pingpong:
+                    pl.when(wg == 0)(meet)
+                seen = l > 0.0
+                safe_l = jnp.where(seen, l, 1.0)
+                inv = jnp.where(seen, 1.0 / safe_l, 0.0)
+
+                def write() -> None:
+                    my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+                    # Rows that see nothing get any finite value: every use of it is masked.
+                    lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(safe_l) * (1.0 / _LN2), 0.0)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(my_q, out_ref.at[b, pl.ds(row0, WG_ROWS), h])
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, WG_ROWS)])
+
+                return t0 + plan_ref[1, b, tile] - plan_ref[0, b, tile], write
+
+            _consume_items(items, order_ref, buffers, load, process)
 
         @pl.when(wg == _CONSUMERS)
         def _producer() -> None:
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-            kv_head = lax.div(h, jnp.int32(shape.group))
-            streams = [
-                (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
-                (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
-            ]
-            if segmented:  # slots of the segment ring are freed with the key slots
-                streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
-            _produce(plan_ref, b, tile, stages, streams)
+
+            def streams_of(b: jax.Array, h: jax.Array) -> list[Any]:
+                kv_head = lax.div(h, jnp.int32(shape.group))
+                streams = [
+                    (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
+                    (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
+                ]
+                if segmented:  # slots of the segment ring are freed with the key slots
+                    streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
+                return streams
+
+            _produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
 
     scratch = (
-        _smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
         _smem_tile((stages, block_k, dim), dtype),
         _smem_tile((stages, block_k, dim), dtype),
         plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.float32),
-        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.int32),
+        plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.int32),
         plgpu.SMEM((stages, block_k), jnp.int32),
     )
     barriers = (
-        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_arrivals=2 if segmented else 1, num_barriers=buffers * _CONSUMERS),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
-        plgpu.Barrier(num_barriers=_CONSUMERS),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS),
     )
     extra = {"interpret": _interpret_params()} if shape.interpret else {}
-    operands = (q, k, v, plan) + ((segment_ids,) if segmented else ())
+    operands = (q, k, v, plan, order) + ((segment_ids,) if segmented else ())
     return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)),
         scratch_types=(scratch, barriers),
-        grid=(heads, tiles, batch),
-        grid_names=("heads", "tiles", "batch"),
+        grid=(items.programs,),
+        grid_names=("programs",),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=_compiler_params(),
@@ -493,112 +638,127 @@ def _forward_call(
 
 def _dq_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
-    plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_k: int, stages: int,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_k: int, stages: int, persistent: bool = True,
 ) -> jax.Array:
-    """``dq [batch, seq_q, heads, dim]``: one program per 128-row query tile, walking the
-    key/value blocks of the plan; ``p`` is rebuilt from the saved log-sum-exp."""
+    """``dq [batch, seq_q, heads, dim]``: items are 128-row query tiles of one head, walking
+    the key/value blocks of the plan; ``p`` is rebuilt from the saved log-sum-exp."""
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
-    tiles = seq_q // _TILE
     segmented = segment_ids is not None
+    items, order = _items(plan, heads, persistent, shape.interpret)
+    row_bytes = dim * jnp.dtype(dtype).itemsize
+    buffers = _tile_buffers(2 * _TILE * row_bytes, stages * 2 * block_k * row_bytes)
 
-    def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, *refs: Any) -> None:
+    def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         if segmented:
             seg_ref, dq_ref, scratch, barriers = refs
         else:
             (dq_ref, scratch, barriers), seg_ref = refs, None
         q_smem, do_smem, k_ring, v_ring, lse_smem, delta_smem, qseg_smem, kseg_ring = scratch
         q_ready, k_ready, v_ready, k_used, v_used, kseg_ready = barriers
-        h, b, tile = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("tiles")
-        if shape.bounds[1] is not None:  # causal: the longest rows first, as in the forward
-            tile = tiles - 1 - tile
         wg = lax.axis_index("wg")
 
         @pl.when(wg < _CONSUMERS)
         def _consumer() -> None:
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-            row0 = tile * _TILE + wg * WG_ROWS
-            rows = pl.ds(row0, WG_ROWS)
-            my_q, my_do = q_smem.at[wg], do_smem.at[wg]
-            # One barrier, several copies: it expects one arrival per copy.
-            ready = q_ready.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], my_q, ready)
-            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], my_do, ready)
-            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[wg], ready)
-            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[wg], ready)
-            if segmented:
-                plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[wg], ready)
-            plgpu.barrier_wait(ready)
-            lse = _load(shape, lse_smem.at[wg], _row_layout())
-            delta = _load(shape, delta_smem.at[wg], _row_layout())
-            q_seg = _load(shape, qseg_smem.at[wg], _row_layout()) if segmented else None
 
-            def step(j: jax.Array, t: jax.Array, dq: jax.Array, masked: bool) -> jax.Array:
-                slot = lax.rem(t, stages)
-                k_seg = None
+            def load(item: jax.Array, buf: jax.Array) -> None:
+                b, h, tile = items.decode(item)
+                rows = pl.ds(tile * _TILE + wg * WG_ROWS, WG_ROWS)
+                # One barrier, several copies: it expects one arrival per copy.
+                ready = q_ready.at[buf * _CONSUMERS + wg]
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[buf, wg], ready)
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[buf, wg], ready)
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[buf, wg], ready)
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[buf, wg], ready)
                 if segmented:
-                    plgpu.barrier_wait(kseg_ready.at[slot])
-                    if masked:
-                        k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
-                plgpu.barrier_wait(k_ready.at[slot])
-                s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
-                p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-                if masked:
-                    mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False)
-                    if mask is not None:
-                        p = jnp.where(mask, p, 0.0)
-                plgpu.barrier_wait(v_ready.at[slot])
-                dp = _mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
-                plgpu.barrier_arrive(v_used.at[slot])
-                ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
-                dq = _mma_into(shape, dq, ds, k_ring.at[slot])
-                plgpu.barrier_arrive(k_used.at[slot])
-                return dq
+                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
 
-            dq = _three_loops(plan_ref, b, tile, step, _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA))
-            my_q[...] = (dq * (shape.scale / _LOG2E)).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[b, rows, h])
-            plgpu.wait_smem_to_gmem(0)
+            def process(item: jax.Array, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+                b, h, tile = items.decode(item)
+                row0 = tile * _TILE + wg * WG_ROWS
+                my_q, my_do = q_smem.at[buf, wg], do_smem.at[buf, wg]
+                plgpu.barrier_wait(q_ready.at[buf * _CONSUMERS + wg])
+                lse = _load(shape, lse_smem.at[buf, wg], _row_layout())
+                delta = _load(shape, delta_smem.at[buf, wg], _row_layout())
+                q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
+
+                def step(j: jax.Array, t: jax.Array, dq: jax.Array, masked: bool) -> jax.Array:
+                    slot = lax.rem(t, stages)
+                    k_seg = None
+                    if segmented:
+                        plgpu.barrier_wait(kseg_ready.at[slot])
+                        if masked:
+                            k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
+                    p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+                    if masked:
+                        mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False)
+                        if mask is not None:
+                            p = jnp.where(mask, p, 0.0)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    dp = _mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
+                    plgpu.barrier_arrive(v_used.at[slot])
+                    ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+                    dq = _mma_into(shape, dq, ds, k_ring.at[slot])
+                    plgpu.barrier_arrive(k_used.at[slot])
+                    return dq
+
+                zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
+                dq = _three_loops(plan_ref, b, tile, step, zeros, offset=t0)
+
+                def write() -> None:
+                    my_q[...] = (dq * (shape.scale / _LOG2E)).astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(my_q, dq_ref.at[b, pl.ds(row0, WG_ROWS), h])
+
+                return t0 + plan_ref[1, b, tile] - plan_ref[0, b, tile], write
+
+            _consume_items(items, order_ref, buffers, load, process)
 
         @pl.when(wg == _CONSUMERS)
         def _producer() -> None:
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-            kv_head = lax.div(h, jnp.int32(shape.group))
-            streams = [
-                (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
-                (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
-            ]
-            if segmented:
-                streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
-            _produce(plan_ref, b, tile, stages, streams)
+
+            def streams_of(b: jax.Array, h: jax.Array) -> list[Any]:
+                kv_head = lax.div(h, jnp.int32(shape.group))
+                streams = [
+                    (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
+                    (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
+                ]
+                if segmented:
+                    streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
+                return streams
+
+            _produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
 
     copies = 5 if segmented else 4
     scratch = (
-        _smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),
-        _smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
         _smem_tile((stages, block_k, dim), dtype),
         _smem_tile((stages, block_k, dim), dtype),
-        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.float32),
-        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.float32),
-        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.int32),
+        plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.int32),
         plgpu.SMEM((stages, block_k), jnp.int32),
     )
     barriers = (
-        plgpu.Barrier(num_arrivals=copies, num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=buffers * _CONSUMERS),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
     )
-    operands = (q, k, v, do, lse, delta, plan) + ((segment_ids,) if segmented else ())
+    operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ())
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=(scratch, barriers),
-        grid=(heads, tiles, batch),
-        grid_names=("heads", "tiles", "batch"),
+        grid=(items.programs,),
+        grid_names=("programs",),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=_compiler_params(),
@@ -608,103 +768,119 @@ def _dq_call(
 
 def _dkv_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
-    plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_q: int, stages: int,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_q: int, stages: int, persistent: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """``dk, dv [batch, seq_kv, kv_heads, dim]``: one program per 128-row key/value tile and
+    """``dk, dv [batch, seq_kv, kv_heads, dim]``: items are 128-row key/value tiles of one
     key/value head, walking the planned query blocks once per query head of its group, so the
     group's sum stays in registers (no per-query-head partials, no atomics)."""
     batch, seq_kv, kv_heads, dim = k.shape
     dtype = k.dtype
-    tiles = seq_kv // _TILE
     segmented = segment_ids is not None
     group = shape.group
+    items, order = _items(plan, kv_heads, persistent, shape.interpret)
+    row_bytes = dim * jnp.dtype(dtype).itemsize
+    buffers = _tile_buffers(2 * _TILE * row_bytes, stages * 2 * block_q * row_bytes)
 
-    def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, *refs: Any) -> None:
+    def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         if segmented:
             seg_ref, dk_ref, dv_ref, scratch, barriers = refs
         else:
             (dk_ref, dv_ref, scratch, barriers), seg_ref = refs, None
         k_smem, v_smem, kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch
         kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used = barriers
-        hk, b, tile = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("tiles")
         wg = lax.axis_index("wg")
 
         @pl.when(wg < _CONSUMERS)
         def _consumer() -> None:
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-            row0 = tile * _TILE + wg * WG_ROWS
-            rows = pl.ds(row0, WG_ROWS)
-            my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-            ready = kv_ready.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], my_k, ready)
-            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], my_v, ready)
-            if segmented:
-                plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[wg], ready)
-            plgpu.barrier_wait(ready)
-            k_seg = _load(shape, kseg_smem.at[wg], _row_layout()) if segmented else None
 
-            def step(j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
+            def load(item: jax.Array, buf: jax.Array) -> None:
+                b, hk, tile = items.decode(item)
+                rows = pl.ds(tile * _TILE + wg * WG_ROWS, WG_ROWS)
+                ready = kv_ready.at[buf * _CONSUMERS + wg]
+                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[buf, wg], ready)
+                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], v_smem.at[buf, wg], ready)
+                if segmented:
+                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[buf, wg], ready)
+
+            def process(item: jax.Array, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+                b, hk, tile = items.decode(item)
+                row0 = tile * _TILE + wg * WG_ROWS
+                my_k, my_v = k_smem.at[buf, wg], v_smem.at[buf, wg]
+                plgpu.barrier_wait(kv_ready.at[buf * _CONSUMERS + wg])
+                k_seg = _load(shape, kseg_smem.at[buf, wg], _row_layout()) if segmented else None
+
+                def step(j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
+                    dk, dv = grads
+                    slot = lax.rem(t, stages)
+                    for barrier in (lse_ready, delta_ready) + ((qseg_ready,) if segmented else ()):
+                        plgpu.barrier_wait(barrier.at[slot])
+                    lse = _load(shape, lse_ring.at[slot], _col_layout())
+                    delta = _load(shape, delta_ring.at[slot], _col_layout())
+                    q_seg = _load(shape, qseg_ring.at[slot], _col_layout()) if segmented and masked else None
+                    plgpu.barrier_wait(q_ready.at[slot])
+                    s_t = _mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
+                    p_t = jnp.exp2(s_t * shape.scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+                    if masked:
+                        mask = _visibility(shape, j * block_q, row0, WG_ROWS, block_q, q_seg, k_seg, transpose=True)
+                        if mask is not None:
+                            p_t = jnp.where(mask, p_t, 0.0)
+                    plgpu.barrier_wait(do_ready.at[slot])
+                    p16 = p_t.astype(dtype)
+                    dv = _mma_into(shape, dv, p16, do_ring.at[slot])
+                    dp_t = _mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
+                    plgpu.barrier_arrive(do_used.at[slot])
+                    ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+                    dk = _mma_into(shape, dk, ds_t, q_ring.at[slot])
+                    plgpu.barrier_arrive(q_used.at[slot])
+                    return dk, dv
+
+                zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
+                n = plan_ref[1, b, tile] - plan_ref[0, b, tile]
+                grads = (zeros, zeros)
+                for r in range(group):  # the group is small and static
+                    grads = _three_loops(plan_ref, b, tile, step, grads, offset=t0 + r * n)
                 dk, dv = grads
-                slot = lax.rem(t, stages)
-                for barrier in (lse_ready, delta_ready) + ((qseg_ready,) if segmented else ()):
-                    plgpu.barrier_wait(barrier.at[slot])
-                lse = _load(shape, lse_ring.at[slot], _col_layout())
-                delta = _load(shape, delta_ring.at[slot], _col_layout())
-                q_seg = _load(shape, qseg_ring.at[slot], _col_layout()) if segmented and masked else None
-                plgpu.barrier_wait(q_ready.at[slot])
-                s_t = _mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
-                p_t = jnp.exp2(s_t * shape.scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-                if masked:
-                    mask = _visibility(shape, j * block_q, row0, WG_ROWS, block_q, q_seg, k_seg, transpose=True)
-                    if mask is not None:
-                        p_t = jnp.where(mask, p_t, 0.0)
-                plgpu.barrier_wait(do_ready.at[slot])
-                p16 = p_t.astype(dtype)
-                dv = _mma_into(shape, dv, p16, do_ring.at[slot])
-                dp_t = _mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
-                plgpu.barrier_arrive(do_used.at[slot])
-                ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
-                dk = _mma_into(shape, dk, ds_t, q_ring.at[slot])
-                plgpu.barrier_arrive(q_used.at[slot])
-                return dk, dv
 
-            zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
-            n = plan_ref[1, b, tile] - plan_ref[0, b, tile]
-            grads = (zeros, zeros)
-            for r in range(group):  # the group is small and static
-                grads = _three_loops(plan_ref, b, tile, step, grads, offset=r * n)
-            dk, dv = grads
-            my_k[...] = (dk * (shape.scale / _LOG2E)).astype(dtype)
-            my_v[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[b, rows, hk])
-            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[b, rows, hk])
-            plgpu.wait_smem_to_gmem(0)
+                def write() -> None:
+                    my_k[...] = (dk * (shape.scale / _LOG2E)).astype(dtype)
+                    my_v[...] = dv.astype(dtype)
+                    plgpu.commit_smem()
+                    rows = pl.ds(row0, WG_ROWS)
+                    plgpu.copy_smem_to_gmem(my_k, dk_ref.at[b, rows, hk])
+                    plgpu.copy_smem_to_gmem(my_v, dv_ref.at[b, rows, hk])
+
+                return t0 + group * n, write
+
+            _consume_items(items, order_ref, buffers, load, process)
 
         @pl.when(wg == _CONSUMERS)
         def _producer() -> None:
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-            def block(j: jax.Array) -> Any:
-                return pl.ds(j * block_q, block_q)
+            def streams_of(b: jax.Array, hk: jax.Array) -> list[Any]:
+                def block(j: jax.Array) -> Any:
+                    return pl.ds(j * block_q, block_q)
 
-            def head(r: jax.Array) -> jax.Array:
-                return hk * group + r
+                def head(r: jax.Array) -> jax.Array:
+                    return hk * group + r
 
-            streams = [
-                (lambda j, r: lse_ref.at[b, head(r), block(j)], lse_ring, lse_ready, q_used),
-                (lambda j, r: delta_ref.at[b, head(r), block(j)], delta_ring, delta_ready, None),
-                (lambda j, r: q_ref.at[b, block(j), head(r)], q_ring, q_ready, None),
-                (lambda j, r: do_ref.at[b, block(j), head(r)], do_ring, do_ready, do_used),
-            ]
-            if segmented:
-                streams.insert(2, (lambda j, r: seg_ref.at[b, block(j)], qseg_ring, qseg_ready, None))
-            _produce(plan_ref, b, tile, stages, streams, repeats=group)
+                streams = [
+                    (lambda j, r: lse_ref.at[b, head(r), block(j)], lse_ring, lse_ready, q_used),
+                    (lambda j, r: delta_ref.at[b, head(r), block(j)], delta_ring, delta_ready, None),
+                    (lambda j, r: q_ref.at[b, block(j), head(r)], q_ring, q_ready, None),
+                    (lambda j, r: do_ref.at[b, block(j), head(r)], do_ring, do_ready, do_used),
+                ]
+                if segmented:
+                    streams.insert(2, (lambda j, r: seg_ref.at[b, block(j)], qseg_ring, qseg_ready, None))
+                return streams
+
+            _produce_items(items, order_ref, plan_ref, stages, streams_of, [q_used, do_used], repeats=group)
 
     scratch = (
-        _smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),
-        _smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),
-        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.int32),
+        _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
+        plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.int32),
         _smem_tile((stages, block_q, dim), dtype),
         _smem_tile((stages, block_q, dim), dtype),
         plgpu.SMEM((stages, block_q), jnp.float32),
@@ -713,18 +889,18 @@ def _dkv_call(
     )
     ring = functools.partial(plgpu.Barrier, num_barriers=stages)
     barriers = (
-        plgpu.Barrier(num_arrivals=3 if segmented else 2, num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_arrivals=3 if segmented else 2, num_barriers=buffers * _CONSUMERS),
         ring(), ring(), ring(), ring(), ring(),
         ring(num_arrivals=_CONSUMERS),
         ring(num_arrivals=_CONSUMERS),
     )
-    operands = (q, k, v, do, lse, delta, plan) + ((segment_ids,) if segmented else ())
+    operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ())
     return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
         scratch_types=(scratch, barriers),
-        grid=(kv_heads, tiles, batch),
-        grid_names=("heads", "tiles", "batch"),
+        grid=(items.programs,),
+        grid_names=("programs",),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=_compiler_params(),
@@ -767,12 +943,12 @@ def _pad(
     return _Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim)
 
 
-def _forward_padded(p: _Padded, *, block_k: int, stages: int, pingpong: bool = False) -> tuple[jax.Array, jax.Array]:
+def _forward_padded(p: _Padded, *, block_k: int, stages: int, pingpong: bool = False, persistent: bool = True) -> tuple[jax.Array, jax.Array]:
     batch, rows = p.q.shape[:2]
     cols = p.k.shape[1]
     plan = _visit_plan(rows, cols, _TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
     segments = None if p.segment_ids is None else p.segment_ids
-    return _forward_call(p.q, p.k, p.v, plan, segments, p.shape, block_k=block_k, stages=stages, pingpong=pingpong)
+    return _forward_call(p.q, p.k, p.v, plan, segments, p.shape, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
 
 
 def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int]:
@@ -817,19 +993,20 @@ def _check(q: jax.Array, k: jax.Array) -> None:
 def mosaic_forward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, *, scale: float, bounds: Window, params: FwdParams, interpret: bool = False,
-    pingpong: bool = True,
+    pingpong: bool = True, persistent: bool = True,
 ) -> tuple[Float[Array, "batch sq heads dim"], Float[Array, "batch heads sq"]]:
     """``(out, lse)``: the attention output and its base-2 log-sum-exp ``[batch, heads, sq]``.
 
     ``pingpong`` alternates the two consumer warpgroups between matrix products and softmax
     (see :func:`_forward_call`). On by default: on the H100 (jax 0.11.2, 2026-11-25) it ran the
     causal B4 S4096 H16 D128 forward 1.06x and the packed-documents forward 1.08x faster than
-    the plain schedule, in one interleaved run (bench/RESULTS.md).
+    the plain schedule, in one interleaved run (bench/RESULTS.md). ``persistent``: at most one
+    program per SM, each walking several tiles (see :class:`_Items`); False: one per tile.
     """
     _check(q, k)
     _, block_k, stages = _blocks(params, q.shape[3])
     p = _pad(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
-    out, lse = _forward_padded(p, block_k=block_k, stages=stages, pingpong=pingpong)
+    out, lse = _forward_padded(p, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
     return out[:, : p.seq_q, :, : p.dim], lse[:, :, : p.seq_q]
 
 
@@ -837,8 +1014,10 @@ def mosaic_backward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, out: Float[Array, "batch sq heads dim"], lse: Float[Array, "batch heads sq"],
     g: Float[Array, "batch sq heads dim"], *, scale: float, bounds: Window, params: BwdParams, interpret: bool = False,
+    persistent: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(dq, dk, dv)`` from the forward's output and base-2 log-sum-exp and the cotangent ``g``."""
+    """``(dq, dk, dv)`` from the forward's output and base-2 log-sum-exp and the cotangent ``g``
+    (``persistent``: as in :func:`mosaic_forward`)."""
     _check(q, k)
     if not mosaic_supports(q.dtype, q.shape[3]):
         raise ValueError(f"q: the mosaic backward takes head dim <= 128, got {q.shape[3]}")
@@ -853,28 +1032,43 @@ def mosaic_backward(
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
     rows_plan = _visit_plan(rows, cols, _TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
     cols_plan = _visit_plan(cols, rows, _TILE, block_q, p.shape, p.segment_ids, batch, transpose=True)
-    dq = _dq_call(p.q, p.k, p.v, do, lse, delta, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages)
-    dk, dv = _dkv_call(p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages)
+    dq = _dq_call(p.q, p.k, p.v, do, lse, delta, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent)
+    dk, dv = _dkv_call(p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages, persistent=persistent)
     seq_kv = p.seq_kv
     return dq[:, : p.seq_q, :, : p.dim], dk[:, :seq_kv, :, : p.dim], dv[:, :seq_kv, :, : p.dim]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+    """How the kernels run, apart from tile sizes (see :func:`mosaic_forward`)."""
+
+    interpret: bool
+    pingpong: bool
+    persistent: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, scale: float, bounds: Window,
-               fwd: FwdParams, bwd: BwdParams, interpret: bool, pingpong: bool) -> jax.Array:
-    return mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=interpret, pingpong=pingpong)[0]
+               fwd: FwdParams, bwd: BwdParams, schedule: _Schedule) -> jax.Array:
+    return _attention_fwd(q, k, v, segment_ids, scale, bounds, fwd, bwd, schedule)[0]
 
 
 def _attention_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, scale: float, bounds: Window,
-                   fwd: FwdParams, bwd: BwdParams, interpret: bool, pingpong: bool) -> tuple[jax.Array, tuple[Any, ...]]:
-    out, lse = mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=interpret, pingpong=pingpong)
+                   fwd: FwdParams, bwd: BwdParams, schedule: _Schedule) -> tuple[jax.Array, tuple[Any, ...]]:
+    out, lse = mosaic_forward(
+        q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=schedule.interpret, pingpong=schedule.pingpong,
+        persistent=schedule.persistent,
+    )
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _attention_bwd(scale: float, bounds: Window, fwd: FwdParams, bwd: BwdParams, interpret: bool, pingpong: bool,
+def _attention_bwd(scale: float, bounds: Window, fwd: FwdParams, bwd: BwdParams, schedule: _Schedule,
                    residuals: tuple[Any, ...], g: jax.Array) -> tuple[Any, ...]:
     q, k, v, segment_ids, out, lse = residuals
-    dq, dk, dv = mosaic_backward(q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=bwd, interpret=interpret)
+    dq, dk, dv = mosaic_backward(
+        q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=bwd, interpret=schedule.interpret,
+        persistent=schedule.persistent,
+    )
     return dq, dk, dv, None
 
 
@@ -885,7 +1079,7 @@ def mosaic_attention(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     *, scale: float | None = None, causal: bool = False, window: tuple[int, int] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None, params: tuple[FwdParams, BwdParams] | None = None,
-    interpret: bool = False, pingpong: bool = True,
+    interpret: bool = False, pingpong: bool = True, persistent: bool = True,
 ) -> Float[Array, "batch sq heads dim"]:
     """Attention on the Mosaic GPU kernels, differentiable (the forward's output and log-sum-exp
     are kept for the backward).
@@ -901,6 +1095,7 @@ def mosaic_attention(
       params: forward and backward launch parameters (kv/q block 64 or 128, stages).
       interpret: run in the Mosaic GPU interpreter (CPU tests).
       pingpong: alternate the forward's two consumer warpgroups (see :func:`mosaic_forward`).
+      persistent: at most one program per SM, each walking several tiles (see :class:`_Items`).
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with kv heads dividing heads, got {q.shape}, {k.shape}, {v.shape}")
@@ -911,4 +1106,4 @@ def mosaic_attention(
         right = 0 if right is None else min(right, 0)
     fwd, bwd = params if params is not None else (FwdParams(), BwdParams())
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, interpret, pingpong)
+    return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, _Schedule(interpret, pingpong, persistent))

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ejlabel.kernels import attention_mosaic as am
 from ejlabel.kernels.attention import (
     AttentionConfig,
@@ -218,6 +220,58 @@ def test_interpreted_values_and_gradients() -> None:
     # Padding rows see nothing: output and gradient exactly 0.
     assert not np.any(np.asarray(out.astype(jnp.float32))[0, 120:])
     assert not np.any(np.asarray(grads[0].astype(jnp.float32))[0, 120:])
+
+
+@given(count=st.integers(1, 400), programs=st.integers(1, 140))
+@settings(max_examples=60, deadline=None)
+def test_persistent_programs_deal_every_item_once(count: int, programs: int) -> None:
+    programs = min(programs, count)  # the kernels never launch more programs than items
+    dealt = [
+        int(am._snake_position(i, p, programs)) for p in range(programs) for i in range(int(am._snake_count(p, count, programs)))
+    ]
+    assert sorted(dealt) == list(range(count))
+    # Balanced: the programs' item counts differ by at most one.
+    counts = [int(am._snake_count(p, count, programs)) for p in range(programs)]
+    assert max(counts) - min(counts) <= 1
+
+
+def test_work_order_puts_the_longest_tiles_first() -> None:
+    # A plan [4, batch 2, tiles 3]: lo and hi give 1, 4, 2 / 3, 0, 2 blocks.
+    lo = jnp.array([[0, 0, 1], [0, 0, 0]], jnp.int32)
+    hi = jnp.array([[1, 4, 3], [3, 0, 2]], jnp.int32)
+    plan = jnp.stack([lo, hi, lo, lo])
+    order = np.asarray(am._work_order(plan, heads=2))
+    items = am._Items(count=12, programs=4, heads=2, tiles=3)
+    decoded = [tuple(int(x) for x in items.decode(jnp.int32(item))) for item in order]
+    cost = [int(hi[b, t] - lo[b, t]) for b, _, t in decoded]
+    assert cost == sorted(cost, reverse=True)
+    assert sorted(decoded) == [(b, h, t) for b in range(2) for h in range(2) for t in range(3)]
+
+
+@pytest.mark.slow
+def test_interpreted_persistent_programs_walk_several_tiles() -> None:
+    # Three programs in the interpreter share 4 query tiles (and 4 key/value tiles): one walks
+    # two, the ring and the barriers running on across them. At dim 128 the forward and dkv
+    # kernels double-buffer their tiles, while the dq kernel's two tiles do not fit twice, so
+    # it loads the next tile only after the last one's results are out: both paths run.
+    seq, dim = 256, 128
+    q, k, v = qkv(1, seq, 2, 2, dim, jnp.bfloat16, seed=11)
+    ids = jnp.where(jnp.arange(seq) < seq - 9, 1 + (jnp.arange(seq) >= 96) + (jnp.arange(seq) >= 200), 0)[None].astype(jnp.int32)
+    assert am._tile_buffers(128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2 and am._tile_buffers(2 * 128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2
+    assert am._tile_buffers(2 * 128 * dim * 2, 2 * 2 * 128 * dim * 2) == 1  # dq with 128-row key blocks
+    probe = jax.random.normal(jax.random.key(12), q.shape, jnp.float32)
+    params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=128))
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params, interpret=True)
+
+    out, vjp = jax.vjp(attend, q, k, v)
+    grads = vjp(probe.astype(out.dtype))
+    f32 = tuple(t.astype(jnp.float32) for t in (q, k, v))
+    want, want_vjp = jax.vjp(lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=dim**-0.5), *f32)
+    assert rel_error(out, want) < 1e-2
+    for got, expected in zip(grads, want_vjp(probe)):
+        assert rel_error(got, expected) < 2e-2
 
 
 # --------------------------------------------------------------------------------------------
