@@ -83,14 +83,26 @@ def main() -> None:
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, hopper={am.on_hopper()}", flush=True)
     tables = []
 
+    def mosaic(label: str = "", **options: Any) -> dict[str, Any]:
+        """Our kernels one program per tile and persistent (the default), same options."""
+        return {
+            f"mosaic one per tile{label}": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, persistent=False, **options),
+            f"mosaic persistent{label}": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, **options),
+        }
+
     batch, seq, heads, dim = 4, 4096, 16, 128
     q, k, v, probe = inputs(batch, seq, heads, heads, dim)
-    attend = {
-        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
-        "mosaic (no pingpong)": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, pingpong=False),
-        "mosaic pingpong": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, pingpong=True),
-    }
+    attend = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"), **mosaic()}
     tables += report("causal B4 S4096 H16 D128 bf16", steps(attend, q, k, v, probe), 4 * batch * heads * dim * seq * seq / 2)
+
+    # The segment goal's shape: 4 documents of 1024 tokens per row, rate in visible work.
+    docs = 4
+    ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
+    doc = seq // docs
+    tables += report(
+        "4 segments B4 S4096 H16 D128 bf16 (visible work)", steps(mosaic(", 4 segments", segment_ids=ids), q, k, v, probe),
+        4 * batch * heads * dim * docs * doc * doc / 2,
+    )
 
     batch, seq, heads, kv_heads, dim, docs = 8, 2048, 12, 4, 64, 4
     q, k, v, probe = inputs(batch, seq, heads, kv_heads, dim)
@@ -98,8 +110,7 @@ def main() -> None:
     dense = (ids[:, :, None] == ids[:, None, :]) & (jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :])
     attend = {
         "cudnn dense mask": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense[:, None], implementation="cudnn"),
-        "mosaic segments (no pingpong)": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, pingpong=False),
-        "mosaic segments pingpong": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, pingpong=True),
+        **mosaic(" segments", segment_ids=ids),
     }
     doc = seq // docs
     tables += report("packed B8 S2048 H12/4 D64, 4 documents", steps(attend, q, k, v, probe), 4 * batch * heads * dim * docs * doc * doc / 2)

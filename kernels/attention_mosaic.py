@@ -19,13 +19,17 @@ the backward), written for what the Triton backend cannot express:
   outside ``[lo, hi)`` are never loaded. With packed documents that skips every block pair of
   two different documents.
 
-Kernels:
+- **Persistent programs.** At most one program per SM, each walking several tiles (the
+  costliest first, dealt in snake order); the ring runs on from one tile to the next, and the
+  next tile loads while the last one's results are written (:class:`_Items`).
 
-- forward: one program per (query tile of 128 rows, head, batch); walks key/value blocks with
-  an online softmax in float32, base 2;
+Kernels (an item is one tile of one head of one batch row):
+
+- forward: items are query tiles of 128 rows; each walks key/value blocks with an online
+  softmax in float32, base 2;
 - backward, split in two kernels (the simplest split that needs no atomics and no
-  per-query-head partials): ``dq`` per query tile walking key/value blocks, and ``dk, dv``
-  per key/value tile of 128 rows walking, for each query head of its group, the query blocks
+  per-query-head partials): ``dq`` over query tiles walking key/value blocks, and ``dk, dv``
+  over key/value tiles of 128 rows walking, for each query head of its group, the query blocks
   that see it. A fused kernel would save recomputing ``q k^T`` and ``dO v^T`` once, at the
   price of float32 atomics on ``dq``; the split is kept until it is measured to lose.
 

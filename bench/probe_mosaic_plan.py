@@ -1,0 +1,83 @@
+"""What the Mosaic attention's work outside its kernels costs with segment ids: plans and order.
+
+    python bench/probe_mosaic_plan.py
+
+With segment ids each call computes, on the device and before its kernels, the visiting plans
+(which key blocks each query tile walks, and the reverse for the dk/dv kernel) and the order in
+which the persistent programs take their tiles (an argsort of the tiles' costs). This probe
+times those computations alone, and the kernels with the order left as it comes (no sort),
+against the default, at the example model's packed shape and at the segment goal's shape.
+Medians of interleaved samples (bench/_timing.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from _timing import time_interleaved
+from ejlabel.kernels import attention_mosaic as am
+
+
+def natural_order(plan: jax.Array, heads: int) -> jax.Array:
+    """The items in id order: what the programs take without the sort."""
+    return jnp.arange(plan.shape[1] * plan.shape[2] * heads, dtype=jnp.int32)
+
+
+def case(title: str, batch: int, seq: int, heads: int, kv_heads: int, dim: int, docs: int) -> list[str]:
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (batch, seq, heads, dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, seq, kv_heads, dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, seq, kv_heads, dim), jnp.bfloat16)
+    probe = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
+    shape = am._Shape(dim**-0.5 * am._LOG2E, (None, 0), None, heads // kv_heads, True)
+
+    def plans(ids: jax.Array) -> Any:
+        rows = am._visit_plan(seq, seq, am._TILE, 128, shape, ids, batch, transpose=False)
+        cols = am._visit_plan(seq, seq, am._TILE, 64, shape, ids, batch, transpose=True)
+        return rows, cols
+
+    def orders(ids: jax.Array) -> Any:
+        rows, cols = plans(ids)
+        return am._work_order(rows, heads), am._work_order(cols, kv_heads)
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return am.mosaic_attention(q, k, v, causal=True, segment_ids=ids)
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * probe)
+
+    steps: dict[str, Any] = {}
+    plan_fn, order_fn = jax.jit(plans), jax.jit(orders)
+    steps["plans only (rows + cols)"] = lambda: plan_fn(ids)
+    steps["plans + orders only"] = lambda: order_fn(ids)
+    fwd, both = jax.jit(attend), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    steps["fwd, sorted order"] = lambda: fwd(q, k, v)
+    steps["fwd+bwd, sorted order"] = lambda: both(q, k, v)
+    sorted_order = am._work_order
+    am._work_order = natural_order  # traced below, so the next jits take the natural order
+    try:
+        fwd_n, both_n = jax.jit(lambda q, k, v: attend(q, k, v)), jax.jit(jax.value_and_grad(lambda q, k, v: loss(q, k, v), argnums=(0, 1, 2)))
+        jax.block_until_ready((fwd_n(q, k, v), both_n(q, k, v)))
+    finally:
+        am._work_order = sorted_order
+    steps["fwd, natural order"] = lambda: fwd_n(q, k, v)
+    steps["fwd+bwd, natural order"] = lambda: both_n(q, k, v)
+    times = time_interleaved(steps, 9, 4)
+    lines = [f"### {title}", "| variant | ms |", "|---|---:|"] + [f"| {name} | {ms:.4f} |" for name, ms in times.items()]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def main() -> int:
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+    case("packed B8 S2048 H12/4 D64, 4 documents", 8, 2048, 12, 4, 64, 4)
+    case("4 segments B4 S4096 H16 D128", 4, 4096, 16, 16, 128, 4)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
