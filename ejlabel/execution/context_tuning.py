@@ -13,24 +13,49 @@ compiled step itself:
    differs from the incumbent in exactly one call. The floor is compiled and timed first.
 3. **Rank.** Each call's candidates get isolated timings (:meth:`Autotuner.tune_each`, or the
    per-candidate timings an earlier tuning stored in the persistent cache). A candidate's
-   expected gain is (floor's isolated time - its isolated time) x the number of sites.
+   expected gain is (floor's isolated time - its isolated time) x the number of sites. With a
+   budget, the ranking may use at most ``RANK_SHARE`` (half) of the time left once the floor is
+   timed, so that confirmations get the rest: its deadline stops it starting new compiles and
+   timings (:meth:`Autotuner.tune_each`). What a call had timed before the cut still ranks; a
+   call with nothing timed but its floor is *cut*: it keeps the floor, is reported as a skipped
+   trial, and nothing of it is stored.
 4. **Confirm, greedily.** In order of expected gain, the incumbent assignment with that one call
    changed is compiled ahead of time (a few at once, in threads: XLA compiles outside the GIL)
-   and its whole step is timed interleaved with the incumbent's (A B B A A B ...: alternating
-   order, so drift and cache warmth hit both alike). The change is kept only if it beats the
-   incumbent by more than the noise (below). The budget (seconds, whole run) is checked before
-   each batch of compiles and each measurement; what it cut off is reported as skipped.
+   and its whole step is timed against the incumbent's in paired rounds (below). The change is
+   kept only if the noise rule accepts it. The budget (seconds, whole run) is checked before
+   each batch of compiles, each measurement and each extra block of rounds; what it cut off is
+   reported as skipped.
 5. **Check and store.** The final assignment is timed against the floor (and ``baseline_fn``,
-   if given) the same interleaved way; if it does not beat the floor by more than the noise, the
+   if given) in the same paired rounds and judged by the same rule; if it is not accepted, the
    floor is kept. Every call's pick, XLA included, goes to the memory and persistent caches with
-   provenance ``"in-context"`` and the step times that justify it, so the next run uses them.
+   provenance ``"in-context"`` and the step times that justify it, so the next run uses them;
+   a cut call is not stored, and a call whose ranking the budget cut short is stored with
+   ``ranking_cut`` set, so the next run ranks it again instead of reusing a partial ranking.
 
-Noise rule: a challenger C replaces an incumbent I when
-``median(I) - median(C) > max(min_gain * median(I), (IQR(I) + IQR(C)) / 2)``, over ``samples``
-interleaved samples each (``min_gain`` is 1% by default). The IQR term is the typical spread of
-one sample around its median in this very measurement, so a "win" smaller than the run-to-run
-scatter is not taken; the 1% floor keeps a change that gains almost nothing from being taken on
-a very quiet machine (each change is also a risk: a new compiled program, another kernel).
+Noise rule: a comparison runs in rounds; each round times the incumbent I and the challenger C
+back to back (the order alternating by round: I C, C I, I C, ...), which pairs them: drift and
+the machine's state at that moment hit both alike, and cancel in the round's difference
+``d = I - C``. The gain is estimated by the median of the d's. Its one-sided lower confidence
+bound at ``LEVEL`` (95%) is the sign test's order statistic: the k-th smallest d, with k the
+largest rank such that ``P(Binomial(n, 1/2) <= k - 1) <= 5%``; the upper bound is the k-th
+largest (none below 5 rounds). It assumes nothing about the shape of the noise, only that rounds
+are independent. With the threshold ``T = min_gain * median(I)`` (1% by default: a smaller gain
+is not worth a change, which is a new compiled program and another kernel), C is *accepted*
+when the lower bound exceeds T, *rejected* when the upper bound is below T, and otherwise timed
+for another ``samples`` rounds, up to ``ROUND_CAP`` x ``samples`` in all and only while the
+budget has room for them; still undecided then, it is rejected. The rule this replaces asked a
+difference of two medians to beat the spread of single samples (their IQR); a median of n
+samples scatters far less than one sample, so real gains of 2% were rejected, and it never
+measured longer when the answer was unclear. Here a clear gain is decided after the first
+block, a small real one by measuring longer. Each look is at 95%; several looks make a false
+accept a little likelier than 5% for a change whose true gain is exactly T, and far less likely
+for a change that gains nothing (its d's sit T below the line); the final check then applies
+the rule to the whole assignment against the floor.
+
+A sample lasts at least ``MIN_SAMPLE_MS`` (20 ms), far above the timer and the dispatch jitter:
+if the slowest program of a comparison ran shorter than that in its last warm-up run, each
+sample runs each program ``ceil(20 ms / that time)`` times in a row (at most
+``MAX_RUNS_PER_SAMPLE``; each run waited for) and records the mean per run.
 
 Traces run in a fresh ``contextvars`` context, so the caller's overlays, ``use_implementation``
 and policy overrides do not leak into the assignment being measured. JAX caches traces by
@@ -46,11 +71,14 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
+import fractions
+import functools
 import math
 import os
+import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -68,15 +96,33 @@ from ejlabel.execution.tuning import (
     AutotuneError,
     Autotuner,
     Timing,
+    TuneResult,
+    TuningCut,
     _describe_error,
     _Progress,
 )
 from ejlabel.utils.fingerprint import device_fingerprint
 from ejlabel.utils.serialize import from_jsonable
 
-__all__ = ["PROVENANCE", "CallPick", "ContextTuneReport", "Trial", "tune_in_context"]
+__all__ = [
+    "LEVEL",
+    "MIN_SAMPLE_MS",
+    "PROVENANCE",
+    "RANK_SHARE",
+    "ROUND_CAP",
+    "CallPick",
+    "Comparison",
+    "ContextTuneReport",
+    "Trial",
+    "tune_in_context",
+]
 
 PROVENANCE = "in-context"
+LEVEL = 0.95  # one-sided confidence of the noise rule's bounds
+ROUND_CAP = 4  # a comparison takes at most ROUND_CAP x samples rounds
+MIN_SAMPLE_MS = 20.0  # a sample repeats a shorter step until it lasts about this long
+MAX_RUNS_PER_SAMPLE = 1000
+RANK_SHARE = 0.5  # the isolated ranking's share of the time left once the floor is timed
 Key = tuple[str, str, str]
 Assignment = Mapping[Key, Any]
 
@@ -88,29 +134,86 @@ _TRACE_LOCK = threading.Lock()
 # ---------------------------------------------------------------------------- report
 
 
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One paired comparison of a challenger with an incumbent, judged by the noise rule.
+
+    ``verdict`` is ``accept``, ``reject`` or ``more`` (undecided: more rounds wanted). The
+    gains are incumbent minus challenger, per step: ``gain_ms`` the median over ``rounds``
+    paired rounds, ``lower_ms`` / ``upper_ms`` its one-sided bounds at ``LEVEL`` (infinite when
+    there are too few rounds for one), ``threshold_ms`` what the lower bound must exceed
+    (``min_gain`` x the incumbent's median). Each sample ran the step ``runs_per_sample`` times.
+    """
+
+    verdict: str
+    rounds: int
+    gain_ms: float
+    lower_ms: float
+    upper_ms: float
+    threshold_ms: float
+    why: str
+    runs_per_sample: int = 1
+
+    @property
+    def accepted(self) -> bool:
+        return self.verdict == "accept"
+
+    @property
+    def noise_ms(self) -> float:
+        """How far the lower bound sits below the estimate: the measurement's uncertainty."""
+        return self.gain_ms - self.lower_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (an infinite bound becomes None)."""
+        finite = lambda x: x if math.isfinite(x) else None  # noqa: E731
+        return {
+            "verdict": self.verdict, "rounds": self.rounds, "runs_per_sample": self.runs_per_sample, "level": LEVEL,
+            "gain_ms": self.gain_ms, "lower_ms": finite(self.lower_ms), "upper_ms": finite(self.upper_ms),
+            "threshold_ms": self.threshold_ms, "noise_ms": finite(self.noise_ms), "why": self.why,
+        }
+
+    def describe(self) -> str:
+        """The gain, its bounds against the threshold, and the rounds, for one line of a report."""
+        runs = f" x {self.runs_per_sample} runs" if self.runs_per_sample > 1 else ""
+        return (
+            f"gain {self.gain_ms:.3g} ms ({LEVEL:.0%} bounds {self.lower_ms:.3g} to {self.upper_ms:.3g}, "
+            f"needs > {self.threshold_ms:.3g}), {self.rounds} rounds{runs}"
+        )
+
+    def outcome(self) -> str:
+        """``accepted``, or ``rejected`` with the reason."""
+        return "accepted" if self.accepted else f"rejected ({self.why})"
+
+
 @dataclasses.dataclass
 class Trial:
     """One confirmation: the incumbent with one call changed, timed as a whole step.
 
-    ``status``: ``accepted``, ``rejected`` (not faster by more than the noise),
-    ``compile_error``, ``runtime_error`` or ``skipped`` (time budget spent).
+    ``status``: ``accepted``, ``rejected`` (the noise rule did not accept it),
+    ``compile_error``, ``runtime_error`` or ``skipped`` (time budget spent). A call whose
+    isolated ranking the budget cut before it timed any alternative to the floor appears as one
+    ``skipped`` trial with ``cfg`` None: there was nothing to confirm.
     """
 
     device: str
     op_id: str
     call_key: str
     cfg: Any
-    isolated_ms: float
-    expected_gain_ms: float  # (floor's isolated ms - this one's) x sites
+    isolated_ms: float | None
+    expected_gain_ms: float | None  # (floor's isolated ms - this one's) x sites
     status: str = "pending"
     reason: str | None = None
     incumbent: Timing | None = None
     candidate: Timing | None = None
-    noise_ms: float | None = None
+    comparison: Comparison | None = None
 
     @property
     def key(self) -> Key:
         return (self.device, self.op_id, self.call_key)
+
+    @property
+    def noise_ms(self) -> float | None:
+        return self.comparison.noise_ms if self.comparison is not None else None
 
 
 @dataclasses.dataclass
@@ -120,7 +223,9 @@ class CallPick:
     ``step_ms`` is the step time measured with this pick in place (for a change: the step that
     beat ``compared_to_ms``; for the floor: the incumbent of this call's last confirmation, or
     the floor). ``isolated_from`` says where the isolated timings came from (``measured``,
-    ``cache``) or why there are none.
+    ``cache``) or what became of them: ``partial`` (the budget cut the ranking after some
+    candidates were timed; those rank), ``cut`` (it cut it before any alternative to the floor
+    was timed: the floor stays, nothing is stored) or ``failed``.
     """
 
     device: str
@@ -144,29 +249,39 @@ class CallPick:
     def changed(self) -> bool:
         return self.cfg != self.floor_cfg
 
+    @property
+    def ranking_cut(self) -> bool:
+        return self.isolated_from in ("partial", "cut")
+
 
 @dataclasses.dataclass
 class ContextTuneReport:
     """What ``tune_in_context`` measured and chose.
 
-    ``floor``, ``tuned`` and ``baseline`` come from one final interleaved measurement, so they
-    compare directly; ``noise_ms`` is the noise of that measurement by the module's rule. When
-    nothing beat the floor, ``tuned`` is the floor's timing.
+    ``floor``, ``tuned`` and ``baseline`` come from one final measurement in paired rounds
+    (``samples`` of them), so they compare directly; ``final`` is the noise rule's judgement of
+    the tuned step against the floor (None when nothing changed). When nothing beat the floor,
+    ``tuned`` is the floor's timing.
     """
 
     floor: Timing
     tuned: Timing
     baseline: Timing | None
-    noise_ms: float
+    final: Comparison | None
     calls: list[CallPick]
     trials: list[Trial]
     errors: dict[str, str]
-    samples: int
+    samples: int  # rounds of the final measurement
     budget_s: float | None
     wall_s: float
     compile_s: float
     stored: bool
     reverted: bool = False  # the final check found the tuned step no faster than the floor
+
+    @property
+    def noise_ms(self) -> float:
+        """The final comparison's uncertainty (estimate minus lower bound); 0 without one."""
+        return self.final.noise_ms if self.final is not None else 0.0
 
     @property
     def changed(self) -> list[CallPick]:
@@ -177,6 +292,11 @@ class ContextTuneReport:
         return [trial for trial in self.trials if trial.status == "skipped"]
 
     @property
+    def ranking_cut(self) -> list[CallPick]:
+        """Calls whose isolated ranking the budget cut (``partial`` or ``cut``)."""
+        return [call for call in self.calls if call.ranking_cut]
+
+    @property
     def speedup(self) -> float:
         """The floor's median step time over the tuned one's."""
         return self.floor.median_ms / self.tuned.median_ms
@@ -184,9 +304,10 @@ class ContextTuneReport:
     def summary(self) -> str:
         sites = sum(call.sites for call in self.calls)
         confirmed = sum(trial.status in ("accepted", "rejected") for trial in self.trials)
+        cut = f", ranking cut for {len(self.ranking_cut)}" if self.ranking_cut else ""
         text = (
             f"{len(self.calls)} distinct calls at {sites} sites; {confirmed} confirmed in context, "
-            f"{len(self.changed)} changed from XLA, {len(self.skipped)} skipped (time budget); "
+            f"{len(self.changed)} changed from XLA, {len(self.skipped)} skipped (time budget{cut}); "
             f"{self.wall_s:.1f} s"
         )
         return text + ("; the final check kept the floor" if self.reverted else "")
@@ -194,26 +315,30 @@ class ContextTuneReport:
     def render(self) -> str:
         """The report as text: step times, then each call's pick, then each confirmation."""
         lines = [f"in-context tuning: {self.summary()}"]
-        lines.append(f"step time, median of {self.samples} interleaved samples (noise {self.noise_ms:.3g} ms):")
+        lines.append(f"step time, median of {self.samples} paired rounds:")
         if self.baseline is not None:
             lines.append(f"  plain JAX (baseline)  {self.baseline.median_ms:10.4g} ms")
         lines.append(f"  all-XLA (floor)       {self.floor.median_ms:10.4g} ms")
         lines.append(f"  tuned                 {self.tuned.median_ms:10.4g} ms  ({self.speedup:.2f}x the floor)")
+        if self.final is not None:
+            kept = "" if self.final.accepted else ": the floor stays"
+            lines.append(f"  tuned vs floor: {self.final.describe()}: {self.final.outcome()}{kept}")
         lines.append("")
         width = max([len("call"), *(len(f"{call.op_id}:{call.call_key}") for call in self.calls)])
         lines.append(f"{'call':{width}} {'sites':>5}  {'isolated ms':>11}  {'XLA iso ms':>10}  {'step ms':>9}  pick")
         for call in self.calls:
             note = f" (beat {call.compared_to_ms:.4g} ms)" if call.changed and call.compared_to_ms is not None else ""
+            cut = {"partial": "  [ranking cut short: time budget]", "cut": "  [ranking cut: time budget]"}.get(call.isolated_from, "")
             lines.append(
                 f"{call.op_id + ':' + call.call_key:{width}} {call.sites:>5}  {_ms(call.isolated_ms):>11}  "
                 f"{_ms(call.floor_isolated_ms):>10}  {_ms(call.step_ms):>9}  {call.cfg!r}{note}"
-                + ("" if call.changed else "  [XLA stays]")
+                + ("" if call.changed else "  [XLA stays]") + cut
             )
         if self.trials:
             lines.append("")
-            lines.append("confirmations, in order (whole step, interleaved with the incumbent):")
+            lines.append("confirmations, in order (whole step, paired rounds with the incumbent):")
             for trial in self.trials:
-                lines.append(f"  {trial.op_id}:{trial.call_key} {trial.cfg!r}: isolated {trial.isolated_ms:.4g} ms; {_verdict(trial)}")
+                lines.append(f"  {trial.op_id}:{trial.call_key} {_candidate(trial)}: {_verdict(trial)}")
         for what, error in self.errors.items():
             lines.append(f"error  {what}: {error}")
         return "\n".join(lines)
@@ -226,12 +351,18 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
+def _candidate(trial: Trial) -> str:
+    if trial.cfg is None:
+        return "(not ranked)"
+    return f"{trial.cfg!r}, isolated {_ms(trial.isolated_ms)} ms"
+
+
 def _verdict(trial: Trial) -> str:
     if trial.status in ("accepted", "rejected") and trial.candidate is not None and trial.incumbent is not None:
-        return (
-            f"step {trial.candidate.median_ms:.4g} ms vs incumbent {trial.incumbent.median_ms:.4g} ms "
-            f"(noise {trial.noise_ms:.3g} ms): {trial.status}"
-        )
+        step = f"step {trial.candidate.median_ms:.4g} ms vs incumbent {trial.incumbent.median_ms:.4g} ms"
+        if trial.comparison is None:
+            return f"{step}: {trial.status}"
+        return f"{step}; {trial.comparison.describe()}: {trial.comparison.outcome()}"
     return f"{trial.status} ({trial.reason})"
 
 
@@ -314,28 +445,119 @@ def _run(executable: Any, args: Sequence[Any]) -> None:
     jax.block_until_ready(executable(*args))
 
 
-def _interleaved(executables: Sequence[Any], args: Sequence[Any], samples: int, warmup: int) -> list[Timing]:
-    """Time each executable ``samples`` times, in rounds of alternating order (AB, BA, AB, ...).
+def _runs_per_sample(step_ms: float) -> int:
+    """How many runs one sample takes so that it lasts about ``MIN_SAMPLE_MS`` (module docstring)."""
+    if step_ms >= MIN_SAMPLE_MS:
+        return 1
+    return min(MAX_RUNS_PER_SAMPLE, math.ceil(MIN_SAMPLE_MS / max(step_ms, 1e-6)))
 
-    Alternating the order cancels a linear drift and gives each program the other's leftovers
-    (caches, clocks) equally often. Every run is waited for (``block_until_ready``).
-    """
+
+def _warm_up(executables: Sequence[Any], args: Sequence[Any], warmup: int) -> int:
+    """Run each program ``warmup`` times (at least once); returns the runs per sample, sized on
+    the slowest program's last warm-up run."""
+    slowest_ms = 0.0
     for executable in executables:
         for _ in range(max(1, warmup)):
+            start = time.perf_counter()
             _run(executable, args)
-    times: list[list[float]] = [[] for _ in executables]
+            last_ms = (time.perf_counter() - start) * 1e3
+        slowest_ms = max(slowest_ms, last_ms)
+    return _runs_per_sample(slowest_ms)
+
+
+def _time_rounds(executables: Sequence[Any], args: Sequence[Any], times: list[list[float]], count: int, runs: int) -> None:
+    """Append ``count`` rounds to ``times``: each round times every program once, as the mean of
+    ``runs`` runs in a row (each waited for), in alternating order (AB, BA, AB, ...: it cancels a
+    linear drift and gives each program the other's leftovers equally often). The parity follows
+    the rounds already taken, so blocks of rounds continue the alternation."""
     order = list(range(len(executables)))
-    for round_ in range(samples):
+    taken = len(times[0])
+    for round_ in range(taken, taken + count):
         for i in order if round_ % 2 == 0 else order[::-1]:
             start = time.perf_counter()
-            _run(executables[i], args)
-            times[i].append((time.perf_counter() - start) * 1e3)
-    return [Timing(t) for t in times]
+            for _ in range(runs):
+                _run(executables[i], args)
+            times[i].append((time.perf_counter() - start) * 1e3 / runs)
 
 
-def _noise(incumbent: Timing, challenger: Timing, min_gain: float) -> float:
-    """The margin a challenger must beat the incumbent's median by (module docstring)."""
-    return max(min_gain * incumbent.median_ms, (incumbent.iqr_ms + challenger.iqr_ms) / 2)
+@functools.cache
+def _bound_rank(n: int) -> int:
+    """The sign test's rank for a one-sided ``LEVEL`` bound on the median of ``n`` differences.
+
+    The largest k with ``P(Binomial(n, 1/2) <= k - 1) <= 1 - LEVEL``: the k-th smallest
+    difference is then a lower bound and the k-th largest an upper bound, each at ``LEVEL``.
+    0 when even k = 1 is too likely (fewer than 5 rounds at 95%): no bound yet.
+    """
+    alpha = fractions.Fraction(1 - LEVEL).limit_denominator(10_000)
+    cumulative, rank = 0, 0
+    for j in range(n + 1):
+        cumulative += math.comb(n, j)
+        if cumulative * alpha.denominator > alpha.numerator * 2**n:
+            break
+        rank = j + 1
+    return rank
+
+
+def _decide(incumbent_ms: Sequence[float], challenger_ms: Sequence[float], min_gain: float, cap: int) -> Comparison:
+    """The noise rule (module docstring) on paired samples: round i timed ``incumbent_ms[i]``
+    and ``challenger_ms[i]``. ``more`` while undecided and under ``cap`` rounds, else a verdict.
+    """
+    if len(incumbent_ms) != len(challenger_ms) or not incumbent_ms:
+        raise ValueError(f"expected paired samples, got {len(incumbent_ms)} and {len(challenger_ms)}")
+    diffs = sorted(i - c for i, c in zip(incumbent_ms, challenger_ms))
+    n, rank = len(diffs), _bound_rank(len(diffs))
+    lower, upper = (diffs[rank - 1], diffs[n - rank]) if rank else (-math.inf, math.inf)
+    threshold = min_gain * statistics.median(incumbent_ms)
+    if lower > threshold:
+        verdict, why = "accept", "lower bound over the threshold"
+    elif upper < threshold:
+        verdict, why = "reject", "upper bound under the threshold: no worthwhile gain"
+    elif n >= cap:
+        verdict, why = "reject", f"undecided at the cap of {cap} rounds"
+    else:
+        verdict, why = "more", "undecided"
+    return Comparison(verdict, n, statistics.median(diffs), lower, upper, threshold, why)
+
+
+def _compare(
+    executables: Sequence[Any],
+    args: Sequence[Any],
+    *,
+    first: int,
+    block: int,
+    cap: int,
+    warmup: int,
+    min_gain: float,
+    fits: Callable[[float], bool],
+    judge: bool = True,
+) -> tuple[list[Timing], Comparison | None]:
+    """Time ``executables`` in paired rounds; with ``judge``, judge the second against the first.
+
+    ``first`` rounds, then blocks of ``block`` more while the noise rule is undecided, up to
+    ``cap`` rounds and while ``fits(seconds)`` says the next block's estimated time fits the
+    budget. Returns every program's per-run timings and the verdict (None without ``judge``).
+    """
+    runs = _warm_up(executables, args, warmup)
+    times: list[list[float]] = [[] for _ in executables]
+    count = first
+    while True:
+        began = time.perf_counter()
+        _time_rounds(executables, args, times, count, runs)
+        round_s = (time.perf_counter() - began) / count
+        if not judge:
+            return [Timing(t) for t in times], None
+        comparison = _decide(times[0], times[1], min_gain, cap)
+        count = min(block, cap - comparison.rounds)
+        if comparison.verdict != "more":
+            break
+        if not fits(count * round_s):
+            comparison = dataclasses.replace(comparison, verdict="reject", why="undecided, and no time left for more rounds")
+            break
+    return [Timing(t) for t in times], dataclasses.replace(comparison, runs_per_sample=runs)
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _concrete(args: Sequence[Any], seed: int) -> tuple[Any, ...]:
@@ -404,14 +626,18 @@ def tune_in_context(
       *args: example arguments: arrays, ``jax.ShapeDtypeStruct``\\ s (random values are made
         for them) or pytrees of those.
       baseline_fn: the same step written in plain JAX, timed in the final measurement.
-      budget_s: seconds for the whole run (None: no limit); confirmations not started in time
-        are reported as skipped. The floor and the final check always run.
-      samples: timed runs of each program per comparison (interleaved; the final check runs
-        twice as many); warmup: untimed runs of each program before its timed ones.
+      budget_s: seconds for the whole run (None: no limit). The isolated ranking may use
+        ``RANK_SHARE`` of the time left once the floor is timed, the confirmations the rest;
+        what either did not start in time is reported as skipped. Discovering the calls,
+        the floor and the final check's first block of rounds always run.
+      samples: paired rounds in a comparison's first block, and in each further block while
+        the noise rule is undecided (at most ``ROUND_CAP`` x samples rounds; the final check
+        starts with twice as many); warmup: untimed runs of each program before its rounds.
       candidates_per_call: the fastest candidates in isolation confirmed per call.
       skip_slower_in_isolation: confirm only candidates faster than XLA in isolation; False also
         confirms slower ones (fusion can reorder them in context, at a compile each).
-      min_gain: the smallest relative gain a change must show (the noise rule's 1%).
+      min_gain: the smallest relative gain worth a change: the noise rule accepts a change only
+        if its lower bound on the gain exceeds ``min_gain`` x the incumbent's step time.
       policy: the isolated ranking's tuning policy (the selector's by default);
         ``compile_workers`` also sets how many whole programs compile at once.
       selector: whose memory and persistent caches receive the picks (default executor's).
@@ -442,36 +668,30 @@ def tune_in_context(
     # 1. Discover the calls; 2. compile and time the floor.
     sites, invocations = _discover(fn, args)
     floor: dict[Key, Any] = {key: _floor_cfg(inv, selector) for key, inv in invocations.items()}
-    search = _Search(fn, args, sites, samples, warmup, min_gain, policy.compile_workers, start + budget_s if budget_s is not None else math.inf)
+    deadline = start + budget_s if budget_s is not None else math.inf
+    search = _Search(fn, args, sites, samples, warmup, min_gain, policy.compile_workers, deadline)
     floor_exe = search.compile_floor(floor)
 
     # 3. Rank each call's candidates in isolation; 4. confirm the promising ones in the step.
     calls = {key: CallPick(*key, sites[key], floor[key], floor[key]) for key in invocations}
-    isolated = _rank_isolated(invocations, floor, calls, policy, selector, reuse_isolated, progress, seed, errors)
+    ranking = _Ranking(policy, selector, reuse_isolated, progress, seed, _rank_deadline(deadline))
+    isolated = ranking.rank(invocations, floor, calls, errors)
     trials = _plan(calls, isolated, candidates_per_call, skip_slower_in_isolation)
     incumbent, tuned_exe = search.confirm(floor, floor_exe, trials, calls, progress)
+    trials += _cut_trials(calls.values())
 
     # 5. The final check against the floor (and the plain baseline), then store.
-    programs = [floor_exe] + ([tuned_exe] if incumbent != floor else [])
+    changed = incumbent != floor
+    programs = [floor_exe] + ([tuned_exe] if changed else [])
     if baseline_fn is not None:
         programs.append(search.compile_plain(baseline_fn))
-    final = _interleaved(programs, args, 2 * samples, warmup)
-    floor_time = final[0]
-    tuned_time = final[1] if incumbent != floor else floor_time
-    noise = _noise(floor_time, tuned_time, min_gain)
-    reverted = incumbent != floor and not floor_time.median_ms - tuned_time.median_ms > noise
-    for call in calls.values():
-        if reverted:
-            # Each change won its own comparison, but together they do not beat the floor.
-            call.cfg, call.isolated_ms, call.compared_to_ms = call.floor_cfg, call.floor_isolated_ms, None
-            call.step_ms = None
-        if call.step_ms is None:  # no confirmation measured this call's pick: the final step did
-            call.step_ms = tuned_time.median_ms if not reverted else floor_time.median_ms
-    if reverted:
-        tuned_time = floor_time
+    timings, final = search.compare(programs, first=2 * samples, judge=changed)
+    reverted = final is not None and not final.accepted
+    tuned_time = timings[1] if changed and not reverted else timings[0]
+    _settle(calls.values(), reverted, tuned_time.median_ms)
     report = ContextTuneReport(
-        floor=floor_time, tuned=tuned_time, baseline=final[-1] if baseline_fn is not None else None,
-        noise_ms=noise, calls=list(calls.values()), trials=trials, errors=errors, samples=2 * samples,
+        floor=timings[0], tuned=tuned_time, baseline=timings[-1] if baseline_fn is not None else None,
+        final=final, calls=list(calls.values()), trials=trials, errors=errors, samples=timings[0].count,
         budget_s=budget_s, wall_s=0.0, compile_s=search.compile_s, stored=store, reverted=reverted,
     )
     if store:
@@ -482,12 +702,39 @@ def tune_in_context(
     return report
 
 
+def _rank_deadline(deadline: float) -> float | None:
+    """When the isolated ranking must stop: ``RANK_SHARE`` of the time left to ``deadline``."""
+    if math.isinf(deadline):
+        return None
+    now = time.perf_counter()
+    return now + RANK_SHARE * max(0.0, deadline - now)
+
+
+def _cut_trials(calls: Iterable[CallPick]) -> list[Trial]:
+    """One skipped trial per call whose ranking the budget cut before it timed an alternative."""
+    reason = "time budget spent before the isolated ranking timed an alternative to the floor"
+    return [Trial(*call.key, None, None, None, status="skipped", reason=reason) for call in calls if call.isolated_from == "cut"]
+
+
+def _settle(calls: Iterable[CallPick], reverted: bool, step_ms: float) -> None:
+    """After the final check: a reverted run puts every call back on its floor; a call that no
+    confirmation measured gets the final step time."""
+    for call in calls:
+        if reverted:
+            # Each change won its own comparison, but together they do not beat the floor.
+            call.cfg, call.isolated_ms, call.compared_to_ms = call.floor_cfg, call.floor_isolated_ms, None
+            call.step_ms = None
+        if call.step_ms is None:
+            call.step_ms = step_ms
+
+
 class _Search:
     """Compiles assignments of one step and runs the greedy confirmation within the budget.
 
     The budget is checked against estimates: a batch of compiles starts only if one compile
-    (they run in parallel) plus the batch's measurements fit in the time left, and a measurement
-    only if it fits; the estimates start from the floor and follow what batches really cost.
+    (they run in parallel) plus the batch's measurements fit in the time left, a measurement
+    only if its first block of rounds fits, and each further block only if it fits; the
+    estimates start from the floor and follow what batches really cost.
     """
 
     def __init__(self, fn: Callable[..., Any], args: Sequence[Any], sites: Mapping[Key, int], samples: int, warmup: int, min_gain: float, workers: int, deadline: float) -> None:
@@ -498,7 +745,7 @@ class _Search:
         self.deadline = deadline
         self.compile_s = 0.0  # summed over threads: compile work, not wall time
         self.compile_wall_s = 0.0  # estimate: wall time of one batch of compiles
-        self.pair_s = 0.0  # estimate: wall time of timing two programs interleaved
+        self.pair_s = 0.0  # estimate: wall time of a comparison's first block of rounds, warm-up included
         self._lock = threading.Lock()
 
     def compile(self, configs: Assignment) -> Any:
@@ -514,9 +761,16 @@ class _Search:
         executable = self.compile(floor)
         self.compile_wall_s = time.perf_counter() - began
         began = time.perf_counter()
-        _interleaved([executable], self.args, self.samples, self.warmup)  # warms it up, sizes a measurement
+        self.compare([executable], first=self.samples, judge=False)  # warms it up, sizes a measurement
         self.pair_s = 2 * (time.perf_counter() - began)
         return executable
+
+    def compare(self, executables: Sequence[Any], first: int, judge: bool = True) -> tuple[list[Timing], Comparison | None]:
+        """:func:`_compare` with this search's rounds, cap, rule and budget."""
+        return _compare(
+            executables, self.args, first=first, block=self.samples, cap=max(first, ROUND_CAP * self.samples),
+            warmup=self.warmup, min_gain=self.min_gain, fits=self._fits, judge=judge,
+        )
 
     def compile_plain(self, fn: Callable[..., Any]) -> Any:
         began = time.perf_counter()
@@ -557,7 +811,9 @@ class _Search:
                             break
                         began = time.perf_counter()
                         incumbent_exe = self._try(trial, future, incumbent, incumbent_exe, calls[trial.key])
-                        self.pair_s = max(self.pair_s, time.perf_counter() - began)
+                        # Scaled to a first block: extra rounds one trial needed say little about the next.
+                        rounds = trial.comparison.rounds if trial.comparison is not None else self.samples
+                        self.pair_s = max(self.pair_s, (time.perf_counter() - began) * self.samples / max(rounds, self.samples))
                         bar.advance()
         finally:
             bar.close()
@@ -574,18 +830,17 @@ class _Search:
             trial.status, trial.reason = "compile_error", _describe_error(err)[1]
             return incumbent_exe
         try:
-            trial.incumbent, trial.candidate = _interleaved([incumbent_exe, executable], self.args, self.samples, self.warmup)
+            (trial.incumbent, trial.candidate), trial.comparison = self.compare([incumbent_exe, executable], first=self.samples)
         except Exception as err:
             trial.status, trial.reason = _describe_error(err)
             return incumbent_exe
-        trial.noise_ms = _noise(trial.incumbent, trial.candidate, self.min_gain)
-        if trial.incumbent.median_ms - trial.candidate.median_ms > trial.noise_ms:
+        if trial.comparison is not None and trial.comparison.accepted:
             trial.status = "accepted"
             incumbent[trial.key] = trial.cfg
             call.cfg, call.isolated_ms = trial.cfg, trial.isolated_ms
             call.step_ms, call.compared_to_ms = trial.candidate.median_ms, trial.incumbent.median_ms
             return executable
-        trial.status, trial.reason = "rejected", "not faster than the incumbent by more than the noise"
+        trial.status, trial.reason = "rejected", trial.comparison.why if trial.comparison is not None else None
         if not call.changed:
             call.step_ms = trial.incumbent.median_ms
         return incumbent_exe
@@ -600,50 +855,75 @@ def _floor_cfg(inv: Invocation[Any, Any], selector: ConfigSelectorChain) -> Any:
     return found.cfg if found is not None else inv.kernel.heuristic_cfg(inv)
 
 
-def _rank_isolated(
-    invocations: Mapping[Key, Invocation[Any, Any]],
-    floor: Mapping[Key, Any],
-    calls: Mapping[Key, CallPick],
-    policy: AutotunePolicy,
-    selector: ConfigSelectorChain,
-    reuse: bool,
-    progress: bool | None,
-    seed: int,
-    errors: dict[str, str],
-) -> dict[Key, dict[Any, float]]:
-    """``{key: {cfg: isolated ms}}`` over each call's correct candidates (the floor's included)."""
-    isolated: dict[Key, dict[Any, float]] = {}
-    to_tune: list[Key] = []
-    for key in invocations:
-        stored: dict[Any, float] = {}
-        if reuse and selector.persistent is not None:
-            try:
-                entry = selector.persistent.get_entry(key)
-            except CacheError:
-                entry = None
-            stored = _isolated_from_stats(entry.stats) if entry is not None else {}
-        if floor[key] in stored and len(stored) > 1:
-            isolated[key] = stored
-            calls[key].isolated_from = "cache"
-        else:
-            to_tune.append(key)
-    if to_tune:
-        lists = {i: _candidate_list(invocations[key], floor[key]) for i, key in enumerate(to_tune)}
-        outcomes = Autotuner(policy, progress=progress, seed=seed).tune_each([invocations[key] for key in to_tune], lists)
-        for key, outcome in zip(to_tune, outcomes):
-            if isinstance(outcome, AutotuneError):
-                errors[f"{key[1]}:{key[2]}"] = f"isolated tuning failed, XLA stays: {outcome}"
-                calls[key].isolated_from = "failed"
-                isolated[key] = {}
-                continue
-            isolated[key] = {c.cfg: c.timing.median_ms for c in outcome.candidates if c.timing is not None and c.status in ("ok", "pruned")}
-            calls[key].candidates = [{"cfg": c.cfg, "status": c.status, "median_ms": c.timing.median_ms if c.timing is not None else None} for c in outcome.candidates]
-    for key, timings in isolated.items():
-        call = calls[key]
-        call.floor_isolated_ms = call.isolated_ms = timings.get(floor[key])
-        if not call.candidates:
-            call.candidates = [{"cfg": cfg, "status": "ok", "median_ms": ms} for cfg, ms in timings.items()]
-    return isolated
+@dataclasses.dataclass
+class _Ranking:
+    """The isolated ranking of each call's candidates, stopped by ``deadline`` (None: never)."""
+
+    policy: AutotunePolicy
+    selector: ConfigSelectorChain
+    reuse: bool
+    progress: bool | None
+    seed: int
+    deadline: float | None
+
+    def rank(
+        self, invocations: Mapping[Key, Invocation[Any, Any]], floor: Mapping[Key, Any], calls: Mapping[Key, CallPick], errors: dict[str, str]
+    ) -> dict[Key, dict[Any, float]]:
+        """``{key: {cfg: isolated ms}}`` over each call's correct candidates (the floor's included)."""
+        isolated: dict[Key, dict[Any, float]] = {}
+        to_tune: list[Key] = []
+        for key in invocations:
+            stored = self._stored(key)
+            if floor[key] in stored and len(stored) > 1:
+                isolated[key] = stored
+                calls[key].isolated_from = "cache"
+            else:
+                to_tune.append(key)
+        if to_tune:
+            lists = {i: _candidate_list(invocations[key], floor[key]) for i, key in enumerate(to_tune)}
+            tuner = Autotuner(self.policy, progress=self.progress, seed=self.seed)
+            outcomes = tuner.tune_each([invocations[key] for key in to_tune], lists, deadline=self.deadline)
+            for key, outcome in zip(to_tune, outcomes):
+                isolated[key] = _take(calls[key], outcome, errors)
+        for key, timings in isolated.items():
+            call = calls[key]
+            call.floor_isolated_ms = call.isolated_ms = timings.get(floor[key])
+            if not call.candidates:
+                call.candidates = [{"cfg": cfg, "status": "ok", "median_ms": ms} for cfg, ms in timings.items()]
+        return isolated
+
+    def _stored(self, key: Key) -> dict[Any, float]:
+        """The isolated timings an earlier tuning stored for ``key``, unless its ranking was cut."""
+        if not self.reuse or self.selector.persistent is None:
+            return {}
+        try:
+            entry = self.selector.persistent.get_entry(key)
+        except CacheError:
+            return {}
+        if entry is None or (isinstance(entry.stats, dict) and entry.stats.get("ranking_cut")):
+            return {}
+        return _isolated_from_stats(entry.stats)
+
+
+def _take(call: CallPick, outcome: TuneResult | AutotuneError, errors: dict[str, str]) -> dict[Any, float]:
+    """One call's isolated timings from its tuning outcome; notes a cut or a failure on ``call``."""
+    if isinstance(outcome, TuningCut):
+        call.isolated_from = "cut"
+        call.candidates = _candidate_rows(outcome.candidates)
+        return {}
+    if isinstance(outcome, AutotuneError):
+        errors[f"{call.op_id}:{call.call_key}"] = f"isolated tuning failed, XLA stays: {outcome}"
+        call.isolated_from = "failed"
+        return {}
+    call.candidates = _candidate_rows(outcome.candidates)
+    timings = {c.cfg: c.timing.median_ms for c in outcome.candidates if c.timing is not None and c.status in ("ok", "pruned")}
+    if outcome.cut:
+        call.isolated_from = "partial" if any(cfg != call.floor_cfg for cfg in timings) else "cut"
+    return timings
+
+
+def _candidate_rows(candidates: Sequence[Any]) -> list[dict[str, Any]]:
+    return [{"cfg": c.cfg, "status": c.status, "median_ms": c.timing.median_ms if c.timing is not None else None} for c in candidates]
 
 
 def _plan(calls: Mapping[Key, CallPick], isolated: Mapping[Key, Mapping[Any, float]], per_call: int, skip_slower: bool) -> list[Trial]:
@@ -663,32 +943,16 @@ def _plan(calls: Mapping[Key, CallPick], isolated: Mapping[Key, Mapping[Any, flo
 
 
 def _store(report: ContextTuneReport, invocations: Mapping[Key, Invocation[Any, Any]], trials: list[Trial], selector: ConfigSelectorChain, errors: dict[str, str]) -> None:
-    """Every call's pick into the memory and persistent caches, with the step times behind it."""
+    """Every call's pick into the memory and persistent caches, with the step times behind it.
+
+    A call whose ranking was cut before it timed an alternative is not stored: nothing about it
+    was decided, and whatever the caches held for it stays.
+    """
     for call in report.calls:
+        if call.isolated_from == "cut":
+            continue
         key = call.key
-        own = [t for t in trials if t.key == key and t.status in ("accepted", "rejected")]
-        deciding = next((t for t in reversed(own) if t.status == "accepted" and t.cfg == call.cfg), None)
-        if deciding is None and own and not call.changed:
-            deciding = min(own, key=lambda t: t.candidate.median_ms)  # the best alternative, rejected
-        stats: dict[str, Any] = {
-            "step_ms": report.tuned.median_ms,
-            "floor_step_ms": report.floor.median_ms,
-            "samples": report.samples,
-            "noise_ms": report.noise_ms,
-            "median_ms": call.isolated_ms,  # isolated kernel time, as in autotuned entries
-            "isolated_ms": call.isolated_ms,
-            "floor_isolated_ms": call.floor_isolated_ms,
-            "sites": call.sites,
-            "candidates": call.candidates,
-        }
-        if report.baseline is not None:
-            stats["baseline_step_ms"] = report.baseline.median_ms
-        if deciding is not None:
-            stats["incumbent_step_ms"] = deciding.incumbent.median_ms
-            stats["candidate_step_ms"] = deciding.candidate.median_ms
-            stats["candidate_cfg"] = deciding.cfg
-        else:
-            stats["incumbent_step_ms"] = report.floor.median_ms
+        stats = _stats(report, call, trials)
         inv = invocations[key]
         selector.cache.put(*key, call.cfg)
         if selector.persistent is not None:
@@ -696,3 +960,37 @@ def _store(report: ContextTuneReport, invocations: Mapping[Key, Invocation[Any, 
                 selector.persistent.put(*key, call.cfg, provenance=PROVENANCE, stats=stats, kernel_version=inv.kernel_version)
             except (CacheError, TypeError) as err:
                 errors[f"{call.op_id}:{call.call_key}"] = f"not stored in the persistent cache: {err}"
+
+
+def _stats(report: ContextTuneReport, call: CallPick, trials: list[Trial]) -> dict[str, Any]:
+    """The statistics stored with one call's pick: step times, the comparisons behind it, the
+    isolated ranking (flagged ``ranking_cut`` when the budget cut it, so no later run reuses it)."""
+    own = [t for t in trials if t.key == call.key and t.status in ("accepted", "rejected")]
+    deciding = next((t for t in reversed(own) if t.status == "accepted" and t.cfg == call.cfg), None)
+    if deciding is None and own and not call.changed:
+        deciding = min(own, key=lambda t: t.candidate.median_ms)  # the best alternative, rejected
+    stats: dict[str, Any] = {
+        "step_ms": report.tuned.median_ms,
+        "floor_step_ms": report.floor.median_ms,
+        "samples": report.samples,
+        "noise_ms": _finite(report.noise_ms),
+        "median_ms": call.isolated_ms,  # isolated kernel time, as in autotuned entries
+        "isolated_ms": call.isolated_ms,
+        "floor_isolated_ms": call.floor_isolated_ms,
+        "sites": call.sites,
+        "candidates": call.candidates,
+        "ranking_cut": call.ranking_cut,
+    }
+    if report.final is not None:
+        stats["final"] = report.final.to_dict()
+    if report.baseline is not None:
+        stats["baseline_step_ms"] = report.baseline.median_ms
+    if deciding is not None:
+        stats["incumbent_step_ms"] = deciding.incumbent.median_ms
+        stats["candidate_step_ms"] = deciding.candidate.median_ms
+        stats["candidate_cfg"] = deciding.cfg
+        if deciding.comparison is not None:
+            stats["comparison"] = deciding.comparison.to_dict()
+    else:
+        stats["incumbent_step_ms"] = report.floor.median_ms
+    return stats

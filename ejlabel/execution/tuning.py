@@ -29,6 +29,17 @@ buys a worse pick:
   ranking: the winner is the fastest candidate measured, and the floor is always measured, so
   the stored winner is never slower than the heuristic or XLA. ``TuneResult.skipped`` (and the
   stored statistics) say how many candidates were skipped and which.
+
+A caller with a whole-run budget (tuning in context) passes ``tune_each(..., deadline=t)``, a
+``time.perf_counter()`` time. Unlike the per-call budget it is a hard stop, the floor included:
+no compile starts after the midpoint between the call to ``tune_each`` and ``t`` (the timing
+needs the other half); no call's measurement starts after ``t``, and within a call whose
+measurement began, no candidate but the floor starts its timing after ``t``; work already
+running finishes. Calls are measured one after the other, in the given order, so a
+cut leaves the first calls fully ranked. A call cut after some of its candidates were timed
+comes back as a ``TuneResult`` with ``cut`` set (the untimed ones ``skipped``, the timed ones
+ranked, perhaps on fewer runs than ``num_iters``): usable, but not a finished ranking. A call cut
+before any was timed comes back as a :class:`TuningCut` in place.
 """
 
 from __future__ import annotations
@@ -64,6 +75,7 @@ __all__ = [
     "TuneResult",
     "Autotuner",
     "AutotuneError",
+    "TuningCut",
     "Tuner",
     "autotune",
     "autotune_recorded",
@@ -216,6 +228,7 @@ class TuneResult:
     candidates: list[CandidateResult]
     wall_s: float
     measure_s: float  # the part of wall_s spent checking and timing compiled candidates
+    cut: bool = False  # the caller's deadline stopped the timing before it finished
 
     @property
     def skipped(self) -> list[CandidateResult]:
@@ -236,6 +249,22 @@ class TuneResult:
 
 class AutotuneError(RuntimeError):
     """Every candidate of a call failed; the message lists each one's reason."""
+
+
+class TuningCut(AutotuneError):
+    """The caller's deadline passed before any candidate of this call was timed.
+
+    Not a failure of the call: nothing was measured. ``candidates`` says what each got to
+    (``skipped``, or a compile error found before the cut).
+    """
+
+    def __init__(self, message: str, candidates: list[CandidateResult]) -> None:
+        super().__init__(message)
+        self.candidates = candidates
+
+
+_DEADLINE_COMPILE = "deadline: the run's time budget was spent before it was compiled"
+_DEADLINE_TIMING = "deadline: the run's time budget was spent before it was timed"
 
 
 def _describe_error(err: BaseException) -> tuple[str, str]:
@@ -281,6 +310,9 @@ class _Job:
     start: float = dataclasses.field(default_factory=time.perf_counter)
     budget_s: float | None = None  # per call: compile seconds + timing seconds
     compile_spent_s: float = 0.0  # compile seconds of this call's candidates, summed
+    deadline: float = math.inf  # the caller's: no timing starts after it (perf_counter time)
+    compile_deadline: float = math.inf  # no compile starts after it
+    cut: bool = False  # the deadline made a candidate skip
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def over_budget(self, measured_from: float | None = None) -> bool:
@@ -349,21 +381,38 @@ class Autotuner:
         return outcomes  # type: ignore[return-value]
 
     def tune_each(
-        self, invocations: Sequence[Invocation[Any, Any]], configs: dict[int, list[Any]] | None = None
+        self,
+        invocations: Sequence[Invocation[Any, Any]],
+        configs: dict[int, list[Any]] | None = None,
+        *,
+        deadline: float | None = None,
     ) -> list[TuneResult | AutotuneError]:
-        """Like :meth:`tune_many`, but a call whose candidates all fail gives its error in place."""
+        """Like :meth:`tune_many`, but a call whose candidates all fail gives its error in place.
+
+        ``deadline`` (a ``time.perf_counter()`` time, None: none) stops the whole batch as the
+        module docstring says: a call it cut before any timing gives a :class:`TuningCut`, one
+        it cut midway a result with ``cut`` set.
+        """
         # A separate thread has no active JAX trace, so tuning triggered while tracing a jit'd
         # function compiles and runs concretely instead of being staged into that function.
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as outside_trace:
-            return outside_trace.submit(self._tune_each, list(invocations), configs or {}).result()
+            return outside_trace.submit(self._tune_each, list(invocations), configs or {}, deadline).result()
 
-    def _tune_each(self, invocations: list[Invocation[Any, Any]], configs: dict[int, list[Any]]) -> list[TuneResult | AutotuneError]:
+    def _tune_each(
+        self, invocations: list[Invocation[Any, Any]], configs: dict[int, list[Any]], deadline: float | None
+    ) -> list[TuneResult | AutotuneError]:
         jobs: list[_Job | AutotuneError] = []
         for i, inv in enumerate(invocations):
             try:
                 jobs.append(self._job(abstract_invocation(inv), configs.get(i)))
             except AutotuneError as err:
                 jobs.append(err)
+        if deadline is not None:
+            now = time.perf_counter()
+            compile_deadline = now + (deadline - now) / 2  # the other half is for timing
+            for job in jobs:
+                if isinstance(job, _Job):
+                    job.deadline, job.compile_deadline = deadline, compile_deadline
         live = [job for job in jobs if isinstance(job, _Job)]
         progress = _Progress(2 * sum(len(job.candidates) for job in live), "autotuning", self.progress)
         try:
@@ -419,6 +468,10 @@ class Autotuner:
     @staticmethod
     def _compile(job: _Job, candidate: CandidateResult) -> Any:
         inv = job.inv
+        if time.perf_counter() > job.compile_deadline:
+            candidate.status, candidate.reason = "skipped", _DEADLINE_COMPILE
+            job.cut = True
+            return None
         if not candidate.floor and job.over_budget():
             candidate.status, candidate.reason = "skipped", "time budget spent compiling other candidates"
             return None
@@ -438,6 +491,8 @@ class Autotuner:
     def _measure(self, job: _Job, progress: _Progress) -> TuneResult:
         inv = job.inv
         measure_start = time.perf_counter()
+        if measure_start > job.deadline:
+            self._cut(job, progress)
 
         def inputs(seed: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
             args, kwargs = inv.kernel.make_inputs(inv, jax.random.key(seed))
@@ -468,12 +523,26 @@ class Autotuner:
                 alive.append(i)
         progress.advance(len(job.candidates) - len(alive))
         winner = self._race(job, alive, rotation, progress, measure_start)
+        if winner is None and job.cut:
+            self._cut(job, progress)
         if winner is None:
             reasons = "; ".join(f"{c.cfg!r}: {c.status} ({c.reason})" for c in job.candidates)
             raise AutotuneError(f"every candidate of {inv.op_id} call {inv.call_key} failed: {reasons}")
         best = job.candidates[winner]
         now = time.perf_counter()
-        return TuneResult(inv.op_id, inv.call_key, best.cfg, best, job.candidates, now - job.start, now - measure_start)
+        return TuneResult(inv.op_id, inv.call_key, best.cfg, best, job.candidates, now - job.start, now - measure_start, job.cut)
+
+    @staticmethod
+    def _cut(job: _Job, progress: _Progress) -> None:
+        """Mark every candidate not yet decided ``skipped`` and raise :class:`TuningCut`."""
+        pending = [c for c in job.candidates if c.status == "pending"]
+        for candidate in pending:
+            candidate.status, candidate.reason = "skipped", _DEADLINE_TIMING
+        progress.advance(len(pending))
+        raise TuningCut(
+            f"{job.inv.op_id} call {job.inv.call_key}: the run's time budget was spent before any candidate was timed",
+            job.candidates,
+        )
 
     def _reference(self, job: _Job, operands: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The kernel's reference output (and gradients), else the first working candidate's."""
@@ -508,7 +577,8 @@ class Autotuner:
         ``_CLEAR_LOSS`` times the best median, and doubles the runs. Samples accumulate across rounds, so no measurement is wasted, and the last two
         candidates are topped up to ``num_iters`` samples each before the final ranking. Once
         compile and timing seconds reach the budget, candidates not yet timed are skipped
-        (never the floor, which is timed first and in full) and every timing so far ranks.
+        (never the floor, which is timed first and in full) and every timing so far ranks. The
+        caller's deadline (``job.deadline``) skips them the same way.
         """
         policy = self.policy
         if not alive:
@@ -520,6 +590,7 @@ class Autotuner:
             deadline = math.inf
         else:
             deadline = measure_start + max(0.0, job.budget_s - job.compile_spent_s)
+        deadline = min(deadline, job.deadline)
 
         per_sample = policy.calls_per_sample
 
@@ -535,15 +606,23 @@ class Autotuner:
             alive.remove(i)
             progress.advance()
 
+        def skip(i: int) -> None:
+            if time.perf_counter() > job.deadline:
+                job.cut = True
+                drop(i, "skipped", _DEADLINE_TIMING)
+            else:
+                drop(i, "skipped", "time budget spent before it was timed")
+
         # The floor is timed first and in full: it is what every other candidate must beat.
         for i in alive:
             if job.candidates[i].floor:
                 measure(i, policy.num_iters)
         while True:
             for i in list(alive):
-                if time.perf_counter() > deadline and not samples[i]:
-                    drop(i, "skipped", "time budget spent before it was timed")
-                elif len(samples[i]) < runs and time.perf_counter() <= deadline:
+                in_time = time.perf_counter() <= deadline  # one reading: an untimed candidate is timed or skipped
+                if not in_time and not samples[i]:
+                    skip(i)
+                elif len(samples[i]) < runs and in_time:
                     measure(i, runs - len(samples[i]))
             alive.sort(key=lambda i: job.candidates[i].timing)
             if len(alive) <= 2 or runs >= policy.num_iters or time.perf_counter() > deadline:
@@ -558,8 +637,12 @@ class Autotuner:
                 drop(i, "pruned", f"over {_CLEAR_LOSS}x the best median after {len(samples[i])} timed runs")
             runs = min(policy.num_iters, runs * 2)
         for i in alive:
-            if len(samples[i]) < policy.num_iters and time.perf_counter() <= deadline:
+            if len(samples[i]) >= policy.num_iters:
+                continue
+            if time.perf_counter() <= deadline:
                 measure(i, policy.num_iters - len(samples[i]))
+            elif time.perf_counter() > job.deadline:
+                job.cut = True  # ranked on fewer runs than a finished ranking takes
         alive.sort(key=lambda i: job.candidates[i].timing)
         for i in alive:
             job.candidates[i].status = "ok"
