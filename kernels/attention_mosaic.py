@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,10 +230,27 @@ def _visibility(
     return functools.reduce(jnp.logical_and, conditions) if conditions else None
 
 
-def _three_loops(plan_ref: Any, b: jax.Array, tile: jax.Array, step: Any, carry: Any, offset: Any = 0) -> Any:
+class _Visit(NamedTuple):
+    """One item as a warpgroup walks it: batch row ``b``, head ``h`` (a key/value head in the
+    dk/dv kernel), ``tile``, and its plan ``lo, hi, a, c`` (see :func:`_plan`)."""
+
+    b: jax.Array
+    h: jax.Array
+    tile: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    a: jax.Array
+    c: jax.Array
+
+    @property
+    def steps(self) -> jax.Array:
+        return self.hi - self.lo
+
+
+def _three_loops(visit: _Visit, step: Any, carry: Any, offset: Any = 0) -> Any:
     """``step(j, t, carry, masked)`` over the planned blocks ``j``; ``t = offset + j - lo``
     counts the producer's steps (it picks the ring slot)."""
-    lo, hi, a, c = (plan_ref[n, b, tile] for n in range(4))
+    lo, hi, a, c = visit.lo, visit.hi, visit.a, visit.c
 
     def run(start: jax.Array, stop: jax.Array, masked: bool, carry: Any) -> Any:
         return lax.fori_loop(start, stop, lambda j, cr: step(j, offset + j - lo, cr, masked), carry)
@@ -244,7 +261,7 @@ def _three_loops(plan_ref: Any, b: jax.Array, tile: jax.Array, step: Any, carry:
 
 
 def _produce(
-    plan_ref: Any, b: jax.Array, tile: jax.Array, stages: int,
+    visit: _Visit, stages: int,
     streams: list[tuple[Any, Any, Any, Any]], *, offset: jax.Array, repeats: int = 1,
 ) -> jax.Array:
     """The producer warpgroup's part of one item: for every planned block, TMA each stream's
@@ -256,8 +273,7 @@ def _produce(
     times, ``r`` counting the walks (the query heads of a group in the backward). ``offset``
     counts the steps of the program's earlier items: the ring runs on across items.
     """
-    lo, hi = plan_ref[0, b, tile], plan_ref[1, b, tile]
-    n = hi - lo
+    lo, n = visit.lo, visit.steps
 
     def body(t: jax.Array, carry: Any) -> Any:
         step = offset + t
@@ -294,11 +310,12 @@ def _drain(consumed: list[Any], stages: int, steps: jax.Array) -> None:
 class _Items:
     """A kernel's work as items (one tile of one head of one batch row) dealt to persistent programs.
 
-    A program costs a fixed 11.7 us on the H100 (start, its tile's load, filling the ring,
-    writing out: bench/RESULTS.md), about seven blocks' work, which short documents cannot
-    hide. So ``programs`` (one per SM) each walk several items: the producer streams the next
-    item's blocks while the consumers finish the current one, and the next tile loads while
-    the current results are written. ``order [count]`` lists the items costliest first (by
+    With one program per tile, a tile cost a fixed 11.7 us on the H100 (start, its tile's
+    load, filling the ring, writing out: bench/RESULTS.md), about seven blocks' work, which
+    short documents cannot hide. So ``programs`` (one per SM) each walk several items: the
+    producer streams the next item's blocks while the consumers finish the current one, the
+    next tile loads while the current results are written, and each item's place and plan are
+    read one item ahead (8.6 us per tile measured with the first two of these). ``order [count]`` lists the items costliest first (by
     planned blocks); programs take them in snake order (``p``, then ``2P - 1 - p``, ...), so
     every program gets a similar mix of long and short items.
     """
@@ -308,11 +325,6 @@ class _Items:
     heads: int
     tiles: int
 
-    def decode(self, item: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(batch row, head, tile)`` of an item id ``(b * tiles + tile) * heads + h``."""
-        row_tile, h = lax.div(item, self.heads), lax.rem(item, self.heads)
-        return lax.div(row_tile, self.tiles), h, lax.rem(row_tile, self.tiles)
-
     def at(self, order_ref: Any, i: jax.Array | int) -> jax.Array:
         """The id of this program's ``i``-th item."""
         return order_ref[_snake_position(i, lax.axis_index("programs"), self.programs)]
@@ -320,6 +332,19 @@ class _Items:
     def mine(self) -> jax.Array:
         """How many items this program walks."""
         return _snake_count(lax.axis_index("programs"), self.count, self.programs)
+
+    def visit(self, order_ref: Any, plan_ref: Any, i: jax.Array | int) -> _Visit:
+        """This program's ``i``-th item and its plan, read from global memory. Past the last
+        item it reads the last one again (harmless): the walks below read each item one item
+        ahead, so the reads' latency hides behind the current item's work."""
+        b, h, tile = _decode_item(self.at(order_ref, jnp.minimum(i, self.mine() - 1)), self.heads, self.tiles)
+        return _Visit(b, h, tile, *(plan_ref[n, b, tile] for n in range(4)))
+
+
+def _decode_item(item: Any, heads: int, tiles: int) -> tuple[Any, Any, Any]:
+    """``(batch row, head, tile)`` of an item id ``(b * tiles + tile) * heads + h``."""
+    row_tile, h = item // heads, item % heads
+    return row_tile // tiles, h, row_tile % tiles
 
 
 def _snake_position(i: Any, program: Any, programs: int) -> Any:
@@ -365,25 +390,28 @@ def _tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
 
 
 def _consume_items(
-    items: _Items, order_ref: Any, buffers: int, load: Any, process: Any,
+    items: _Items, order_ref: Any, plan_ref: Any, buffers: int, load: Any, process: Any,
 ) -> None:
     """A consumer warpgroup's walk over its program's items.
 
-    ``load(item, buf)`` starts the copies of an item's tile into buffer ``buf``;
-    ``process(item, buf, t0) -> (t1, write)`` waits for that buffer, walks the item's blocks
+    ``load(visit, buf)`` starts the copies of an item's tile into buffer ``buf``;
+    ``process(visit, buf, t0) -> (t1, write)`` waits for that buffer, walks the item's blocks
     (producer steps ``t0 .. t1``) and returns ``write()``, which puts the item's results into
     the buffer's shared memory and starts their copies out. With two buffers the next item's
     tile is already on its way while these results are written; with one it follows them.
     """
     mine = items.mine()
-    pl.when(mine > 0)(lambda: load(items.at(order_ref, 0), jnp.int32(0)))
+    first = items.visit(order_ref, plan_ref, 0)
+    pl.when(mine > 0)(lambda: load(first, jnp.int32(0)))
 
-    def body(i: jax.Array, t0: jax.Array) -> jax.Array:
+    def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        t0, visit = carry[0], _Visit(*carry[1:])
+        upcoming = items.visit(order_ref, plan_ref, i + 1)
         buf = lax.rem(i, buffers)
-        t1, write = process(items.at(order_ref, i), buf, t0)
+        t1, write = process(visit, buf, t0)
 
         def prefetch() -> None:
-            load(items.at(order_ref, i + 1), lax.rem(i + 1, buffers))
+            load(upcoming, lax.rem(i + 1, buffers))
 
         # Results leave shared memory asynchronously: before a buffer is reused (the other
         # tile buffer, or the one-row outputs every item writes), the reads must be done.
@@ -394,9 +422,9 @@ def _consume_items(
         if buffers == 1:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             pl.when(i + 1 < mine)(prefetch)
-        return t1
+        return (t1, *upcoming)
 
-    lax.fori_loop(0, mine, body, jnp.int32(0))
+    lax.fori_loop(0, mine, body, (jnp.int32(0), *first))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -406,11 +434,14 @@ def _produce_items(
     """The producer warpgroup's walk: ``streams_of(b, h)`` gives an item's streams (see
     :func:`_produce`), ``consumed`` the barriers the consumers free ring slots on."""
 
-    def body(i: jax.Array, t0: jax.Array) -> jax.Array:
-        b, h, tile = items.decode(items.at(order_ref, i))
-        return t0 + _produce(plan_ref, b, tile, stages, streams_of(b, h), offset=t0, repeats=repeats)
+    def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        t0, visit = carry[0], _Visit(*carry[1:])
+        upcoming = items.visit(order_ref, plan_ref, i + 1)
+        t1 = t0 + _produce(visit, stages, streams_of(visit.b, visit.h), offset=t0, repeats=repeats)
+        return (t1, *upcoming)
 
-    _drain(consumed, stages, lax.fori_loop(0, items.mine(), body, jnp.int32(0)))
+    steps = lax.fori_loop(0, items.mine(), body, (jnp.int32(0), *items.visit(order_ref, plan_ref, 0)))[0]
+    _drain(consumed, stages, steps)
 
 
 def _operand(x: Any) -> jax.Array:
@@ -513,16 +544,16 @@ def _forward_call(
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(turn)
 
-            def load(item: jax.Array, buf: jax.Array) -> None:
-                b, h, tile = items.decode(item)
+            def load(visit: _Visit, buf: jax.Array) -> None:
+                b, h, tile = visit.b, visit.h, visit.tile
                 rows = pl.ds(tile * _TILE + wg * WG_ROWS, WG_ROWS)
                 ready = q_ready.at[buf * _CONSUMERS + wg]
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[buf, wg], ready)
                 if segmented:
                     plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
 
-            def process(item: jax.Array, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
-                b, h, tile = items.decode(item)
+            def process(visit: _Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+                b, h, tile = visit.b, visit.h, visit.tile
                 row0 = tile * _TILE + wg * WG_ROWS
                 my_q = q_smem.at[buf, wg]
                 plgpu.barrier_wait(q_ready.at[buf * _CONSUMERS + wg])
@@ -569,7 +600,7 @@ def _forward_call(
                 )
                 if pingpong:
                     pl.when(wg == 1)(meet)
-                acc, m, l = _three_loops(plan_ref, b, tile, step, init, offset=t0)
+                acc, m, l = _three_loops(visit, step, init, offset=t0)
                 if pingpong:
                     pl.when(wg == 0)(meet)
                 seen = l > 0.0
@@ -584,9 +615,9 @@ def _forward_call(
                     plgpu.copy_smem_to_gmem(my_q, out_ref.at[b, pl.ds(row0, WG_ROWS), h])
                     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, WG_ROWS)])
 
-                return t0 + plan_ref[1, b, tile] - plan_ref[0, b, tile], write
+                return t0 + visit.steps, write
 
-            _consume_items(items, order_ref, buffers, load, process)
+            _consume_items(items, order_ref, plan_ref, buffers, load, process)
 
         @pl.when(wg == _CONSUMERS)
         def _producer() -> None:
@@ -666,8 +697,8 @@ def _dq_call(
         def _consumer() -> None:
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
-            def load(item: jax.Array, buf: jax.Array) -> None:
-                b, h, tile = items.decode(item)
+            def load(visit: _Visit, buf: jax.Array) -> None:
+                b, h, tile = visit.b, visit.h, visit.tile
                 rows = pl.ds(tile * _TILE + wg * WG_ROWS, WG_ROWS)
                 # One barrier, several copies: it expects one arrival per copy.
                 ready = q_ready.at[buf * _CONSUMERS + wg]
@@ -678,8 +709,8 @@ def _dq_call(
                 if segmented:
                     plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
 
-            def process(item: jax.Array, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
-                b, h, tile = items.decode(item)
+            def process(visit: _Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+                b, h, tile = visit.b, visit.h, visit.tile
                 row0 = tile * _TILE + wg * WG_ROWS
                 my_q, my_do = q_smem.at[buf, wg], do_smem.at[buf, wg]
                 plgpu.barrier_wait(q_ready.at[buf * _CONSUMERS + wg])
@@ -710,16 +741,16 @@ def _dq_call(
                     return dq
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
-                dq = _three_loops(plan_ref, b, tile, step, zeros, offset=t0)
+                dq = _three_loops(visit, step, zeros, offset=t0)
 
                 def write() -> None:
                     my_q[...] = (dq * (shape.scale / _LOG2E)).astype(dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(my_q, dq_ref.at[b, pl.ds(row0, WG_ROWS), h])
 
-                return t0 + plan_ref[1, b, tile] - plan_ref[0, b, tile], write
+                return t0 + visit.steps, write
 
-            _consume_items(items, order_ref, buffers, load, process)
+            _consume_items(items, order_ref, plan_ref, buffers, load, process)
 
         @pl.when(wg == _CONSUMERS)
         def _producer() -> None:
@@ -798,8 +829,8 @@ def _dkv_call(
         def _consumer() -> None:
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
-            def load(item: jax.Array, buf: jax.Array) -> None:
-                b, hk, tile = items.decode(item)
+            def load(visit: _Visit, buf: jax.Array) -> None:
+                b, hk, tile = visit.b, visit.h, visit.tile
                 rows = pl.ds(tile * _TILE + wg * WG_ROWS, WG_ROWS)
                 ready = kv_ready.at[buf * _CONSUMERS + wg]
                 plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[buf, wg], ready)
@@ -807,8 +838,8 @@ def _dkv_call(
                 if segmented:
                     plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[buf, wg], ready)
 
-            def process(item: jax.Array, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
-                b, hk, tile = items.decode(item)
+            def process(visit: _Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+                b, hk, tile = visit.b, visit.h, visit.tile
                 row0 = tile * _TILE + wg * WG_ROWS
                 my_k, my_v = k_smem.at[buf, wg], v_smem.at[buf, wg]
                 plgpu.barrier_wait(kv_ready.at[buf * _CONSUMERS + wg])
@@ -840,10 +871,10 @@ def _dkv_call(
                     return dk, dv
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
-                n = plan_ref[1, b, tile] - plan_ref[0, b, tile]
+                n = visit.steps
                 grads = (zeros, zeros)
                 for r in range(group):  # the group is small and static
-                    grads = _three_loops(plan_ref, b, tile, step, grads, offset=t0 + r * n)
+                    grads = _three_loops(visit, step, grads, offset=t0 + r * n)
                 dk, dv = grads
 
                 def write() -> None:
@@ -856,7 +887,7 @@ def _dkv_call(
 
                 return t0 + group * n, write
 
-            _consume_items(items, order_ref, buffers, load, process)
+            _consume_items(items, order_ref, plan_ref, buffers, load, process)
 
         @pl.when(wg == _CONSUMERS)
         def _producer() -> None:

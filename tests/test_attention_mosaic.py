@@ -241,8 +241,7 @@ def test_work_order_puts_the_longest_tiles_first() -> None:
     hi = jnp.array([[1, 4, 3], [3, 0, 2]], jnp.int32)
     plan = jnp.stack([lo, hi, lo, lo])
     order = np.asarray(am._work_order(plan, heads=2))
-    items = am._Items(count=12, programs=4, heads=2, tiles=3)
-    decoded = [tuple(int(x) for x in items.decode(jnp.int32(item))) for item in order]
+    decoded = [am._decode_item(int(item), heads=2, tiles=3) for item in order]
     cost = [int(hi[b, t] - lo[b, t]) for b, _, t in decoded]
     assert cost == sorted(cost, reverse=True)
     assert sorted(decoded) == [(b, h, t) for b in range(2) for h in range(2) for t in range(3)]
