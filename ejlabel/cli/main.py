@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         "included (the heuristic and XLA candidates are always timed; the report lists what was skipped)")
     tune.add_argument("--iters", type=_positive(int), default=10, help="timed runs per candidate in isolation (default 10)")
     tune.add_argument("--max-configs", type=_positive(int), default=None, help="candidates per call at most")
-    tune.add_argument("--samples", type=_positive(int), default=None, help="in context: timed steps per program and comparison (default 10)")
+    tune.add_argument("--samples", type=_positive(int), default=None, help="in context: paired rounds per comparison before more are taken while undecided (default 10)")
     tune.add_argument("--candidates", type=_positive(int), default=None, help="in context: the fastest candidates in isolation confirmed per call (default 2)")
     tune.add_argument("--confirm-slower", action="store_true", help="in context: also confirm candidates slower than XLA in isolation")
     tune.add_argument("--baseline", metavar="MODULE:FUNCTION", help="in context: the step in plain JAX, timed alongside")
