@@ -246,6 +246,38 @@ class _Visit(NamedTuple):
     def steps(self) -> jax.Array:
         return self.hi - self.lo
 
+    def row0(self, wg: jax.Array) -> jax.Array:
+        """The first row of the tile that consumer ``wg`` owns."""
+        return self.tile * _TILE + wg * WG_ROWS
+
+
+def _tile_ready(barriers: Any, buf: jax.Array, wg: jax.Array) -> Any:
+    """The barrier of consumer ``wg``'s tile in buffer ``buf`` (``buffers x consumers`` of them)."""
+    return barriers.at[buf * _CONSUMERS + wg]
+
+
+def _key_value_streams(
+    k_ref: Any, v_ref: Any, seg_ref: Any, rings: tuple[Any, ...], barriers: tuple[Any, ...], block_k: int, group: int,
+) -> Any:
+    """``streams_of(b, h)`` for :func:`_produce_items` of the kernels that walk key/value blocks
+    (forward and dq): the key, value and (with ``seg_ref``) key segment-id blocks of query head
+    ``h``'s key/value head. ``rings``: ``(k, v, kseg)``; ``barriers``: ``(k_ready, v_ready,
+    k_used, v_used, kseg_ready)``. Slots of the segment ring are freed with the key slots."""
+    k_ring, v_ring, kseg_ring = rings
+    k_ready, v_ready, k_used, v_used, kseg_ready = barriers
+
+    def streams_of(b: jax.Array, h: jax.Array) -> list[Any]:
+        kv_head = lax.div(h, jnp.int32(group))
+        streams = [
+            (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
+            (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
+        ]
+        if seg_ref is not None:
+            streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
+        return streams
+
+    return streams_of
+
 
 def _three_loops(visit: _Visit, step: Any, carry: Any, offset: Any = 0) -> Any:
     """``step(j, t, carry, masked)`` over the planned blocks ``j``; ``t = offset + j - lo``
@@ -545,18 +577,18 @@ def _forward_call(
                 plgpu.barrier_wait(turn)
 
             def load(visit: _Visit, buf: jax.Array) -> None:
-                b, h, tile = visit.b, visit.h, visit.tile
-                rows = pl.ds(tile * _TILE + wg * WG_ROWS, WG_ROWS)
-                ready = q_ready.at[buf * _CONSUMERS + wg]
+                b, h = visit.b, visit.h
+                rows = pl.ds(visit.row0(wg), WG_ROWS)
+                ready = _tile_ready(q_ready, buf, wg)
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[buf, wg], ready)
                 if segmented:
                     plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
 
             def process(visit: _Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
-                b, h, tile = visit.b, visit.h, visit.tile
-                row0 = tile * _TILE + wg * WG_ROWS
+                b, h = visit.b, visit.h
+                row0 = visit.row0(wg)
                 my_q = q_smem.at[buf, wg]
-                plgpu.barrier_wait(q_ready.at[buf * _CONSUMERS + wg])
+                plgpu.barrier_wait(_tile_ready(q_ready, buf, wg))
                 q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
                 def step(j: jax.Array, t: jax.Array, carry: Any, masked: bool) -> Any:
@@ -623,16 +655,9 @@ def _forward_call(
         def _producer() -> None:
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-            def streams_of(b: jax.Array, h: jax.Array) -> list[Any]:
-                kv_head = lax.div(h, jnp.int32(shape.group))
-                streams = [
-                    (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
-                    (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
-                ]
-                if segmented:  # slots of the segment ring are freed with the key slots
-                    streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
-                return streams
-
+            streams_of = _key_value_streams(
+                k_ref, v_ref, seg_ref, (k_ring, v_ring, kseg_ring), (k_ready, v_ready, k_used, v_used, kseg_ready), block_k, shape.group,
+            )
             _produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
 
     scratch = (
@@ -698,10 +723,10 @@ def _dq_call(
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
             def load(visit: _Visit, buf: jax.Array) -> None:
-                b, h, tile = visit.b, visit.h, visit.tile
-                rows = pl.ds(tile * _TILE + wg * WG_ROWS, WG_ROWS)
+                b, h = visit.b, visit.h
+                rows = pl.ds(visit.row0(wg), WG_ROWS)
                 # One barrier, several copies: it expects one arrival per copy.
-                ready = q_ready.at[buf * _CONSUMERS + wg]
+                ready = _tile_ready(q_ready, buf, wg)
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[buf, wg], ready)
                 plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[buf, wg], ready)
                 plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[buf, wg], ready)
@@ -710,10 +735,10 @@ def _dq_call(
                     plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
 
             def process(visit: _Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
-                b, h, tile = visit.b, visit.h, visit.tile
-                row0 = tile * _TILE + wg * WG_ROWS
+                b, h = visit.b, visit.h
+                row0 = visit.row0(wg)
                 my_q, my_do = q_smem.at[buf, wg], do_smem.at[buf, wg]
-                plgpu.barrier_wait(q_ready.at[buf * _CONSUMERS + wg])
+                plgpu.barrier_wait(_tile_ready(q_ready, buf, wg))
                 lse = _load(shape, lse_smem.at[buf, wg], _row_layout())
                 delta = _load(shape, delta_smem.at[buf, wg], _row_layout())
                 q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
@@ -756,16 +781,9 @@ def _dq_call(
         def _producer() -> None:
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-            def streams_of(b: jax.Array, h: jax.Array) -> list[Any]:
-                kv_head = lax.div(h, jnp.int32(shape.group))
-                streams = [
-                    (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
-                    (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
-                ]
-                if segmented:
-                    streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
-                return streams
-
+            streams_of = _key_value_streams(
+                k_ref, v_ref, seg_ref, (k_ring, v_ring, kseg_ring), (k_ready, v_ready, k_used, v_used, kseg_ready), block_k, shape.group,
+            )
             _produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
 
     copies = 5 if segmented else 4
@@ -830,19 +848,19 @@ def _dkv_call(
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
             def load(visit: _Visit, buf: jax.Array) -> None:
-                b, hk, tile = visit.b, visit.h, visit.tile
-                rows = pl.ds(tile * _TILE + wg * WG_ROWS, WG_ROWS)
-                ready = kv_ready.at[buf * _CONSUMERS + wg]
+                b, hk = visit.b, visit.h
+                rows = pl.ds(visit.row0(wg), WG_ROWS)
+                ready = _tile_ready(kv_ready, buf, wg)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[buf, wg], ready)
                 plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], v_smem.at[buf, wg], ready)
                 if segmented:
                     plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[buf, wg], ready)
 
             def process(visit: _Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
-                b, hk, tile = visit.b, visit.h, visit.tile
-                row0 = tile * _TILE + wg * WG_ROWS
+                b, hk = visit.b, visit.h
+                row0 = visit.row0(wg)
                 my_k, my_v = k_smem.at[buf, wg], v_smem.at[buf, wg]
-                plgpu.barrier_wait(kv_ready.at[buf * _CONSUMERS + wg])
+                plgpu.barrier_wait(_tile_ready(kv_ready, buf, wg))
                 k_seg = _load(shape, kseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
                 def step(j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:

@@ -200,6 +200,22 @@ def test_flash_attention_offers_mosaic_only_where_it_runs() -> None:
 # Values in the Mosaic GPU interpreter (CPU)
 
 
+def interpreted_values_and_gradients(
+    q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, params: tuple[FwdParams, BwdParams], probe: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Causal attention with segment ids in the Mosaic GPU interpreter, its output and its
+    gradients along ``probe``, checked against the float32 reference; returns both."""
+    out, vjp = jax.vjp(lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params, interpret=True), q, k, v)
+    grads = vjp(probe.astype(out.dtype))
+    f32 = tuple(t.astype(jnp.float32) for t in (q, k, v))
+    scale = q.shape[3] ** -0.5
+    want, want_vjp = jax.vjp(lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=scale), *f32)
+    assert rel_error(out, want) < 1e-2
+    for got, expected in zip(grads, want_vjp(probe)):
+        assert rel_error(got, expected) < 2e-2
+    return out, grads
+
+
 @pytest.mark.slow
 def test_interpreted_values_and_gradients() -> None:
     # One query tile and one key/value tile: small enough for the interpreter, yet it walks
@@ -210,13 +226,7 @@ def test_interpreted_values_and_gradients() -> None:
     ids = jnp.where(jnp.arange(seq) < 120, 1 + (jnp.arange(seq) >= 64), 0)[None].astype(jnp.int32)
     probe = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
-    out, vjp = jax.vjp(lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params, interpret=True), q, k, v)
-    grads = vjp(probe.astype(out.dtype))
-    f32 = tuple(t.astype(jnp.float32) for t in (q, k, v))
-    want, want_vjp = jax.vjp(lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=dim**-0.5), *f32)
-    assert rel_error(out, want) < 1e-2
-    for got, expected in zip(grads, want_vjp(probe)):
-        assert rel_error(got, expected) < 2e-2
+    out, grads = interpreted_values_and_gradients(q, k, v, ids, params, probe)
     # Padding rows see nothing: output and gradient exactly 0.
     assert not np.any(np.asarray(out.astype(jnp.float32))[0, 120:])
     assert not np.any(np.asarray(grads[0].astype(jnp.float32))[0, 120:])
@@ -260,17 +270,7 @@ def test_interpreted_persistent_programs_walk_several_tiles() -> None:
     assert am._tile_buffers(2 * 128 * dim * 2, 2 * 2 * 128 * dim * 2) == 1  # dq with 128-row key blocks
     probe = jax.random.normal(jax.random.key(12), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=128))
-
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params, interpret=True)
-
-    out, vjp = jax.vjp(attend, q, k, v)
-    grads = vjp(probe.astype(out.dtype))
-    f32 = tuple(t.astype(jnp.float32) for t in (q, k, v))
-    want, want_vjp = jax.vjp(lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=dim**-0.5), *f32)
-    assert rel_error(out, want) < 1e-2
-    for got, expected in zip(grads, want_vjp(probe)):
-        assert rel_error(got, expected) < 2e-2
+    interpreted_values_and_gradients(q, k, v, ids, params, probe)
 
 
 # --------------------------------------------------------------------------------------------
