@@ -450,3 +450,18 @@ def test_bad_arguments_are_named(kwargs, error):
 def test_fn_must_be_callable():
     with pytest.raises(TypeError, match="fn"):
         tune_in_context("fast_step", X)
+
+
+def test_plan_tries_every_calls_best_candidate_before_any_runner_up():
+    """A call with many sites has runners-up whose expected gain (from the floor) beats other
+    calls' best candidates; they still come after every call's best."""
+    many = ("cpu", "attention@v1", "a")
+    one = ("cpu", "loss@v1", "b")
+    calls = {
+        many: context_tuning.CallPick(*many, sites=12, floor_cfg="xla", cfg="xla", floor_isolated_ms=1.0),
+        one: context_tuning.CallPick(*one, sites=1, floor_cfg="xla", cfg="xla", floor_isolated_ms=6.0),
+    }
+    isolated = {many: {"xla": 1.0, "fast": 0.3, "second": 0.4, "third": 0.5}, one: {"xla": 6.0, "fused": 5.3, "other": 5.9}}
+    trials = context_tuning._plan(calls, isolated, per_call=3, skip_slower=True)
+    assert [t.cfg for t in trials] == ["fast", "fused", "second", "other", "third"]
+    assert trials[1].expected_gain_ms < trials[2].expected_gain_ms  # the order is not by gain alone

@@ -19,7 +19,8 @@ compiled step itself:
    timings (:meth:`Autotuner.tune_each`). What a call had timed before the cut still ranks; a
    call with nothing timed but its floor is *cut*: it keeps the floor, is reported as a skipped
    trial, and nothing of it is stored.
-4. **Confirm, greedily.** In order of expected gain, the incumbent assignment with that one call
+4. **Confirm, greedily.** Every call's best candidate first, in order of expected gain, then
+   the runners-up (see :func:`_plan`): the incumbent assignment with that one call
    changed is compiled ahead of time (a few at once, in threads: XLA compiles outside the GIL)
    and its whole step is timed against the incumbent's in paired rounds (below). The change is
    kept only if the noise rule accepts it. The budget (seconds, whole run) is checked before
@@ -927,7 +928,14 @@ def _candidate_rows(candidates: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def _plan(calls: Mapping[Key, CallPick], isolated: Mapping[Key, Mapping[Any, float]], per_call: int, skip_slower: bool) -> list[Trial]:
-    """The confirmations to try, most promising first (expected gain = isolated gain x sites)."""
+    """The confirmations to try: every call's best candidate first, by expected gain (isolated
+    gain x sites), then the calls' second candidates, and so on.
+
+    A runner-up's expected gain is measured from the floor; once its call's best is accepted,
+    what it can still add is the difference to that best, usually nothing. Ordered by gain
+    alone, runners-up of a call with many sites came before other calls' best candidates and
+    spent the budget on them (the packed model, run 12: the fused loss, worth 1.05x, was never
+    tried)."""
     trials = []
     for key, timings in isolated.items():
         call = calls[key]
@@ -936,10 +944,10 @@ def _plan(calls: Mapping[Key, CallPick], isolated: Mapping[Key, Mapping[Any, flo
         reference = call.floor_isolated_ms if call.floor_isolated_ms is not None else max(timings.values())
         ranked = sorted((ms, i, cfg) for i, (cfg, ms) in enumerate(timings.items()) if cfg != call.floor_cfg)
         chosen = [(ms, cfg) for ms, _, cfg in ranked if not skip_slower or ms < reference][:per_call]
-        for ms, cfg in chosen:
-            trials.append(Trial(*key, cfg, ms, (reference - ms) * call.sites))
-    trials.sort(key=lambda t: -t.expected_gain_ms)
-    return trials
+        for place, (ms, cfg) in enumerate(chosen):
+            trials.append((place, Trial(*key, cfg, ms, (reference - ms) * call.sites)))
+    trials.sort(key=lambda pt: (pt[0], -pt[1].expected_gain_ms))
+    return [trial for _, trial in trials]
 
 
 def _store(report: ContextTuneReport, invocations: Mapping[Key, Invocation[Any, Any]], trials: list[Trial], selector: ConfigSelectorChain, errors: dict[str, str]) -> None:
