@@ -30,8 +30,9 @@ Kernels (an item is one tile of one head of one batch row):
 - backward, split in two kernels (the simplest split that needs no atomics and no
   per-query-head partials): ``dq`` over query tiles walking key/value blocks, and ``dk, dv``
   over key/value tiles of 128 rows walking, for each query head of its group, the query blocks
-  that see it. A fused kernel would save recomputing ``q k^T`` and ``dO v^T`` once, at the
-  price of float32 atomics on ``dq``; the split is kept until it is measured to lose.
+  that see it. The fused alternative (``fused_backward=True``) saves recomputing ``q k^T`` and
+  ``dO v^T`` by adding each step's share of ``dq`` to float32 in global memory with TMA
+  reduce-adds; it measured slower (see :func:`mosaic_backward`), so the split is the default.
 
 Sequences are padded to whole tiles and the head dimension to a multiple of 64 (the width of a
 128-byte swizzled row of 16-bit elements) outside the kernels; padded keys are masked, padded
@@ -480,25 +481,28 @@ def _operand(x: Any) -> jax.Array:
     return x if isinstance(x, jax.Array) else x[...]
 
 
-def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, between: Any = None) -> jax.Array:
-    """``a @ b`` (``a @ b^T`` with ``transpose_b``) into a fresh float32 accumulator: ``a`` in
-    shared memory or registers, ``b`` in shared memory, the product with wgmma. ``between()``,
-    if given, runs after the wgmma is issued and before its result is awaited.
+def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, transpose_a: bool = False, between: Any = None) -> jax.Array:
+    """``a @ b`` (``a^T``, ``b^T`` with ``transpose_a``, ``transpose_b``) into a fresh float32
+    accumulator: ``a`` in shared memory or registers (transposed: shared memory), ``b`` in
+    shared memory, the product with wgmma. ``between()``, if given, runs after the wgmma is
+    issued and before its result is awaited.
 
     The interpreter cannot take transposed shared-memory operands, so there the same product
     is an ordinary dot of the loaded values.
     """
     if shape.interpret:
-        out = lax.dot_general(_operand(a), b[...], (((1,), (1 if transpose_b else 0,)), ((), ())), preferred_element_type=jnp.float32)
+        dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
+        out = lax.dot_general(_operand(a), b[...], dims, preferred_element_type=jnp.float32)
         if between is not None:
             between()
         return out
+    lhs = plgpu.transpose_ref(a, (1, 0)) if transpose_a else a
     rhs = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
-    rows = a.shape[0]
+    rows = a.shape[1] if transpose_a else a.shape[0]
     cols = b.shape[0] if transpose_b else b.shape[1]
 
     def run(acc_ref: Any) -> jax.Array:
-        plgpu.wgmma(acc_ref, a, rhs)
+        plgpu.wgmma(acc_ref, lhs, rhs)
         if between is not None:
             between()
         return acc_ref[...]
@@ -677,19 +681,9 @@ def _forward_call(
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS),
     )
-    extra = {"interpret": _interpret_params()} if shape.interpret else {}
     operands = (q, k, v, plan, order) + ((segment_ids,) if segmented else ())
-    return plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)),
-        scratch_types=(scratch, barriers),
-        grid=(items.programs,),
-        grid_names=("programs",),
-        num_threads=_CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=_compiler_params(),
-        **extra,
-    )(*operands)
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32))
+    return _launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
 
 
 # --------------------------------------------------------------------------------------------
@@ -806,40 +800,48 @@ def _dq_call(
         plgpu.Barrier(num_barriers=stages),
     )
     operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ())
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=(scratch, barriers),
-        grid=(items.programs,),
-        grid_names=("programs",),
-        num_threads=_CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=_compiler_params(),
-        **({"interpret": _interpret_params()} if shape.interpret else {}),
-    )(*operands)
+    return _launch(body, (jax.ShapeDtypeStruct(q.shape, dtype),), (scratch, barriers), items.programs, operands, shape.interpret)[0]
 
 
 def _dkv_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
     plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_q: int, stages: int, persistent: bool = True,
-) -> tuple[jax.Array, jax.Array]:
-    """``dk, dv [batch, seq_kv, kv_heads, dim]``: items are 128-row key/value tiles of one
+    fused: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """``(dk, dv [batch, seq_kv, kv_heads, dim], dq)``: items are 128-row key/value tiles of one
     key/value head, walking the planned query blocks once per query head of its group, so the
-    group's sum stays in registers (no per-query-head partials, no atomics)."""
+    group's sum stays in registers (no per-query-head partials, no atomics).
+
+    ``fused`` (``block_q`` 64): each step also computes its share of ``dq``, ``ds^T k``, from the
+    ``ds`` it has at hand, and adds it to a float32 ``dq`` in global memory with a TMA
+    reduce-add; ``dq [batch, seq_q, heads, dim]`` float32 is returned unscaled (times the softmax
+    scale, it is the gradient), else None. That saves the dq kernel's recomputation of
+    ``q k^T``, the softmax and ``dO v^T``, at the price of float32 additions in L2. The
+    interpreter has no reduce-add: there each step stores its share in a slot of its own
+    (warpgroup, key/value tile) and the shares of the visited blocks are summed outside.
+    """
     batch, seq_kv, kv_heads, dim = k.shape
+    seq_q, heads = q.shape[1], q.shape[2]
     dtype = k.dtype
     segmented = segment_ids is not None
     group = shape.group
     items, order = _items(plan, kv_heads, persistent, shape.interpret)
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    buffers = _tile_buffers(2 * _TILE * row_bytes, stages * 2 * block_q * row_bytes)
+    if fused and 2 * _TILE * row_bytes + stages * 2 * block_q * row_bytes + _fused_bytes(dim) > _SMEM_BYTES:
+        raise ValueError(f"num_stages: {stages} stages of the fused backward do not fit shared memory at head dim {dim}")
+    buffers = _tile_buffers(2 * _TILE * row_bytes, stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0))
+    shares = fused and shape.interpret
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
-        if segmented:
-            seg_ref, dk_ref, dv_ref, scratch, barriers = refs
-        else:
-            (dk_ref, dv_ref, scratch, barriers), seg_ref = refs, None
-        k_smem, v_smem, kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch
+        refs = list(refs)
+        seg_ref = refs.pop(0) if segmented else None
+        dq_ref = refs.pop(0) if fused and not shares else None
+        dk_ref, dv_ref = refs.pop(0), refs.pop(0)
+        if shares:
+            dq_ref = refs.pop(0)
+        scratch, barriers = refs
+        k_smem, v_smem, kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch[:8]
+        ds_smem, dq_smem = scratch[8:] if fused else (None, None)
         kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used = barriers
         wg = lax.axis_index("wg")
 
@@ -863,7 +865,22 @@ def _dkv_call(
                 plgpu.barrier_wait(_tile_ready(kv_ready, buf, wg))
                 k_seg = _load(shape, kseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
-                def step(j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
+                def add_dq(ds_t: jax.Array, j: jax.Array, head: jax.Array) -> None:
+                    """``dq[block j] += ds^T k`` for this warpgroup's 64 keys."""
+                    my_ds, my_dq = ds_smem.at[wg], dq_smem.at[wg]
+                    my_ds[...] = ds_t
+                    plgpu.commit_smem()
+                    share = _mma_new(shape, my_ds, my_k, transpose_a=True, transpose_b=False)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left my_dq
+                    my_dq[...] = share
+                    plgpu.commit_smem()
+                    rows = pl.ds(j * block_q, block_q)
+                    if shares:
+                        plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[wg, b, visit.tile, rows, head])
+                    else:
+                        plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[b, rows, head], reduction_op="add")
+
+                def step(r: int, j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
                     dk, dv = grads
                     slot = lax.rem(t, stages)
                     for barrier in (lse_ready, delta_ready) + ((qseg_ready,) if segmented else ()):
@@ -886,13 +903,15 @@ def _dkv_call(
                     ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
                     dk = _mma_into(shape, dk, ds_t, q_ring.at[slot])
                     plgpu.barrier_arrive(q_used.at[slot])
+                    if fused:
+                        add_dq(ds_t, j, hk * group + r)
                     return dk, dv
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
                 n = visit.steps
                 grads = (zeros, zeros)
                 for r in range(group):  # the group is small and static
-                    grads = _three_loops(visit, step, grads, offset=t0 + r * n)
+                    grads = _three_loops(visit, functools.partial(step, r), grads, offset=t0 + r * n)
                 dk, dv = grads
 
                 def write() -> None:
@@ -940,6 +959,8 @@ def _dkv_call(
         plgpu.SMEM((stages, block_q), jnp.float32),
         plgpu.SMEM((stages, block_q), jnp.int32),
     )
+    if fused:
+        scratch += (_smem_tile((_CONSUMERS, WG_ROWS, block_q), dtype), _smem_tile((_CONSUMERS, block_q, dim), jnp.float32))
     ring = functools.partial(plgpu.Barrier, num_barriers=stages)
     barriers = (
         plgpu.Barrier(num_arrivals=3 if segmented else 2, num_barriers=buffers * _CONSUMERS),
@@ -948,16 +969,49 @@ def _dkv_call(
         ring(num_arrivals=_CONSUMERS),
     )
     operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ())
-    return plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
-        scratch_types=(scratch, barriers),
-        grid=(items.programs,),
-        grid_names=("programs",),
-        num_threads=_CONSUMERS + 1,
-        thread_name="wg",
+    out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+    dq_acc = None
+    if shares:
+        out_type.append(jax.ShapeDtypeStruct((_CONSUMERS, batch, plan.shape[2], seq_q, heads, dim), jnp.float32))
+    elif fused:
+        dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+        operands += (dq_acc,)
+    outs = _launch(body, tuple(out_type), (scratch, barriers), items.programs, operands, shape.interpret)
+    if shares:
+        dq = _sum_shares(outs[2], plan, block_q)
+    else:
+        dq = dq_acc[...] if fused else None
+    return outs[0], outs[1], dq
+
+
+def _fused_bytes(dim: int) -> int:
+    """Shared memory the fused backward adds per program: each consumer's ``ds`` (16-bit,
+    ``64 x 64``) and its float32 share of ``dq`` (``64 x dim``)."""
+    return _CONSUMERS * (WG_ROWS * WG_ROWS * 2 + WG_ROWS * dim * 4)
+
+
+def _sum_shares(shares: jax.Array, plan: jax.Array, block_q: int) -> Float[Array, "batch seq_q heads dim"]:
+    """The interpreter's ``dq``: ``shares [consumers, batch, kv tiles, seq_q, heads, dim]`` summed
+    over the query blocks each key/value tile visited (the others were never written)."""
+    blocks = jnp.arange(shares.shape[3], dtype=jnp.int32) // block_q
+    visited = (blocks >= plan[0][..., None]) & (blocks < plan[1][..., None])  # [batch, tiles, seq_q]
+    return jnp.where(visited[None, :, :, :, None, None], shares, 0.0).sum(axis=(0, 2))
+
+
+def _launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tuple[Any, ...], interpret: bool) -> Any:
+    """Run ``body`` on ``programs`` programs of ``consumers + 1`` warpgroups (named ``wg``),
+    with ``scratch`` allocated in each program. ``operands`` may hold a ``jax.Ref``: the kernel
+    reads and writes it in place (the fused backward's ``dq``)."""
+
+    def kernel_body(*refs: Any) -> None:
+        pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")
+
+    return pl.kernel(
+        kernel_body,
+        out_type=out_type,
+        mesh=plgpu.Mesh(grid=(programs,), grid_names=("programs",), num_threads=_CONSUMERS + 1, thread_name="wg"),
         compiler_params=_compiler_params(),
-        **({"interpret": _interpret_params()} if shape.interpret else {}),
+        interpret=_interpret_params() if interpret else False,
     )(*operands)
 
 
@@ -1020,9 +1074,9 @@ def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int]:
 _SMEM_BYTES = 227 * 1024 - 4096  # Hopper's per-block limit, less room for barriers and id rings
 
 
-def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams) -> bool:
+def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams, *, fused_backward: bool = False) -> bool:
     """Whether the kernels' shared memory fits at this head dim and these tiles (and the
-    tiles are ones the kernels take)."""
+    tiles are ones the kernels take), with the fused backward if ``fused_backward``."""
     padded = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
     try:
         _, fwd_k, fwd_stages = _blocks(fwd, padded)
@@ -1032,7 +1086,7 @@ def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams) -> bool:
     row = padded * 2  # bytes of one 16-bit row
     forward = _TILE * row + fwd_stages * 2 * fwd_k * row
     dq = 2 * _TILE * row + bwd_stages * 2 * bwd_k * row
-    dkv = 2 * _TILE * row + bwd_stages * 2 * bwd_q * row
+    dkv = 2 * _TILE * row + bwd_stages * 2 * bwd_q * row + (_fused_bytes(padded) if fused_backward and bwd_q == WG_ROWS else 0)
     return max(forward, dq, dkv) <= _SMEM_BYTES
 
 
@@ -1067,10 +1121,20 @@ def mosaic_backward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, out: Float[Array, "batch sq heads dim"], lse: Float[Array, "batch heads sq"],
     g: Float[Array, "batch sq heads dim"], *, scale: float, bounds: Window, params: BwdParams, interpret: bool = False,
-    persistent: bool = True,
+    persistent: bool = True, fused: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` from the forward's output and base-2 log-sum-exp and the cotangent ``g``
-    (``persistent``: as in :func:`mosaic_forward`)."""
+    (``persistent``: as in :func:`mosaic_forward`).
+
+    ``fused`` (with a ``q_blocksize`` of 64): one kernel computes all three, adding ``dq`` up
+    in float32 (see :func:`_dkv_call`); else a dq kernel and a dk/dv kernel. The split is the
+    default because it measured faster: on the H100 (jax 0.11.2, 2026-11-25, one interleaved
+    run, bench/RESULTS.md) causal B4 S4096 H16 D128 forward+backward took 2.50 ms split and
+    3.78 ms fused, the packed model shape 0.43 and 0.52 ms. Each fused step waits on its own
+    ``ds`` store, an extra wgmma and the float32 share's store before the next block, where the
+    dq kernel's products overlap the other consumer's softmax; winning needs the reduce-adds
+    issued off the consumers' path (by the producer, from double-buffered shares).
+    """
     _check(q, k)
     if not mosaic_supports(q.dtype, q.shape[3]):
         raise ValueError(f"q: the mosaic backward takes head dim <= 128, got {q.shape[3]}")
@@ -1083,10 +1147,16 @@ def mosaic_backward(
     lse = pad_axis(lse.astype(jnp.float32), 2, rows)
     # delta_i = sum_d out_id * dout_id, the row term of the softmax backward.
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
-    rows_plan = _visit_plan(rows, cols, _TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
     cols_plan = _visit_plan(cols, rows, _TILE, block_q, p.shape, p.segment_ids, batch, transpose=True)
-    dq = _dq_call(p.q, p.k, p.v, do, lse, delta, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent)
-    dk, dv = _dkv_call(p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages, persistent=persistent)
+    fused = fused and block_q == WG_ROWS
+    dk, dv, dq = _dkv_call(
+        p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages, persistent=persistent, fused=fused,
+    )
+    if fused:
+        dq = (dq * scale).astype(p.q.dtype)
+    else:
+        rows_plan = _visit_plan(rows, cols, _TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
+        dq = _dq_call(p.q, p.k, p.v, do, lse, delta, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent)
     seq_kv = p.seq_kv
     return dq[:, : p.seq_q, :, : p.dim], dk[:, :seq_kv, :, : p.dim], dv[:, :seq_kv, :, : p.dim]
 
@@ -1098,6 +1168,7 @@ class _Schedule:
     interpret: bool
     pingpong: bool
     persistent: bool
+    fused_backward: bool
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -1120,7 +1191,7 @@ def _attention_bwd(scale: float, bounds: Window, fwd: FwdParams, bwd: BwdParams,
     q, k, v, segment_ids, out, lse = residuals
     dq, dk, dv = mosaic_backward(
         q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=bwd, interpret=schedule.interpret,
-        persistent=schedule.persistent,
+        persistent=schedule.persistent, fused=schedule.fused_backward,
     )
     return dq, dk, dv, None
 
@@ -1132,7 +1203,7 @@ def mosaic_attention(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     *, scale: float | None = None, causal: bool = False, window: tuple[int, int] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None, params: tuple[FwdParams, BwdParams] | None = None,
-    interpret: bool = False, pingpong: bool = True, persistent: bool = True,
+    interpret: bool = False, pingpong: bool = True, persistent: bool = True, fused_backward: bool = False,
 ) -> Float[Array, "batch sq heads dim"]:
     """Attention on the Mosaic GPU kernels, differentiable (the forward's output and log-sum-exp
     are kept for the backward).
@@ -1149,6 +1220,7 @@ def mosaic_attention(
       interpret: run in the Mosaic GPU interpreter (CPU tests).
       pingpong: alternate the forward's two consumer warpgroups (see :func:`mosaic_forward`).
       persistent: at most one program per SM, each walking several tiles (see :class:`_Items`).
+      fused_backward: one backward kernel for dq, dk and dv (see :func:`mosaic_backward`).
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with kv heads dividing heads, got {q.shape}, {k.shape}, {v.shape}")
@@ -1159,4 +1231,4 @@ def mosaic_attention(
         right = 0 if right is None else min(right, 0)
     fwd, bwd = params if params is not None else (FwdParams(), BwdParams())
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, _Schedule(interpret, pingpong, persistent))
+    return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, _Schedule(interpret, pingpong, persistent, fused_backward))

@@ -156,17 +156,20 @@ def test_forward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, options: dict[str
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize(("dim", "kv_heads", "segments"), [(64, 2, True), (128, 4, False)])
-def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool) -> None:
+def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, fused: bool) -> None:
     q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.float16)
     k = jax.ShapeDtypeStruct((1, 200, kv_heads, dim), jnp.float16)
     seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
 
     def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> jax.Array:
-        return am.mosaic_attention(q, k, v, causal=True, segment_ids=seg).astype(jnp.float32).sum()
+        return am.mosaic_attention(q, k, v, causal=True, segment_ids=seg, fused_backward=fused).astype(jnp.float32).sum()
 
     text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
-    assert text.count("mosaic_gpu") >= 3  # forward, dq and dkv kernels
+    # Forward, then dq and dk/dv kernels, or one fused kernel adding dq up with TMA reduce-adds.
+    assert text.count("@mosaic_gpu") == (2 if fused else 3)
+    assert ("cp.reduce.async.bulk" in text) == fused
 
 
 def test_rejects_what_it_cannot_run() -> None:
@@ -194,6 +197,10 @@ def test_flash_attention_offers_mosaic_only_where_it_runs() -> None:
     # Shared memory: three stages of 128-row key and value blocks at dim 128 do not fit.
     assert not am.mosaic_fits(128, FwdParams(kv_blocksize=128, num_stages=3), BwdParams())
     assert am.mosaic_fits(128, FwdParams(kv_blocksize=64, num_stages=3), BwdParams())
+    # The fused backward's ds and float32 dq shares leave room for two stages at dim 128, not three.
+    three = BwdParams(q_blocksize=64, kv_blocksize=64, num_stages=3)
+    assert am.mosaic_fits(128, FwdParams(), three) and not am.mosaic_fits(128, FwdParams(), three, fused_backward=True)
+    assert am.mosaic_fits(128, FwdParams(), BwdParams(q_blocksize=64), fused_backward=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,11 +208,13 @@ def test_flash_attention_offers_mosaic_only_where_it_runs() -> None:
 
 
 def interpreted_values_and_gradients(
-    q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, params: tuple[FwdParams, BwdParams], probe: jax.Array
+    q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, params: tuple[FwdParams, BwdParams], probe: jax.Array,
+    fused_backward: bool = False,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Causal attention with segment ids in the Mosaic GPU interpreter, its output and its
     gradients along ``probe``, checked against the float32 reference; returns both."""
-    out, vjp = jax.vjp(lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params, interpret=True), q, k, v)
+    attend = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params, interpret=True, fused_backward=fused_backward)
+    out, vjp = jax.vjp(attend, q, k, v)
     grads = vjp(probe.astype(out.dtype))
     f32 = tuple(t.astype(jnp.float32) for t in (q, k, v))
     scale = q.shape[3] ** -0.5
@@ -271,6 +280,30 @@ def test_interpreted_persistent_programs_walk_several_tiles() -> None:
     probe = jax.random.normal(jax.random.key(12), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=128))
     interpreted_values_and_gradients(q, k, v, ids, params, probe)
+
+
+@pytest.mark.slow
+def test_interpreted_fused_backward() -> None:
+    # Two key/value tiles, a query head group of 2, two documents and padding: each step's dq
+    # share lands in its own slot (the interpreter has no reduce-add) and the visited ones are
+    # summed, so a share written to the wrong block, head or tile shows in dq.
+    seq, dim = 256, 64
+    q, k, v = qkv(1, seq, 2, 1, dim, jnp.bfloat16, seed=13)
+    ids = jnp.where(jnp.arange(seq) < seq - 11, 1 + (jnp.arange(seq) >= 90), 0)[None].astype(jnp.int32)
+    probe = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
+    params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
+    _, fused = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=True)
+    assert not np.any(np.asarray(fused[0].astype(jnp.float32))[0, seq - 11 :])  # padding: dq exactly 0
+
+
+def test_sum_shares_adds_only_visited_blocks() -> None:
+    # Unvisited slots hold whatever the memory held (NaN here): they must not reach dq.
+    shares = jnp.full((2, 1, 2, 256, 1, 8), jnp.nan, jnp.float32)
+    plan = jnp.array([[[0, 2]], [[2, 4]], [[0, 2]], [[2, 4]]], jnp.int32)  # tile 0 visits q blocks 0-1, tile 1 blocks 2-3
+    shares = shares.at[:, 0, 0, :128].set(1.0).at[:, 0, 1, 128:].set(2.0)
+    dq = np.asarray(am._sum_shares(shares, plan, 64))
+    np.testing.assert_array_equal(dq[0, :128], 2.0)
+    np.testing.assert_array_equal(dq[0, 128:], 4.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,6 +411,28 @@ def test_gpu_values_and_gradients(dim: int, seq: int, heads: int, kv_heads: int,
         pad = np.asarray(ids) <= 0
         assert not np.any(np.asarray(out.astype(jnp.float32))[pad])
         assert not np.any(np.asarray(got[0].astype(jnp.float32))[pad])
+
+
+@gpu
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    ("dim", "seq", "heads", "kv_heads", "segments"),
+    [(64, 1000, 12, 4, 4), (128, 777, 4, 4, None), (128, 1024, 8, 2, 3), (64, 333, 6, 3, None)],
+)
+def test_gpu_fused_backward(dim: int, seq: int, heads: int, kv_heads: int, segments: int | None) -> None:
+    q, k, v = qkv(2, seq, heads, kv_heads, dim, jnp.bfloat16, seed=seq)
+    ids = documents(2, seq, segments, padding=seq // 10, seed=seq) if segments else None
+    probe = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
+
+    def grads(fused: bool) -> Any:
+        f = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, fused_backward=fused)
+        return jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](probe.astype(q.dtype)))(q, k, v)
+
+    ref = lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=dim**-0.5)
+    want = jax.vjp(ref, *(t.astype(jnp.float32) for t in (q, k, v)))[1](probe)
+    for name, g, w in zip("qkv", grads(True), want):
+        assert rel_error(g, w) < 4e-2, name
 
 
 @gpu
