@@ -465,35 +465,3 @@ def test_plan_tries_every_calls_best_candidate_before_any_runner_up():
     trials = context_tuning._plan(calls, isolated, per_call=3, skip_slower=True)
     assert [t.cfg for t in trials] == ["fast", "fused", "second", "other", "third"]
     assert trials[1].expected_gain_ms < trials[2].expected_gain_ms  # the order is not by gain alone
-
-
-def test_speculate_bets_on_the_first_trial_of_a_batch():
-    incumbent = {("cpu", "a@v1", "k"): "xla", ("cpu", "b@v1", "k"): "xla"}
-    a, b = ("cpu", "a@v1", "k"), ("cpu", "b@v1", "k")
-    batch = [context_tuning.Trial(*a, "fast", 1.0, 3.0), context_tuning.Trial(*b, "fused", 2.0, 1.0), context_tuning.Trial(*a, "second", 1.5, 2.0)]
-    first, other_call, same_call = context_tuning._speculate(incumbent, batch)
-    assert first == {a: "fast", b: "xla"}
-    assert other_call == {a: "fast", b: "fused"}  # right if the first is accepted
-    assert same_call == {a: "second", b: "xla"}  # right either way
-
-
-fast_too = CostKernel("ctxfast2", "direct", slow_impl="xla")
-
-
-def test_two_accepted_calls_cost_one_compile_each(monkeypatch):
-    # Both calls win; the second was compiled with the first's change already in, so the
-    # search compiles the floor and one program per trial, never one twice.
-    compiled = []
-    original = _Search.compile
-
-    def recording(self, configs):
-        compiled.append(dict(configs))
-        return original(self, configs)
-
-    monkeypatch.setattr(_Search, "compile", recording)
-    # Different inputs: XLA would merge two identical busy loops into one.
-    report = tune(lambda x: fast_alternative(x).sum() + fast_too(x * 3.0).sum(), X)
-    assert [t.status for t in report.trials] == ["accepted", "accepted"]
-    assert len(compiled) == 3  # the floor, then one program per trial
-    assert all(cfg == ImplConfig("direct") for cfg in compiled[-1].values())
-    assert_never_slower_than_floor(report)

@@ -785,11 +785,9 @@ class _Search:
     def confirm(self, floor: Assignment, floor_exe: Any, trials: list[Trial], calls: Mapping[Key, CallPick], progress: bool | None) -> tuple[dict[Key, Any], Any]:
         """Greedy confirmation; returns the final assignment and its executable.
 
-        Trials compile in batches, all before any timing (compiling while timing would skew the
-        timing), each as the assignment it would be timed as if the batch's first trial, the
-        most promising, is accepted (see :func:`_speculate`). A trial is timed only if the
-        program it compiled is its call changed in the incumbent of that moment; the others go
-        back to the front of the queue, to compile again.
+        Trials compile in batches against the current incumbent, all before any timing (compiling
+        while timing would skew the timing). Once a trial is accepted the incumbent changes, and
+        the rest of its batch, compiled against the old one, goes back to the queue.
         """
         incumbent, incumbent_exe = dict(floor), floor_exe
         queue = list(trials)
@@ -803,26 +801,21 @@ class _Search:
                     if not size:
                         break
                     batch, queue = queue[:size], queue[size:]
-                    programs = _speculate(incumbent, batch)
+                    base = dict(incumbent)
                     began = time.perf_counter()
-                    futures = [pool.submit(self.compile, program) for program in programs]
+                    futures = [pool.submit(self.compile, {**base, t.key: t.cfg}) for t in batch]
                     concurrent.futures.wait(futures)
                     self.compile_wall_s = max(self.compile_wall_s, time.perf_counter() - began)
-                    stale = []
-                    for n, (trial, program, future) in enumerate(zip(batch, programs, futures)):
-                        if not self._fits(self.pair_s):
-                            stale += batch[n:]
+                    for n, (trial, future) in enumerate(zip(batch, futures)):
+                        if incumbent != base or not self._fits(self.pair_s):
+                            queue = batch[n:] + queue
                             break
-                        if program != {**incumbent, trial.key: trial.cfg}:
-                            stale.append(trial)
-                            continue
                         began = time.perf_counter()
                         incumbent_exe = self._try(trial, future, incumbent, incumbent_exe, calls[trial.key])
                         # Scaled to a first block: extra rounds one trial needed say little about the next.
                         rounds = trial.comparison.rounds if trial.comparison is not None else self.samples
                         self.pair_s = max(self.pair_s, (time.perf_counter() - began) * self.samples / max(rounds, self.samples))
                         bar.advance()
-                    queue = stale + queue
         finally:
             bar.close()
         for trial in queue:
@@ -852,23 +845,6 @@ class _Search:
         if not call.changed:
             call.step_ms = trial.incumbent.median_ms
         return incumbent_exe
-
-
-def _speculate(incumbent: Assignment, batch: Sequence[Trial]) -> list[dict[Key, Any]]:
-    """The assignment to compile for each trial of a batch, betting that the first is accepted.
-
-    The first trial is the incumbent with its call changed. A later trial of the same call is
-    that call changed in the incumbent: right whether the first is accepted or not. A trial of
-    another call gets the first's change too: right if the first is accepted, which the order
-    of the trials (the most promising first) makes the likelier outcome. Before this bet, an
-    accepted first trial sent the rest of its batch back to compile (run 13 on the H100: the
-    fused loss, next in line, never got a second compile within the budget)."""
-    first = batch[0]
-    programs = []
-    for trial in batch:
-        bet = {} if trial.key == first.key else {first.key: first.cfg}
-        programs.append({**incumbent, **bet, trial.key: trial.cfg})
-    return programs
 
 
 def _floor_cfg(inv: Invocation[Any, Any], selector: ConfigSelectorChain) -> Any:
