@@ -1,0 +1,92 @@
+"""Where the fused Mosaic backward's extra time goes: the backward alone, with parts removed.
+
+    python bench/probe_fused_backward.py
+
+The fused backward (``mosaic_backward(..., fused=True)``) adds three things to each step of the
+dk/dv kernel: storing ``ds`` to shared memory and the ``ds^T k`` wgmma (the *share*), storing
+the float32 share to shared memory, and the TMA reduce-add of it into dq. This probe times,
+side by side in one interleaved run, the split backward, the fused one, and the fused one with
+parts taken out at trace time (results are then wrong; only the time is read):
+
+- ``no reduce-add``: the share is computed and stored, never sent to global memory;
+- ``no share product``: the ``ds^T k`` wgmma is replaced by zeros (still stored and sent).
+
+What a removal saves is what that part costs on the consumers' path. Not a correctness check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from _timing import time_interleaved
+from ejlabel import BwdParams, FwdParams
+from ejlabel.kernels import attention_mosaic as am
+
+
+@contextlib.contextmanager
+def without(part: str | None) -> Iterator[None]:
+    """Trace the kernels with ``part`` (``"reduce"`` or ``"product"``) taken out."""
+    real_plgpu, real_mma = am.plgpu, am._mma_new
+    if part == "reduce":
+
+        def copy(src: Any, dst: Any, *args: Any, reduction_op: Any = None, **kwargs: Any) -> None:
+            if reduction_op is None:
+                real_plgpu.copy_smem_to_gmem(src, dst, *args, **kwargs)
+
+        am.plgpu = types.SimpleNamespace(**{n: getattr(real_plgpu, n) for n in dir(real_plgpu) if not n.startswith("__")})
+        am.plgpu.copy_smem_to_gmem = copy
+    if part == "product":
+
+        def mma(shape: Any, a: Any, b: Any, *, transpose_b: bool, transpose_a: bool = False, between: Any = None) -> jax.Array:
+            if transpose_a:
+                return am._cast(shape, jnp.zeros((a.shape[1], b.shape[1]), jnp.float32), real_plgpu.Layout.WGMMA)
+            return real_mma(shape, a, b, transpose_b=transpose_b, between=between)
+
+        am._mma_new = mma
+    try:
+        yield
+    finally:
+        am.plgpu, am._mma_new = real_plgpu, real_mma
+
+
+def case(batch: int, seq: int, heads: int, kv_heads: int, dim: int, segments: int | None) -> dict[str, Any]:
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (batch, seq, heads, dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, seq, kv_heads, dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, seq, kv_heads, dim), jnp.bfloat16)
+    g = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    ids = None if segments is None else jnp.broadcast_to(1 + jnp.arange(seq) // (seq // segments), (batch, seq)).astype(jnp.int32)
+    bounds = (None, 0)
+    out, lse = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, ids, scale=dim**-0.5, bounds=bounds, params=FwdParams()))(q, k, v)
+    steps = {}
+    for name, fused, part in (("split", False, None), ("fused", True, None), ("fused, no reduce-add", True, "reduce"), ("fused, no share product", True, "product")):
+        backward = jax.jit(
+            lambda q, k, v, out, lse, g, fused=fused: am.mosaic_backward(
+                q, k, v, ids, out, lse, g, scale=dim**-0.5, bounds=bounds, params=BwdParams(q_blocksize=64, kv_blocksize=128), fused=fused,
+            )
+        )
+        with without(part):
+            compiled = backward.lower(q, k, v, out, lse, g).compile()
+        steps[name] = lambda compiled=compiled: compiled(q, k, v, out, lse, g)
+    return steps
+
+
+def main() -> None:
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
+    lines = []
+    for title, shape in (("causal B4 S4096 H16 D128", (4, 4096, 16, 16, 128, None)), ("packed B8 S2048 H12/4 D64, 4 docs", (8, 2048, 12, 4, 64, 4))):
+        times = time_interleaved(case(*shape), samples=9, per_sample=4)
+        lines += [f"### {title}: backward only", "| variant | ms | vs split |", "|---|---:|---:|"]
+        lines += [f"| {name} | {ms:.3f} | {ms / times['split']:.2f}x |" for name, ms in times.items()]
+        print("\n".join(lines[-len(times) - 3 :]), flush=True)
+    print("\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
