@@ -1130,10 +1130,13 @@ def mosaic_backward(
     in float32 (see :func:`_dkv_call`); else a dq kernel and a dk/dv kernel. The split is the
     default because it measured faster: on the H100 (jax 0.11.2, 2026-11-25, one interleaved
     run, bench/RESULTS.md) causal B4 S4096 H16 D128 forward+backward took 2.50 ms split and
-    3.78 ms fused, the packed model shape 0.43 and 0.52 ms. Each fused step waits on its own
-    ``ds`` store, an extra wgmma and the float32 share's store before the next block, where the
-    dq kernel's products overlap the other consumer's softmax; winning needs the reduce-adds
-    issued off the consumers' path (by the producer, from double-buffered shares).
+    3.78 ms fused, the packed model shape 0.43 and 0.52 ms. The reduce-adds are the cost
+    (bench/probe_fused_backward.py, run 18): without them the fused backward took 1.87 ms
+    against the split's 1.84 at D128 and 0.32 against 0.39 ms at the packed shape, with them
+    3.11 and 0.41. Each consumer sends its own float32 share (``64 x dim`` per block pair, twice
+    the dq traffic of one share per block pair) and waits for the last one to be read before
+    writing the next. Summing the two consumers' shares before sending, and double-buffering
+    them, is what the fused kernel needs to win.
     """
     _check(q, k)
     if not mosaic_supports(q.dtype, q.shape[3]):
