@@ -827,9 +827,11 @@ def _dkv_call(
     group = shape.group
     items, order = _items(plan, kv_heads, persistent, shape.interpret)
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    if fused and 2 * _TILE * row_bytes + stages * 2 * block_q * row_bytes + _fused_bytes(dim) > _SMEM_BYTES:
+    tile_bytes = 2 * _TILE * row_bytes  # key and value rows of one tile
+    ring_bytes = stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0)  # with the fused buffers
+    if fused and tile_bytes + ring_bytes > _SMEM_BYTES:
         raise ValueError(f"num_stages: {stages} stages of the fused backward do not fit shared memory at head dim {dim}")
-    buffers = _tile_buffers(2 * _TILE * row_bytes, stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0))
+    buffers = _tile_buffers(tile_bytes, ring_bytes)
     shares = fused and shape.interpret
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
