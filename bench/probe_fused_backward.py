@@ -2,16 +2,15 @@
 
     python bench/probe_fused_backward.py
 
-The fused backward (``mosaic_backward(..., fused=True)``) adds three things to each step of the
-dk/dv kernel: storing ``ds`` to shared memory and the ``ds^T k`` wgmma (the *share*), storing
-the float32 share to shared memory, and the TMA reduce-add of it into dq. This probe times,
-side by side in one interleaved run, the split backward, the fused one, and the fused one with
-parts taken out at trace time (results are then wrong; only the time is read):
+The fused backward (``mosaic_backward(..., fused=True)``) adds to each step of the dk/dv kernel
+its share of ``dq``: both consumers store ``ds`` to shared memory, the consumer whose turn it is
+multiplies ``ds^T k`` over the tile's keys, stores the float32 share and sends it to dq with a
+TMA reduce-add. This probe times, side by side in one interleaved run, the split backward, the
+fused one, and the fused one without its reduce-adds (taken out at trace time: the share is
+computed and stored, never sent, so dq is wrong; only the time is read). What the removal saves
+is what the reduce-adds cost on the consumers' path. Not a correctness check.
 
-- ``no reduce-add``: the share is computed and stored, never sent to global memory;
-- ``no share product``: the ``ds^T k`` wgmma is replaced by zeros (still stored and sent).
-
-What a removal saves is what that part costs on the consumers' path. Not a correctness check.
+Run 18 (bench/RESULTS.md) also took out the share product; it cost nothing measurable.
 """
 
 from __future__ import annotations
@@ -29,32 +28,24 @@ from ejlabel.kernels import attention_mosaic as am
 
 
 @contextlib.contextmanager
-def without(part: str | None) -> Iterator[None]:
-    """Trace the kernels with ``part`` (``"reduce"`` or ``"product"``) taken out."""
-    real_plgpu, real_mma = am.plgpu, am._mma_new
-    if part == "reduce":
+def without_reduce_adds(active: bool) -> Iterator[None]:
+    """Trace the kernels with their reduce-adds to global memory taken out (if ``active``)."""
+    real_plgpu = am.plgpu
 
-        def copy(src: Any, dst: Any, *args: Any, reduction_op: Any = None, **kwargs: Any) -> None:
-            if reduction_op is None:
-                real_plgpu.copy_smem_to_gmem(src, dst, *args, **kwargs)
+    def copy(src: Any, dst: Any, *args: Any, reduction_op: Any = None, **kwargs: Any) -> None:
+        if reduction_op is None:
+            real_plgpu.copy_smem_to_gmem(src, dst, *args, **kwargs)
 
-        class Filtered:  # the module, but its copies out to global memory drop reduce-adds
-            def __getattr__(self, name: str) -> Any:
-                return copy if name == "copy_smem_to_gmem" else getattr(real_plgpu, name)
+    class Filtered:  # the module, but its copies out to global memory drop reduce-adds
+        def __getattr__(self, name: str) -> Any:
+            return copy if name == "copy_smem_to_gmem" else getattr(real_plgpu, name)
 
+    if active:
         am.plgpu = Filtered()
-    if part == "product":
-
-        def mma(shape: Any, a: Any, b: Any, *, transpose_b: bool, transpose_a: bool = False, between: Any = None) -> jax.Array:
-            if transpose_a:
-                return am._cast(shape, jnp.zeros((a.shape[1], b.shape[1]), jnp.float32), real_plgpu.Layout.WGMMA)
-            return real_mma(shape, a, b, transpose_b=transpose_b, between=between)
-
-        am._mma_new = mma
     try:
         yield
     finally:
-        am.plgpu, am._mma_new = real_plgpu, real_mma
+        am.plgpu = real_plgpu
 
 
 def case(batch: int, seq: int, heads: int, kv_heads: int, dim: int, segments: int | None) -> dict[str, Any]:
@@ -67,13 +58,13 @@ def case(batch: int, seq: int, heads: int, kv_heads: int, dim: int, segments: in
     bounds = (None, 0)
     out, lse = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, ids, scale=dim**-0.5, bounds=bounds, params=FwdParams()))(q, k, v)
     steps = {}
-    for name, fused, part in (("split", False, None), ("fused", True, None), ("fused, no reduce-add", True, "reduce"), ("fused, no share product", True, "product")):
+    for name, fused, no_reduce in (("split", False, False), ("fused", True, False), ("fused, no reduce-add", True, True)):
         backward = jax.jit(
             lambda q, k, v, out, lse, g, fused=fused: am.mosaic_backward(
                 q, k, v, ids, out, lse, g, scale=dim**-0.5, bounds=bounds, params=BwdParams(q_blocksize=64, kv_blocksize=128), fused=fused,
             )
         )
-        with without(part):
+        with without_reduce_adds(no_reduce):
             compiled = backward.lower(q, k, v, out, lse, g).compile()
         steps[name] = lambda compiled=compiled: compiled(q, k, v, out, lse, g)
     return steps

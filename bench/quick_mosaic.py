@@ -84,10 +84,10 @@ def main() -> None:
     tables = []
 
     def mosaic(label: str = "", **options: Any) -> dict[str, Any]:
-        """Our kernels with the backward split in two (dq; dk, dv) and fused (the default)."""
+        """Our kernels with the backward split in two (dq; dk, dv: the default) and fused."""
         return {
             f"mosaic split bwd{label}": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, fused_backward=False, **options),
-            f"mosaic fused bwd{label}": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, **options),
+            f"mosaic fused bwd{label}": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, fused_backward=True, **options),
         }
 
     batch, seq, heads, dim = 4, 4096, 16, 128

@@ -812,13 +812,15 @@ def _dkv_call(
     key/value head, walking the planned query blocks once per query head of its group, so the
     group's sum stays in registers (no per-query-head partials, no atomics).
 
-    ``fused`` (``block_q`` 64): each step also computes its share of ``dq``, ``ds^T k``, from the
-    ``ds`` it has at hand, and adds it to a float32 ``dq`` in global memory with a TMA
-    reduce-add; ``dq [batch, seq_q, heads, dim]`` float32 is returned unscaled (times the softmax
-    scale, it is the gradient), else None. That saves the dq kernel's recomputation of
-    ``q k^T``, the softmax and ``dO v^T``, at the price of float32 additions in L2. The
-    interpreter has no reduce-add: there each step stores its share in a slot of its own
-    (warpgroup, key/value tile) and the shares of the visited blocks are summed outside.
+    ``fused`` (``block_q`` 64): each step also computes the query block's share of ``dq``,
+    ``ds^T k`` over the tile's 128 keys, and adds it to a float32 ``dq`` in global memory with a
+    TMA reduce-add; ``dq [batch, seq_q, heads, dim]`` float32 is returned unscaled (times the
+    softmax scale, it is the gradient), else None. That saves the dq kernel's recomputation of
+    ``q k^T``, the softmax and ``dO v^T``, at the price of float32 additions in L2. The two
+    consumers take turns (see :func:`_pair_share`): one share per block pair, not one per
+    consumer, and each consumer's share buffer has two steps to drain. The interpreter has no
+    reduce-add: there each step stores its share in a slot of its own (key/value tile) and the
+    shares of the visited blocks are summed outside.
     """
     batch, seq_kv, kv_heads, dim = k.shape
     seq_q, heads = q.shape[1], q.shape[2]
@@ -844,7 +846,8 @@ def _dkv_call(
         scratch, barriers = refs
         k_smem, v_smem, kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch[:8]
         ds_smem, dq_smem = scratch[8:] if fused else (None, None)
-        kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used = barriers
+        kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used = barriers[:8]
+        ds_ready, ds_used = barriers[8:] if fused else (None, None)
         wg = lax.axis_index("wg")
 
         @pl.when(wg < _CONSUMERS)
@@ -867,20 +870,21 @@ def _dkv_call(
                 plgpu.barrier_wait(_tile_ready(kv_ready, buf, wg))
                 k_seg = _load(shape, kseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
-                def add_dq(ds_t: jax.Array, j: jax.Array, head: jax.Array) -> None:
-                    """``dq[block j] += ds^T k`` for this warpgroup's 64 keys."""
-                    my_ds, my_dq = ds_smem.at[wg], dq_smem.at[wg]
-                    my_ds[...] = ds_t
-                    plgpu.commit_smem()
-                    share = _mma_new(shape, my_ds, my_k, transpose_a=True, transpose_b=False)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left my_dq
-                    my_dq[...] = share
-                    plgpu.commit_smem()
-                    rows = pl.ds(j * block_q, block_q)
-                    if shares:
-                        plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[wg, b, visit.tile, rows, head])
-                    else:
-                        plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[b, rows, head], reduction_op="add")
+                def add_dq(ds_t: jax.Array, t: jax.Array, j: jax.Array, head: jax.Array) -> None:
+                    """``dq[block j] += ds^T k`` over both consumers' keys, sent by step ``t``'s turn."""
+
+                    def send(share: jax.Array) -> None:
+                        my_dq = dq_smem.at[wg]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # my last share has left my_dq
+                        my_dq[...] = share
+                        plgpu.commit_smem()
+                        rows = pl.ds(j * block_q, block_q)
+                        if shares:
+                            plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[b, visit.tile, rows, head])
+                        else:
+                            plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[b, rows, head], reduction_op="add")
+
+                    _pair_share(shape, wg, t, t0, ds_t, ds_smem, k_smem.at[buf], (ds_ready, ds_used), send)
 
                 def step(r: int, j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
                     dk, dv = grads
@@ -906,7 +910,7 @@ def _dkv_call(
                     dk = _mma_into(shape, dk, ds_t, q_ring.at[slot])
                     plgpu.barrier_arrive(q_used.at[slot])
                     if fused:
-                        add_dq(ds_t, j, hk * group + r)
+                        add_dq(ds_t, t, j, hk * group + r)
                     return dk, dv
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -915,6 +919,8 @@ def _dkv_call(
                 for r in range(group):  # the group is small and static
                     grads = _three_loops(visit, functools.partial(step, r), grads, offset=t0 + r * n)
                 dk, dv = grads
+                if fused:
+                    _pair_share_done(wg, t0, group * n, ds_used)
 
                 def write() -> None:
                     my_k[...] = (dk * (shape.scale / _LOG2E)).astype(dtype)
@@ -970,11 +976,13 @@ def _dkv_call(
         ring(num_arrivals=_CONSUMERS),
         ring(num_arrivals=_CONSUMERS),
     )
+    if fused:  # the turns of _pair_share: ds ready (both consumers), ds and keys read (the sender)
+        barriers += (plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_CONSUMERS), plgpu.Barrier(num_barriers=_CONSUMERS))
     operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ())
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     dq_acc = None
     if shares:
-        out_type.append(jax.ShapeDtypeStruct((_CONSUMERS, batch, plan.shape[2], seq_q, heads, dim), jnp.float32))
+        out_type.append(jax.ShapeDtypeStruct((batch, plan.shape[2], seq_q, heads, dim), jnp.float32))
     elif fused:
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         operands += (dq_acc,)
@@ -992,12 +1000,67 @@ def _fused_bytes(dim: int) -> int:
     return _CONSUMERS * (WG_ROWS * WG_ROWS * 2 + WG_ROWS * dim * 4)
 
 
+def _pair_share(
+    shape: _Shape, wg: jax.Array, t: jax.Array, t0: jax.Array, ds_t: jax.Array, ds_smem: Any, k_tile: Any,
+    barriers: tuple[Any, Any], send: Any,
+) -> None:
+    """One step's share of ``dq``, ``ds^T k`` over the tile's 128 keys, computed and sent by
+    one consumer: the consumers take turns, consumer ``t % 2`` at producer step ``t``.
+
+    Each consumer stores its ``ds [64 keys, 64 queries]`` in ``ds_smem [consumers, ...]`` and
+    arrives on ``ds_ready[turn]``; the sender waits for both, adds ``ds_w^T k_w`` over the
+    consumers ``w`` in one accumulator (two wgmmas), arrives on ``ds_used[turn]`` (its reads of
+    both consumers' ``ds`` and keys are done) and hands the share to ``send``. Before a
+    consumer overwrites its ``ds`` on its own turn it waits for the other's last turn to have
+    read it (on the other turns it was itself the last reader); the item's first step skips
+    that wait, :func:`_pair_share_done` having waited at the end of the item before.
+
+    Against a share per consumer this halves the reduce-adds, and each consumer's float32
+    buffer has two steps, not one, to leave shared memory before it is rewritten.
+    """
+    ds_ready, ds_used = barriers
+    turn = lax.rem(t, _CONSUMERS)
+    mine = turn == wg
+    other = 1 - wg
+    pl.when(mine & (t > t0))(lambda: plgpu.barrier_wait(ds_used.at[other]))
+    ds_smem.at[wg][...] = ds_t
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(ds_ready.at[turn])
+
+    @pl.when(mine)
+    def _send() -> None:
+        plgpu.barrier_wait(ds_ready.at[wg])
+        if shape.interpret:
+            share = sum(
+                lax.dot_general(ds_smem.at[w][...], k_tile.at[w][...], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                for w in range(_CONSUMERS)
+            )
+        else:
+
+            def run(acc_ref: Any) -> jax.Array:
+                for w in range(_CONSUMERS):
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[w], (1, 0)), k_tile.at[w])
+                return acc_ref[...]
+
+            share = pl.run_scoped(run, plgpu.ACC((ds_t.shape[1], k_tile.shape[2]), jnp.float32))
+        plgpu.barrier_arrive(ds_used.at[wg])
+        send(share)
+
+
+def _pair_share_done(wg: jax.Array, t0: jax.Array, steps: jax.Array, ds_used: Any) -> None:
+    """At the end of an item of ``steps`` steps from ``t0``: the consumer whose turn the last
+    step was not waits until that turn has read its ``ds`` and keys, which the item's results
+    (and, with one tile buffer, the next item's keys) are about to overwrite."""
+    last = t0 + steps - 1
+    pl.when((steps > 0) & (lax.rem(last, _CONSUMERS) != wg))(lambda: plgpu.barrier_wait(ds_used.at[1 - wg]))
+
+
 def _sum_shares(shares: jax.Array, plan: jax.Array, block_q: int) -> Float[Array, "batch seq_q heads dim"]:
-    """The interpreter's ``dq``: ``shares [consumers, batch, kv tiles, seq_q, heads, dim]`` summed
-    over the query blocks each key/value tile visited (the others were never written)."""
-    blocks = jnp.arange(shares.shape[3], dtype=jnp.int32) // block_q
+    """The interpreter's ``dq``: ``shares [batch, kv tiles, seq_q, heads, dim]`` summed over the
+    query blocks each key/value tile visited (the others were never written)."""
+    blocks = jnp.arange(shares.shape[2], dtype=jnp.int32) // block_q
     visited = (blocks >= plan[0][..., None]) & (blocks < plan[1][..., None])  # [batch, tiles, seq_q]
-    return jnp.where(visited[None, :, :, :, None, None], shares, 0.0).sum(axis=(0, 2))
+    return jnp.where(visited[:, :, :, None, None], shares, 0.0).sum(axis=1)
 
 
 def _launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tuple[Any, ...], interpret: bool) -> Any:

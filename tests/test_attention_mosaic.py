@@ -283,27 +283,36 @@ def test_interpreted_persistent_programs_walk_several_tiles() -> None:
 
 
 @pytest.mark.slow
-def test_interpreted_fused_backward() -> None:
-    # Two key/value tiles, a query head group of 2, two documents and padding: each step's dq
-    # share lands in its own slot (the interpreter has no reduce-add) and the visited ones are
-    # summed, so a share written to the wrong block, head or tile shows in dq.
-    seq, dim = 256, 64
+def test_interpreted_fused_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Four key/value tiles over three programs (one walks two tiles), a query head group of 2,
+    # three documents and padding: each step's dq share lands in its own slot (the interpreter
+    # has no reduce-add) and the visited ones are summed, so a share written to the wrong block,
+    # head or tile shows in dq. The consumers take turns sending shares and read each other's
+    # ds and keys: the interpreter's race detector must find no access that the turns' barriers
+    # leave unordered (taking out one of their waits makes it report the race).
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    params_type = type(am._interpret_params())
+    monkeypatch.setattr(am, "_interpret_params", lambda: params_type(detect_races=True))
+    seq, dim = 512, 64
     q, k, v = qkv(1, seq, 2, 1, dim, jnp.bfloat16, seed=13)
-    ids = jnp.where(jnp.arange(seq) < seq - 11, 1 + (jnp.arange(seq) >= 90), 0)[None].astype(jnp.int32)
+    position = jnp.arange(seq)
+    ids = jnp.where(position < seq - 11, 1 + (position >= 90) + (position >= 300), 0)[None].astype(jnp.int32)
     probe = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
     _, fused = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=True)
+    assert not gpu_callbacks.get_races().races_found
     assert not np.any(np.asarray(fused[0].astype(jnp.float32))[0, seq - 11 :])  # padding: dq exactly 0
 
 
 def test_sum_shares_adds_only_visited_blocks() -> None:
     # Unvisited slots hold whatever the memory held (NaN here): they must not reach dq.
-    shares = jnp.full((2, 1, 2, 256, 1, 8), jnp.nan, jnp.float32)
+    shares = jnp.full((1, 2, 256, 1, 8), jnp.nan, jnp.float32)
     plan = jnp.array([[[0, 2]], [[2, 4]], [[0, 2]], [[2, 4]]], jnp.int32)  # tile 0 visits q blocks 0-1, tile 1 blocks 2-3
-    shares = shares.at[:, 0, 0, :128].set(1.0).at[:, 0, 1, 128:].set(2.0)
+    shares = shares.at[0, 0, :128].set(1.0).at[0, 1, 128:].set(2.0)
     dq = np.asarray(am._sum_shares(shares, plan, 64))
-    np.testing.assert_array_equal(dq[0, :128], 2.0)
-    np.testing.assert_array_equal(dq[0, 128:], 4.0)
+    np.testing.assert_array_equal(dq[0, :128], 1.0)
+    np.testing.assert_array_equal(dq[0, 128:], 2.0)
 
 
 # --------------------------------------------------------------------------------------------
