@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Any, NamedTuple
 
@@ -204,7 +205,15 @@ def _cast(shape: _Shape, x: jax.Array, layout: Any) -> jax.Array:
 
 def _load(shape: _Shape, ref: Any, layout: Any) -> jax.Array:
     """A whole shared-memory ref, loaded into ``layout``."""
-    return ref[...] if shape.interpret else plgpu.load(ref, (), layout=layout)
+    if shape.interpret:
+        return ref[...]
+    return plgpu.load(ref, layout=layout) if _LOAD_INDEX_OPTIONAL else plgpu.load(ref, (), layout=layout)
+
+
+# Newer JAX releases take the index as part of the ref (``ref.at[idx]``) and deprecate passing it
+# to ``load``; older ones require it.
+_LOAD_INDEX = None if plgpu is None else inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_INDEX_OPTIONAL = _LOAD_INDEX is None or _LOAD_INDEX.default is not inspect.Parameter.empty
 
 
 def _visibility(
@@ -496,8 +505,8 @@ def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, transpose_a: b
         if between is not None:
             between()
         return out
-    lhs = plgpu.transpose_ref(a, (1, 0)) if transpose_a else a
-    rhs = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+    lhs = a.transpose((1, 0)) if transpose_a else a
+    rhs = b.transpose((1, 0)) if transpose_b else b
     rows = a.shape[1] if transpose_a else a.shape[0]
     cols = b.shape[0] if transpose_b else b.shape[1]
 
@@ -1039,7 +1048,7 @@ def _pair_share(
 
             def run(acc_ref: Any) -> jax.Array:
                 for w in range(_CONSUMERS):
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[w], (1, 0)), k_tile.at[w])
+                    plgpu.wgmma(acc_ref, ds_smem.at[w].transpose((1, 0)), k_tile.at[w])
                 return acc_ref[...]
 
             share = pl.run_scoped(run, plgpu.ACC((ds_t.shape[1], k_tile.shape[2]), jnp.float32))
@@ -1193,15 +1202,14 @@ def mosaic_backward(
 
     ``fused`` (with a ``q_blocksize`` of 64): one kernel computes all three, adding ``dq`` up
     in float32 (see :func:`_dkv_call`); else a dq kernel and a dk/dv kernel. The split is the
-    default because it measured faster: on the H100 (jax 0.11.2, 2026-11-25, one interleaved
-    run, bench/RESULTS.md) causal B4 S4096 H16 D128 forward+backward took 2.50 ms split and
-    3.78 ms fused, the packed model shape 0.43 and 0.52 ms. The reduce-adds are the cost
-    (bench/probe_fused_backward.py, run 18): without them the fused backward took 1.87 ms
-    against the split's 1.84 at D128 and 0.32 against 0.39 ms at the packed shape, with them
-    3.11 and 0.41. Each consumer sends its own float32 share (``64 x dim`` per block pair, twice
-    the dq traffic of one share per block pair) and waits for the last one to be read before
-    writing the next. Summing the two consumers' shares before sending, and double-buffering
-    them, is what the fused kernel needs to win.
+    default because it measured faster: on the H100 (jax 0.11.2, 2026-11-25, interleaved runs,
+    bench/RESULTS.md) the backward alone at causal B4 S4096 H16 D128 took 1.85 ms split and 2.88
+    fused, at the packed model shape 0.331 and 0.354 ms (run 19). The reduce-adds are the cost:
+    without them the fused backward took 0.300 ms at the packed shape (bench/probe_fused_backward.py).
+    Run 18 sent one share per consumer (1.69x and 1.07x the split's time); since run 19 the
+    consumers take turns sending one share per block pair (:func:`_pair_share`): 1.56x and
+    1.07x. Half the reduce-adds, but the turns add a wait of their own (without reduce-adds the
+    fused backward went from 1.02x to 1.15x the split at D128).
     """
     _check(q, k)
     if not mosaic_supports(q.dtype, q.shape[3]):
