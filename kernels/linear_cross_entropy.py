@@ -29,6 +29,16 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
   only scales them: three passes of the matmul in all, as in the plain program, but the logits
   of one chunk at a time. With ``reduction="none"`` the backward recomputes the chunks instead.
 
+No Pallas GPU kernel: the backward's two products reduce over different axes (``d_hidden``
+over the vocabulary, ``d_weight`` over the tokens), so a kernel walking (token tile, vocabulary
+block) pairs keeps at most one of them on chip. The other must be summed across programs in
+global memory (at the benchmark's shape, 16384 tokens x 768 x 32000 in 128 x 128 blocks, 128
+float32 partials of ``768 x 128`` per vocabulary block: 12.6 GB of reduce-adds, the kind of
+traffic that made the fused attention backward lose, bench/RESULTS.md runs 18-19) or rebuilt
+in a second kernel (a fourth pass of the matmul, a third more than the plain program's
+three). ``chunked_tokens`` already runs the plain program's three passes with one chunk of
+logits at a time.
+
 Tokens labelled ``ignore_index`` get loss 0 and no gradient. The reduction (``"mean"`` over the
 tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is
 ``_Loss.reduce``, whose pullback gives the backward its per-token cotangent.
