@@ -15,8 +15,9 @@ the backward), written for what the Triton backend cannot express:
 - **A visiting plan instead of a mask over everything.** Outside the kernel, each tile gets the
   range ``[lo, hi)`` of blocks it must visit (from causal bounds, windows, padded keys and
   segment ids) and, inside it, the run ``[a, c)`` of blocks that every row sees whole. The
-  kernel walks ``[lo, a)`` and ``[c, hi)`` with a mask and ``[a, c)`` without one; blocks
-  outside ``[lo, hi)`` are never loaded. With packed documents that skips every block pair of
+  kernel walks ``[lo, a)`` and ``[c, hi)`` with a mask, then ``[a, c)`` without one (one
+  loop each, so the step's code is in the kernel twice, not once per range); blocks outside
+  ``[lo, hi)`` are never loaded. With packed documents that skips every block pair of
   two different documents.
 
 - **Persistent programs.** At most one program per SM, each walking several tiles (the
@@ -256,6 +257,19 @@ class _Visit(NamedTuple):
     def steps(self) -> jax.Array:
         return self.hi - self.lo
 
+    @property
+    def masked_steps(self) -> jax.Array:
+        """Blocks visited with a mask: ``[lo, a)`` and ``[c, hi)``."""
+        return (self.a - self.lo) + (self.hi - self.c)
+
+    def block(self, s: jax.Array) -> jax.Array:
+        """The block of the item's ``s``-th step: the masked blocks first (``[lo, a)``, then
+        ``[c, hi)``), then the unmasked run ``[a, c)``. The producer and the consumers walk this
+        one order, so a ring slot holds the block its consumer expects."""
+        head = self.a - self.lo
+        masked = jnp.where(s < head, self.lo + s, self.c + s - head)
+        return jnp.where(s < self.masked_steps, masked, self.a + s - self.masked_steps)
+
     def row0(self, wg: jax.Array) -> jax.Array:
         """The first row of the tile that consumer ``wg`` owns."""
         return self.tile * _TILE + wg * WG_ROWS
@@ -289,17 +303,17 @@ def _key_value_streams(
     return streams_of
 
 
-def _three_loops(visit: _Visit, step: Any, carry: Any, offset: Any = 0) -> Any:
-    """``step(j, t, carry, masked)`` over the planned blocks ``j``; ``t = offset + j - lo``
-    counts the producer's steps (it picks the ring slot)."""
-    lo, hi, a, c = visit.lo, visit.hi, visit.a, visit.c
+def _walk(visit: _Visit, step: Any, carry: Any, offset: Any = 0) -> Any:
+    """``step(j, t, carry, masked)`` over the planned blocks ``j`` in :meth:`_Visit.block`'s
+    order; ``t = offset + s`` at the item's ``s``-th step counts the producer's steps (it picks
+    the ring slot). Two loops, one per value of ``masked``: each is a copy of the step's code
+    in the kernel, so the masked blocks on both sides of the unmasked run share one."""
+    split = visit.masked_steps
 
     def run(start: jax.Array, stop: jax.Array, masked: bool, carry: Any) -> Any:
-        return lax.fori_loop(start, stop, lambda j, cr: step(j, offset + j - lo, cr, masked), carry)
+        return lax.fori_loop(start, stop, lambda s, cr: step(visit.block(s), offset + s, cr, masked), carry)
 
-    carry = run(lo, a, True, carry)
-    carry = run(a, c, False, carry)
-    return run(c, hi, True, carry)
+    return run(split, visit.steps, False, run(0, split, True, carry))
 
 
 def _produce(
@@ -315,12 +329,12 @@ def _produce(
     times, ``r`` counting the walks (the query heads of a group in the backward). ``offset``
     counts the steps of the program's earlier items: the ring runs on across items.
     """
-    lo, n = visit.lo, visit.steps
+    n = visit.steps
 
     def body(t: jax.Array, carry: Any) -> Any:
         step = offset + t
         slot = lax.rem(step, stages)
-        r, j = (jnp.int32(0), lo + t) if repeats == 1 else (lax.div(t, n), lo + lax.rem(t, n))
+        r, j = (jnp.int32(0), visit.block(t)) if repeats == 1 else (lax.div(t, n), visit.block(lax.rem(t, n)))
         for source, ring, ready, consumed in streams:
             if consumed is not None:
                 pl.when(step >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
@@ -645,7 +659,7 @@ def _forward_call(
                 )
                 if pingpong:
                     pl.when(wg == 1)(meet)
-                acc, m, l = _three_loops(visit, step, init, offset=t0)
+                acc, m, l = _walk(visit, step, init, offset=t0)
                 if pingpong:
                     pl.when(wg == 0)(meet)
                 seen = l > 0.0
@@ -769,7 +783,7 @@ def _dq_call(
                     return dq
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
-                dq = _three_loops(visit, step, zeros, offset=t0)
+                dq = _walk(visit, step, zeros, offset=t0)
 
                 def write() -> None:
                     my_q[...] = (dq * (shape.scale / _LOG2E)).astype(dtype)
@@ -895,7 +909,7 @@ def _dkv_call(
 
                     _pair_share(shape, wg, t, t0, ds_t, ds_smem, k_smem.at[buf], (ds_ready, ds_used), send)
 
-                def step(r: int, j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
+                def step(r: jax.Array, j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
                     dk, dv = grads
                     slot = lax.rem(t, stages)
                     for barrier in (lse_ready, delta_ready) + ((qseg_ready,) if segmented else ()):
@@ -924,10 +938,10 @@ def _dkv_call(
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
                 n = visit.steps
-                grads = (zeros, zeros)
-                for r in range(group):  # the group is small and static
-                    grads = _three_loops(visit, functools.partial(step, r), grads, offset=t0 + r * n)
-                dk, dv = grads
+                # A loop, not an unrolled one: every copy of the walk is more code to compile.
+                dk, dv = lax.fori_loop(
+                    0, group, lambda r, grads: _walk(visit, functools.partial(step, r), grads, offset=t0 + r * n), (zeros, zeros),
+                )
                 if fused:
                     _pair_share_done(wg, t0, group * n, ds_used)
 

@@ -283,13 +283,16 @@ def test_interpreted_persistent_programs_walk_several_tiles() -> None:
 
 
 @pytest.mark.slow
-def test_interpreted_fused_backward(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Four key/value tiles over three programs (one walks two tiles), a query head group of 2,
-    # three documents and padding: each step's dq share lands in its own slot (the interpreter
-    # has no reduce-add) and the visited ones are summed, so a share written to the wrong block,
-    # head or tile shows in dq. The consumers take turns sending shares and read each other's
-    # ds and keys: the interpreter's race detector must find no access that the turns' barriers
-    # leave unordered (taking out one of their waits makes it report the race).
+@pytest.mark.parametrize("fused", [False, True])
+def test_interpreted_backward(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+    # Four tiles over three programs (one walks two), a query head group of 2, three documents
+    # and padding. Some tiles visit masked blocks on both sides of an unmasked run (asserted
+    # below): the producer and the consumers must agree on the order of the walk. Fused: each
+    # step's dq share lands in its own slot (the interpreter has no reduce-add) and the visited
+    # ones are summed, so a share written to the wrong block, head or tile shows in dq; the
+    # consumers take turns sending shares and read each other's ds and keys. The interpreter's
+    # race detector must find no access that the kernels' barriers leave unordered (taking out
+    # one of the turns' waits makes it report the race).
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     params_type = type(am._interpret_params())
@@ -297,12 +300,16 @@ def test_interpreted_fused_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     seq, dim = 512, 64
     q, k, v = qkv(1, seq, 2, 1, dim, jnp.bfloat16, seed=13)
     position = jnp.arange(seq)
-    ids = jnp.where(position < seq - 11, 1 + (position >= 90) + (position >= 300), 0)[None].astype(jnp.int32)
+    ids = jnp.where(position < seq - 11, 1 + (position >= 60) + (position >= 90), 0)[None].astype(jnp.int32)
+    shape = am._Shape(0.125, _bounds(True, None), None, 2, True, True)
+    for transpose in (False, True):  # dq and forward walk key blocks of 64; dk/dv, query blocks of 64
+        lo, hi, a, c = np.asarray(am._visit_plan(seq, seq, 128, 64, shape, ids, 1, transpose=transpose))[:, 0]
+        assert np.any((lo < a) & (a < c) & (c < hi))
     probe = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
-    _, fused = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=True)
+    _, grads = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=fused)
     assert not gpu_callbacks.get_races().races_found
-    assert not np.any(np.asarray(fused[0].astype(jnp.float32))[0, seq - 11 :])  # padding: dq exactly 0
+    assert not np.any(np.asarray(grads[0].astype(jnp.float32))[0, seq - 11 :])  # padding: dq exactly 0
 
 
 def test_sum_shares_adds_only_visited_blocks() -> None:
