@@ -33,6 +33,7 @@ alternating between products and softmax; the default since), one interleaved ru
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -62,19 +63,21 @@ def steps(attend: dict[str, Any], q: jax.Array, k: jax.Array, v: jax.Array, prob
 
 
 def report(title: str, variants: dict[str, Any], flops_fwd: float, samples: int = 9, per_sample: int = 4) -> list[str]:
-    working = {}
+    working, first_s = {}, {}
     for name, step in variants.items():
         try:
-            jax.block_until_ready(step())
+            began = time.perf_counter()
+            jax.block_until_ready(step())  # the first call traces, lowers and compiles
+            first_s[name] = time.perf_counter() - began
             working[name] = step
         except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest still run
             print(f"{title} / {name}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
             traceback.print_exc(limit=3)
     times = time_interleaved(working, samples, per_sample)
-    lines = [f"### {title}", "| variant | ms | TFLOP/s |", "|---|---|---|"]
+    lines = [f"### {title}", "| variant | ms | TFLOP/s | first call s |", "|---|---|---|---|"]
     for name, ms in times.items():
         flops = flops_fwd * (1.0 if name.endswith(" fwd") else 3.5)
-        lines.append(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
+        lines.append(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} | {first_s[name]:.1f} |")
     print("\n".join(lines), flush=True)
     return lines
 
