@@ -281,6 +281,19 @@ def test_ranking_deadline_leaves_the_confirmations_their_share(monkeypatch, cloc
     assert [call.isolated_from for call in again.calls] == ["cache", "measured"]
 
 
+def test_report_says_where_the_time_went(monkeypatch, clock):
+    # The isolated ranking takes 40 s and one confirmation 70 s on the fake clock: the report's
+    # stages say so, in order, and add up to the run's wall time.
+    jump_after(monkeypatch, Autotuner, "_measure", clock, 40.0)
+    jump_after(monkeypatch, _Search, "_try", clock, 70.0)
+    report = tune(fast_step, X, budget_s=None)
+    stages = report.stages_s
+    assert list(stages) == ["calls and floor", "isolated ranking", "confirmations", "final check", "storing"]
+    assert 40.0 <= stages["isolated ranking"] < 70.0 <= stages["confirmations"] < 110.0
+    assert sum(stages.values()) == pytest.approx(report.wall_s, abs=0.5)
+    assert "time: calls and floor" in report.render() and "isolated ranking 4" in report.render()
+
+
 def test_measured_candidates_of_a_cut_ranking_still_rank_but_are_not_reused(monkeypatch, clock):
     # _timed_runs runs twice per timed candidate (warm-up, timing): jump once the floor and one
     # alternative were timed, past the ranking's deadline but not the run's.

@@ -278,6 +278,7 @@ class ContextTuneReport:
     compile_s: float
     stored: bool
     reverted: bool = False  # the final check found the tuned step no faster than the floor
+    stages_s: dict[str, float] = dataclasses.field(default_factory=dict)  # wall seconds per stage, in order
 
     @property
     def noise_ms(self) -> float:
@@ -316,6 +317,9 @@ class ContextTuneReport:
     def render(self) -> str:
         """The report as text: step times, then each call's pick, then each confirmation."""
         lines = [f"in-context tuning: {self.summary()}"]
+        if self.stages_s:
+            spent = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in self.stages_s.items())
+            lines.append(f"time: {spent} (compile work {self.compile_s:.1f} s, summed over threads)")
         lines.append(f"step time, median of {self.samples} paired rounds:")
         if self.baseline is not None:
             lines.append(f"  plain JAX (baseline)  {self.baseline.median_ms:10.4g} ms")
@@ -661,6 +665,7 @@ def tune_in_context(
         raise ValueError(f"min_gain: expected a fraction in [0, 1), got {min_gain!r}")
 
     start = time.perf_counter()
+    stages = _Stages(start)
     selector = selector if selector is not None else get_default_executor().selector
     policy = policy if policy is not None else selector.policy
     args = _concrete(args, seed)
@@ -672,14 +677,17 @@ def tune_in_context(
     deadline = start + budget_s if budget_s is not None else math.inf
     search = _Search(fn, args, sites, samples, warmup, min_gain, policy.compile_workers, deadline)
     floor_exe = search.compile_floor(floor)
+    stages.end("calls and floor")
 
     # 3. Rank each call's candidates in isolation; 4. confirm the promising ones in the step.
     calls = {key: CallPick(*key, sites[key], floor[key], floor[key]) for key in invocations}
     ranking = _Ranking(policy, selector, reuse_isolated, progress, seed, _rank_deadline(deadline))
     isolated = ranking.rank(invocations, floor, calls, errors)
+    stages.end("isolated ranking")
     trials = _plan(calls, isolated, candidates_per_call, skip_slower_in_isolation)
     incumbent, tuned_exe = search.confirm(floor, floor_exe, trials, calls, progress)
     trials += _cut_trials(calls.values())
+    stages.end("confirmations")
 
     # 5. The final check against the floor (and the plain baseline), then store.
     changed = incumbent != floor
@@ -687,20 +695,35 @@ def tune_in_context(
     if baseline_fn is not None:
         programs.append(search.compile_plain(baseline_fn))
     timings, final = search.compare(programs, first=2 * samples, judge=changed)
+    stages.end("final check")
     reverted = final is not None and not final.accepted
     tuned_time = timings[1] if changed and not reverted else timings[0]
     _settle(calls.values(), reverted, tuned_time.median_ms)
     report = ContextTuneReport(
         floor=timings[0], tuned=tuned_time, baseline=timings[-1] if baseline_fn is not None else None,
         final=final, calls=list(calls.values()), trials=trials, errors=errors, samples=timings[0].count,
-        budget_s=budget_s, wall_s=0.0, compile_s=search.compile_s, stored=store, reverted=reverted,
+        budget_s=budget_s, wall_s=0.0, compile_s=search.compile_s, stored=store, reverted=reverted, stages_s=stages.seconds,
     )
     if store:
         _store(report, invocations, trials, selector, errors)
+        stages.end("storing")
     report.wall_s = time.perf_counter() - start
     if verbose:
         print(report.render(), flush=True)
     return report
+
+
+class _Stages:
+    """Wall seconds of each stage of a run, in order: where a budget went."""
+
+    def __init__(self, start: float) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = start
+
+    def end(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = now - self._last
+        self._last = now
 
 
 def _rank_deadline(deadline: float) -> float | None:
