@@ -508,24 +508,32 @@ def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, transpose_a: b
     """``a @ b`` (``a^T``, ``b^T`` with ``transpose_a``, ``transpose_b``) into a fresh float32
     accumulator: ``a`` in shared memory or registers (transposed: shared memory), ``b`` in
     shared memory, the product with wgmma. ``between()``, if given, runs after the wgmma is
-    issued and before its result is awaited.
+    issued and before its result is awaited."""
+    return _mma_sum(shape, [(a, b)], transpose_b=transpose_b, transpose_a=transpose_a, between=between)
 
-    The interpreter cannot take transposed shared-memory operands, so there the same product
-    is an ordinary dot of the loaded values.
+
+def _mma_sum(
+    shape: _Shape, products: list[tuple[Any, Any]], *, transpose_b: bool, transpose_a: bool = False, between: Any = None,
+) -> jax.Array:
+    """The sum of ``a @ b`` over ``products`` in one fresh float32 accumulator, one wgmma each
+    (operands and transposes as in :func:`_mma_new`).
+
+    The interpreter cannot take transposed shared-memory operands, so there the same products
+    are ordinary dots of the loaded values.
     """
     if shape.interpret:
         dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
-        out = lax.dot_general(_operand(a), b[...], dims, preferred_element_type=jnp.float32)
+        out = sum(lax.dot_general(_operand(a), b[...], dims, preferred_element_type=jnp.float32) for a, b in products)
         if between is not None:
             between()
         return out
-    lhs = a.transpose((1, 0)) if transpose_a else a
-    rhs = b.transpose((1, 0)) if transpose_b else b
+    a, b = products[0]
     rows = a.shape[1] if transpose_a else a.shape[0]
     cols = b.shape[0] if transpose_b else b.shape[1]
 
     def run(acc_ref: Any) -> jax.Array:
-        plgpu.wgmma(acc_ref, lhs, rhs)
+        for a, b in products:
+            plgpu.wgmma(acc_ref, a.transpose((1, 0)) if transpose_a else a, b.transpose((1, 0)) if transpose_b else b)
         if between is not None:
             between()
         return acc_ref[...]
@@ -1053,19 +1061,8 @@ def _pair_share(
     @pl.when(mine)
     def _send() -> None:
         plgpu.barrier_wait(ds_ready.at[wg])
-        if shape.interpret:
-            share = sum(
-                lax.dot_general(ds_smem.at[w][...], k_tile.at[w][...], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-                for w in range(_CONSUMERS)
-            )
-        else:
-
-            def run(acc_ref: Any) -> jax.Array:
-                for w in range(_CONSUMERS):
-                    plgpu.wgmma(acc_ref, ds_smem.at[w].transpose((1, 0)), k_tile.at[w])
-                return acc_ref[...]
-
-            share = pl.run_scoped(run, plgpu.ACC((ds_t.shape[1], k_tile.shape[2]), jnp.float32))
+        products = [(ds_smem.at[w], k_tile.at[w]) for w in range(_CONSUMERS)]
+        share = _mma_sum(shape, products, transpose_a=True, transpose_b=False)
         plgpu.barrier_arrive(ds_used.at[wg])
         send(share)
 
