@@ -204,17 +204,17 @@ def _cast(shape: _Shape, x: jax.Array, layout: Any) -> jax.Array:
     return x if shape.interpret else plgpu.layout_cast(x, layout)
 
 
+# Newer JAX releases take the index as part of the ref (``ref.at[idx]``) and deprecate passing it
+# to ``load``; older ones require it.
+_LOAD_INDEX = None if plgpu is None else inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_INDEX_OPTIONAL = _LOAD_INDEX is None or _LOAD_INDEX.default is not inspect.Parameter.empty
+
+
 def _load(shape: _Shape, ref: Any, layout: Any) -> jax.Array:
     """A whole shared-memory ref, loaded into ``layout``."""
     if shape.interpret:
         return ref[...]
     return plgpu.load(ref, layout=layout) if _LOAD_INDEX_OPTIONAL else plgpu.load(ref, (), layout=layout)
-
-
-# Newer JAX releases take the index as part of the ref (``ref.at[idx]``) and deprecate passing it
-# to ``load``; older ones require it.
-_LOAD_INDEX = None if plgpu is None else inspect.signature(plgpu.load).parameters.get("idx")
-_LOAD_INDEX_OPTIONAL = _LOAD_INDEX is None or _LOAD_INDEX.default is not inspect.Parameter.empty
 
 
 def _visibility(
@@ -504,19 +504,18 @@ def _operand(x: Any) -> jax.Array:
     return x if isinstance(x, jax.Array) else x[...]
 
 
-def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, transpose_a: bool = False, between: Any = None) -> jax.Array:
-    """``a @ b`` (``a^T``, ``b^T`` with ``transpose_a``, ``transpose_b``) into a fresh float32
-    accumulator: ``a`` in shared memory or registers (transposed: shared memory), ``b`` in
-    shared memory, the product with wgmma. ``between()``, if given, runs after the wgmma is
-    issued and before its result is awaited."""
-    return _mma_sum(shape, [(a, b)], transpose_b=transpose_b, transpose_a=transpose_a, between=between)
+def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, between: Any = None) -> jax.Array:
+    """``a @ b`` (``b^T`` with ``transpose_b``) into a fresh float32 accumulator: ``a`` in
+    shared memory or registers, ``b`` in shared memory, the product with wgmma. ``between()``,
+    if given, runs after the wgmma is issued and before its result is awaited."""
+    return _mma_sum(shape, [(a, b)], transpose_b=transpose_b, between=between)
 
 
 def _mma_sum(
     shape: _Shape, products: list[tuple[Any, Any]], *, transpose_b: bool, transpose_a: bool = False, between: Any = None,
 ) -> jax.Array:
     """The sum of ``a @ b`` over ``products`` in one fresh float32 accumulator, one wgmma each
-    (operands and transposes as in :func:`_mma_new`).
+    (operands as in :func:`_mma_new`; ``a^T`` with ``transpose_a``, then from shared memory).
 
     The interpreter cannot take transposed shared-memory operands, so there the same products
     are ordinary dots of the loaded values.

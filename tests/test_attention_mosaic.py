@@ -441,13 +441,11 @@ def test_gpu_fused_backward(dim: int, seq: int, heads: int, kv_heads: int, segme
     ids = documents(2, seq, segments, padding=seq // 10, seed=seq) if segments else None
     probe = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
 
-    def grads(fused: bool) -> Any:
-        f = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, fused_backward=fused)
-        return jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](probe.astype(q.dtype)))(q, k, v)
-
+    fused = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, fused_backward=True)
+    grads = jax.jit(lambda q, k, v: jax.vjp(fused, q, k, v)[1](probe.astype(q.dtype)))(q, k, v)
     ref = lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=dim**-0.5)
     want = jax.vjp(ref, *(t.astype(jnp.float32) for t in (q, k, v)))[1](probe)
-    for name, g, w in zip("qkv", grads(True), want):
+    for name, g, w in zip("qkv", grads, want):
         assert rel_error(g, w) < 4e-2, name
 
 
