@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -280,6 +281,11 @@ def _tile_ready(barriers: Any, buf: jax.Array, wg: jax.Array) -> Any:
     return barriers.at[buf * _CONSUMERS + wg]
 
 
+def _wait_for_tile(barriers: Any, buf: jax.Array, wg: jax.Array) -> None:
+    with jax.named_scope("tile_wait"):
+        plgpu.barrier_wait(_tile_ready(barriers, buf, wg))
+
+
 def _key_value_streams(
     k_ref: Any, v_ref: Any, seg_ref: Any, rings: tuple[Any, ...], barriers: tuple[Any, ...], block_k: int, group: int,
 ) -> Any:
@@ -313,7 +319,8 @@ def _walk(visit: _Visit, step: Any, carry: Any, offset: Any = 0) -> Any:
     def run(start: jax.Array, stop: jax.Array, masked: bool, carry: Any) -> Any:
         return lax.fori_loop(start, stop, lambda s, cr: step(visit.block(s), offset + s, cr, masked), carry)
 
-    return run(split, visit.steps, False, run(0, split, True, carry))
+    with jax.named_scope("walk"):
+        return run(split, visit.steps, False, run(0, split, True, carry))
 
 
 def _produce(
@@ -337,7 +344,8 @@ def _produce(
         r, j = (jnp.int32(0), visit.block(t)) if repeats == 1 else (lax.div(t, n), visit.block(lax.rem(t, n)))
         for source, ring, ready, consumed in streams:
             if consumed is not None:
-                pl.when(step >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
+                with jax.named_scope("slot_wait"):
+                    pl.when(step >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
             plgpu.copy_gmem_to_smem(source(j, r), ring.at[slot], ready.at[slot])
         return carry
 
@@ -446,37 +454,50 @@ def _tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
 
 
 def _consume_items(
-    items: _Items, order_ref: Any, plan_ref: Any, buffers: int, load: Any, process: Any,
+    items: _Items, order_ref: Any, plan_ref: Any, buffers: int, ready: Any, load: Any, process: Any,
 ) -> None:
     """A consumer warpgroup's walk over its program's items.
 
-    ``load(visit, buf)`` starts the copies of an item's tile into buffer ``buf``;
-    ``process(visit, buf, t0) -> (t1, write)`` waits for that buffer, walks the item's blocks
-    (producer steps ``t0 .. t1``) and returns ``write()``, which puts the item's results into
-    the buffer's shared memory and starts their copies out. With two buffers the next item's
-    tile is already on its way while these results are written; with one it follows them.
+    ``load(visit, buf)`` starts the copies of an item's tile into buffer ``buf``, completing
+    ``ready`` (see :func:`_tile_ready`); ``process(visit, buf, t0) -> (t1, write)`` walks the
+    item's blocks (producer steps ``t0 .. t1``) and returns ``write()``, which puts the item's
+    results into the buffer's shared memory and starts their copies out. With two buffers the
+    next item's tile is requested as soon as this one has arrived (once the previous item's
+    results have left the other buffer), so it loads during this item's walk; with one buffer
+    it follows the results.
     """
     mine = items.mine()
+    wg = lax.axis_index("wg")
     first = items.visit(order_ref, plan_ref, 0)
     pl.when(mine > 0)(lambda: load(first, jnp.int32(0)))
+    early = buffers > 1 and os.environ.get("EJLABEL_MOSAIC_LATE_PREFETCH") != "1"
+
+    def results_left() -> None:
+        # Results leave shared memory asynchronously: before a buffer is reused (the other
+        # tile buffer, or the one-row outputs every item writes), the reads must be done.
+        with jax.named_scope("out_wait"):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         t0, visit = carry[0], _Visit(*carry[1:])
         upcoming = items.visit(order_ref, plan_ref, i + 1)
         buf = lax.rem(i, buffers)
-        t1, write = process(visit, buf, t0)
 
         def prefetch() -> None:
             load(upcoming, lax.rem(i + 1, buffers))
 
-        # Results leave shared memory asynchronously: before a buffer is reused (the other
-        # tile buffer, or the one-row outputs every item writes), the reads must be done.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if buffers > 1:
+        _wait_for_tile(ready, buf, wg)
+        if early:
+            results_left()
             pl.when(i + 1 < mine)(prefetch)
-        write()
+        t1, write = process(visit, buf, t0)
+        if buffers > 1 and not early:
+            results_left()
+            pl.when(i + 1 < mine)(prefetch)
+        with jax.named_scope("write"):
+            write()
         if buffers == 1:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            results_left()
             pl.when(i + 1 < mine)(prefetch)
         return (t1, *upcoming)
 
@@ -551,8 +572,18 @@ def _mma_into(shape: _Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
     return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
+PROFILE_DIR_VARIABLE = "EJLABEL_MOSAIC_PROFILE_DIR"
+
+
 def _compiler_params() -> Any:
-    return plgpu.CompilerParams(approx_math=True)
+    """Approximate math for ``exp2``; with ``$EJLABEL_MOSAIC_PROFILE_DIR`` set when a kernel is
+    traced, each call writes a trace of the kernel's named regions (per warpgroup: ``tile_wait``,
+    ``walk``, ``k_wait``, ``out_wait``, ``write``, the producer's ``slot_wait``) to that directory
+    (read by bench/profile_mosaic.py). The regions cost nothing when it is unset."""
+    directory = os.environ.get(PROFILE_DIR_VARIABLE)
+    if not directory:
+        return plgpu.CompilerParams(approx_math=True)
+    return plgpu.CompilerParams(approx_math=True, profile_space=512, profile_dir=directory)
 
 
 def _interpret_params() -> Any:
@@ -622,7 +653,6 @@ def _forward_call(
                 b, h = visit.b, visit.h
                 row0 = visit.row0(wg)
                 my_q = q_smem.at[buf, wg]
-                plgpu.barrier_wait(_tile_ready(q_ready, buf, wg))
                 q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
                 def step(j: jax.Array, t: jax.Array, carry: Any, masked: bool) -> Any:
@@ -633,7 +663,8 @@ def _forward_call(
                         plgpu.barrier_wait(kseg_ready.at[slot])
                         if masked:
                             k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
-                    plgpu.barrier_wait(k_ready.at[slot])
+                    with jax.named_scope("k_wait"):
+                        plgpu.barrier_wait(k_ready.at[slot])
 
                     s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
                     plgpu.barrier_arrive(k_used.at[slot])
@@ -683,7 +714,7 @@ def _forward_call(
 
                 return t0 + visit.steps, write
 
-            _consume_items(items, order_ref, plan_ref, buffers, load, process)
+            _consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process)
 
         @pl.when(wg == _CONSUMERS)
         def _producer() -> None:
@@ -762,7 +793,6 @@ def _dq_call(
                 b, h = visit.b, visit.h
                 row0 = visit.row0(wg)
                 my_q, my_do = q_smem.at[buf, wg], do_smem.at[buf, wg]
-                plgpu.barrier_wait(_tile_ready(q_ready, buf, wg))
                 lse = _load(shape, lse_smem.at[buf, wg], _row_layout())
                 delta = _load(shape, delta_smem.at[buf, wg], _row_layout())
                 q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
@@ -799,7 +829,7 @@ def _dq_call(
 
                 return t0 + visit.steps, write
 
-            _consume_items(items, order_ref, plan_ref, buffers, load, process)
+            _consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process)
 
         @pl.when(wg == _CONSUMERS)
         def _producer() -> None:
@@ -897,7 +927,6 @@ def _dkv_call(
                 b, hk = visit.b, visit.h
                 row0 = visit.row0(wg)
                 my_k, my_v = k_smem.at[buf, wg], v_smem.at[buf, wg]
-                plgpu.barrier_wait(_tile_ready(kv_ready, buf, wg))
                 k_seg = _load(shape, kseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
                 def add_dq(ds_t: jax.Array, t: jax.Array, j: jax.Array, head: jax.Array) -> None:
@@ -962,7 +991,7 @@ def _dkv_call(
 
                 return t0 + group * n, write
 
-            _consume_items(items, order_ref, plan_ref, buffers, load, process)
+            _consume_items(items, order_ref, plan_ref, buffers, kv_ready, load, process)
 
         @pl.when(wg == _CONSUMERS)
         def _producer() -> None:
