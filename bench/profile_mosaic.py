@@ -110,21 +110,20 @@ def main() -> None:
         q1, q2 = (jax.random.normal(key, (batch, seq, heads, dim), jnp.bfloat16) for key in keys[:2])
         k, v = (jax.random.normal(key, (batch, seq, kv_heads, dim), jnp.bfloat16) for key in keys[2:])
         ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // 4), (batch, seq)).astype(jnp.int32)
-        for prefetch in ("early", "late"):
-            case_dir = directory / f"{title.split(',')[0].replace(' ', '_')}_{prefetch}"
-            case_dir.mkdir(exist_ok=True)
-            os.environ[am.PROFILE_DIR_VARIABLE] = str(case_dir)
-            os.environ["EJLABEL_MOSAIC_LATE_PREFETCH"] = "1" if prefetch == "late" else "0"
+        case_dir = directory / "".join(c if c.isalnum() else "_" for c in title)
+        case_dir.mkdir(exist_ok=True)
+        os.environ[am.PROFILE_DIR_VARIABLE] = str(case_dir)
 
-            def twice(q1: Any, q2: Any, k: Any, v: Any, ids: Any) -> Any:
-                return [am.mosaic_attention(q, k, v, causal=True, segment_ids=ids) for q in (q1, q2)]
+        def twice(q1: Any, q2: Any, k: Any, v: Any, ids: Any) -> Any:
+            return [am.mosaic_attention(q, k, v, causal=True, segment_ids=ids) for q in (q1, q2)]
 
-            jax.block_until_ready(jax.jit(twice)(q1, q2, k, v, ids))
-            jax.effects_barrier()
-            traces = sorted(case_dir.glob("*trace.json"), key=lambda p: int(p.name.rsplit("-", 2)[-2]))
-            print(f"\n### {title}, next tile requested {prefetch}: {len(traces)} traces, the last (warm) one", flush=True)
-            if traces:
-                print("\n".join(summarize(json.loads(traces[-1].read_text()))), flush=True)
+        jax.block_until_ready(jax.jit(twice)(q1, q2, k, v, ids))
+        jax.effects_barrier()
+        traces = sorted(case_dir.glob("*trace.json"), key=lambda p: int(p.name.rsplit("-", 2)[-2]))
+        print(f"\n### {title}: {len(traces)} traces, the last (warm) one", flush=True)
+        if traces:
+            print("\n".join(summarize(json.loads(traces[-1].read_text()))), flush=True)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,7 +32,6 @@ alternating between products and softmax; the default since), one interleaved ru
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import traceback
@@ -88,19 +87,10 @@ def main() -> None:
     tables = []
 
     def mosaic(label: str = "", **options: Any) -> dict[str, Any]:
-        """Our kernels (backward split in two, the default), with the next tile requested early
-        (the default) and, for comparison in this run, late (after the walk)."""
-
-        def late(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            os.environ["EJLABEL_MOSAIC_LATE_PREFETCH"] = "1"  # read while the kernels are traced
-            try:
-                return am.mosaic_attention(q, k, v, causal=True, **options)
-            finally:
-                del os.environ["EJLABEL_MOSAIC_LATE_PREFETCH"]
-
+        """Our kernels with the backward split in two (dq; dk, dv: the default) and fused."""
         return {
-            f"mosaic{label}": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, **options),
-            f"mosaic late prefetch{label}": late,
+            f"mosaic split bwd{label}": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, fused_backward=False, **options),
+            f"mosaic fused bwd{label}": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, fused_backward=True, **options),
         }
 
     batch, seq, heads, dim = 4, 4096, 16, 128

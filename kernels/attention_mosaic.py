@@ -464,13 +464,14 @@ def _consume_items(
     results into the buffer's shared memory and starts their copies out. With two buffers the
     next item's tile is requested as soon as this one has arrived (once the previous item's
     results have left the other buffer), so it loads during this item's walk; with one buffer
-    it follows the results.
+    it follows the results. Requesting it early instead of after the walk took the wait for a
+    tile from about 3000 SM cycles per item to 140 (H100, bench/profile_mosaic.py), at the
+    price of waiting for the previous item's results to leave (about 500).
     """
     mine = items.mine()
     wg = lax.axis_index("wg")
     first = items.visit(order_ref, plan_ref, 0)
     pl.when(mine > 0)(lambda: load(first, jnp.int32(0)))
-    early = buffers > 1 and os.environ.get("EJLABEL_MOSAIC_LATE_PREFETCH") != "1"
 
     def results_left() -> None:
         # Results leave shared memory asynchronously: before a buffer is reused (the other
@@ -487,13 +488,10 @@ def _consume_items(
             load(upcoming, lax.rem(i + 1, buffers))
 
         _wait_for_tile(ready, buf, wg)
-        if early:
+        if buffers > 1:
             results_left()
             pl.when(i + 1 < mine)(prefetch)
         t1, write = process(visit, buf, t0)
-        if buffers > 1 and not early:
-            results_left()
-            pl.when(i + 1 < mine)(prefetch)
         with jax.named_scope("write"):
             write()
         if buffers == 1:
