@@ -19,6 +19,7 @@ for step in "$@"; do
     attngpu) timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_attention.py tests/test_attention_mosaic.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -n 25 ;;
     quickmosaic) timeout 200 python3 bench/quick_mosaic.py 2>&1 | tee "$OUT/quick_mosaic.log" | grep -v "^W1\|Delay kernel" | tail -n 30 ;;
     profile) timeout 240 python3 bench/profile_mosaic.py 2>&1 | tee "$OUT/profile_mosaic.log" | grep -v "^W1\|Delay kernel" | tail -n 40 ;;
+    compileprobe) timeout 300 python3 bench/probe_compile.py 2>&1 | tee "$OUT/probe_compile.log" | grep -v "^W1\|Delay kernel" | tail -n 12 ;;
     probelse) timeout 60 python3 bench/probe_lse.py 2>&1 | tee "$OUT/probe_lse.log" | tail -n 5 ;;
     probefused) timeout 300 python3 bench/probe_fused_backward.py 2>&1 | tee "$OUT/probe_fused.log" | grep -v "^W1\|Delay kernel" | tail -n 20 ;;
     probeplan) timeout 200 python3 bench/probe_mosaic_plan.py 2>&1 | tee "$OUT/mosaic_plan.log" | grep -v "^W1\|Delay kernel" | tail -n 24 ;;
