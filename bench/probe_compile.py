@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import difflib
 import dataclasses
 import os
 import re
@@ -23,6 +24,36 @@ import tempfile
 import time
 
 import jax
+
+
+def _module_text(serialized: str) -> list[str]:
+    """The MLIR text (with locations) of a kernel module as the program prints it (escaped bytecode)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    def unescape(m: re.Match[str]) -> str:
+        return chr(int(m.group(1), 16)) if len(m.group(1)) == 2 else m.group(1)
+
+    raw = re.sub(r'\\([0-9A-Fa-f]{2}|\\|")', unescape, serialized)
+    with mlir.make_ir_context() as context:
+        context.allow_unregistered_dialects = True
+        module = ir.Module.parse(raw.encode("latin-1"))
+        return module.operation.get_asm(enable_debug_info=True).splitlines()
+
+
+def diff_sites(text: str, limit: int = 24) -> None:
+    """Print how two call sites' Mosaic modules of the same size class differ (first lines)."""
+    modules = re.findall(r'kernel_hash = "(?:[^"\\]|\\.)*", module = "((?:[^"\\]|\\.)*)"', text)
+    if len(modules) < 2:
+        print(f"diff: {len(modules)} modules found", flush=True)
+        return
+    first = _module_text(modules[0])
+    for other in modules[1:]:
+        lines = list(difflib.unified_diff(first, _module_text(other), lineterm="", n=0))
+        if lines:
+            print("\n".join(line[:300] for line in lines[:limit]), flush=True)
+            return
+    print("diff: the modules are the same", flush=True)
 
 
 def main() -> None:
@@ -43,7 +74,12 @@ def main() -> None:
             with context:
                 lowered = jax.jit(examples.make_train_step(cfg, ops)).lower(params, batch)
             lowered_s = time.perf_counter() - began
-            hashes = collections.Counter(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', lowered.as_text()))
+            text = lowered.as_text()
+            hashes = collections.Counter(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text))
+            if "--diff" in sys.argv:
+                if len(hashes) > 3:
+                    diff_sites(text)
+                continue
             began = time.perf_counter()
             compiled = lowered.compile()
             compile_s = time.perf_counter() - began

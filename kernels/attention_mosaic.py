@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import source_info_util  # no public API sets the location ops are traced with
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
@@ -1109,21 +1110,34 @@ def _sum_shares(shares: jax.Array, plan: jax.Array, block_q: int) -> Float[Array
     return jnp.where(visited[:, :, :, None, None], shares, 0.0).sum(axis=1)
 
 
+# The source location every op of a kernel carries (see :func:`_launch`): the Mosaic module's
+# hash covers its locations, and one hash per distinct kernel is what lets the backend compile
+# a kernel once for all the call sites of a model instead of once per site.
+_KERNEL_TRACEBACK = source_info_util.Traceback.get_traceback()
+
+
 def _launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tuple[Any, ...], interpret: bool) -> Any:
     """Run ``body`` on ``programs`` programs of ``consumers + 1`` warpgroups (named ``wg``),
     with ``scratch`` allocated in each program. ``operands`` may hold a ``jax.Ref``: the kernel
-    reads and writes it in place (the fused backward's ``dq``)."""
+    reads and writes it in place (the fused backward's ``dq``).
+
+    The body is traced under one fixed source location instead of the caller's: the kernel's
+    module embeds its ops' locations, and with the caller's stack each call site (a layer of a
+    model, or the forward's site seen from the backward) got its own module and hash, so the
+    backend compiled the same kernel once per site (36 compiles for the packed model's 12
+    layers; H100 run 24). Errors raised while tracing the body keep their Python traceback."""
 
     def kernel_body(*refs: Any) -> None:
         pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")
 
-    return pl.kernel(
-        kernel_body,
-        out_type=out_type,
-        mesh=plgpu.Mesh(grid=(programs,), grid_names=("programs",), num_threads=_CONSUMERS + 1, thread_name="wg"),
-        compiler_params=_compiler_params(),
-        interpret=_interpret_params() if interpret else False,
-    )(*operands)
+    with source_info_util.user_context(_KERNEL_TRACEBACK):
+        return pl.kernel(
+            kernel_body,
+            out_type=out_type,
+            mesh=plgpu.Mesh(grid=(programs,), grid_names=("programs",), num_threads=_CONSUMERS + 1, thread_name="wg"),
+            compiler_params=_compiler_params(),
+            interpret=_interpret_params() if interpret else False,
+        )(*operands)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ gradients against a float32 reference over head dims, odd lengths, segments and 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -170,6 +171,22 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, 
     # Forward, then dq and dk/dv kernels, or one fused kernel adding dq up with TMA reduce-adds.
     assert text.count("@mosaic_gpu") == (2 if fused else 3)
     assert ("cp.reduce.async.bulk" in text) == fused
+
+
+def test_call_sites_share_one_module_per_kernel() -> None:
+    """Two layers' attention, differentiated, from different source lines: six kernel launches
+    but three kernels (forward, dq, dk/dv), so the backend compiles each once. The modules'
+    hashes cover their locations, so a kernel traced with its caller's stack would differ."""
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+
+    def loss(x: jax.Array) -> jax.Array:
+        x = am.mosaic_attention(x, x, x, causal=True)
+        x = 2 * x
+        return am.mosaic_attention(x, x, x, causal=True).astype(jnp.float32).sum()
+
+    hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', lower_for_cuda(jax.grad(loss), q))
+    assert len(hashes) == 6
+    assert len(set(hashes)) == 3
 
 
 def test_rejects_what_it_cannot_run() -> None:
