@@ -20,6 +20,7 @@ for step in "$@"; do
     quickmosaic) timeout 200 python3 bench/quick_mosaic.py 2>&1 | tee "$OUT/quick_mosaic.log" | grep -v "^W1\|Delay kernel" | tail -n 30 ;;
     profile) timeout 240 python3 bench/profile_mosaic.py 2>&1 | tee "$OUT/profile_mosaic.log" | grep -v "^W1\|Delay kernel" | tail -n 40 ;;
     compileprobe) timeout 300 python3 bench/probe_compile.py 2>&1 | tee "$OUT/probe_compile.log" | grep -v "^W1\|Delay kernel" | tail -n 12 ;;
+    compilediff) timeout 200 python3 bench/probe_compile.py --diff 2>&1 | tee "$OUT/probe_compile_diff.log" | grep -v "^W1\|Delay kernel" | tail -n 40 ;;
     probelse) timeout 60 python3 bench/probe_lse.py 2>&1 | tee "$OUT/probe_lse.log" | tail -n 5 ;;
     probefused) timeout 300 python3 bench/probe_fused_backward.py 2>&1 | tee "$OUT/probe_fused.log" | grep -v "^W1\|Delay kernel" | tail -n 20 ;;
     probeplan) timeout 200 python3 bench/probe_mosaic_plan.py 2>&1 | tee "$OUT/mosaic_plan.log" | grep -v "^W1\|Delay kernel" | tail -n 24 ;;

@@ -1,6 +1,6 @@
 """Where the packed model's compile time goes when its attention runs on the Mosaic kernels.
 
-    python bench/probe_compile.py
+    python bench/probe_compile.py [--diff]
 
 The tuned packed model compiled in 110 s against 11 s for the plain one (H100 run 23), and
 that compile is what spends the in-context tuner's budget. This times tracing+lowering and
@@ -8,7 +8,9 @@ XLA's compile separately for the packed example model's training step with 1 and
 layers, plain (``examples.PLAIN_OPS``) and with every attention call on ``mosaic``
 (``ejlabel.use_implementation``), in fresh jit objects, and counts the distinct Mosaic kernels
 in the program (``kernel_hash``). Compile time that grows with the layers although the distinct
-kernels do not says the kernels are compiled per call site.
+kernels do not says the kernels are compiled per call site. ``--diff`` only lowers, and for the
+Mosaic variant with more distinct kernels than three prints the first lines in which two call
+sites' modules differ (their MLIR text with locations).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _module_text(serialized: str) -> list[str]:
 
 
 def diff_sites(text: str, limit: int = 24) -> None:
-    """Print how two call sites' Mosaic modules of the same size class differ (first lines)."""
+    """Print the first lines in which the program's first Mosaic module and another one differ."""
     modules = re.findall(r'kernel_hash = "(?:[^"\\]|\\.)*", module = "((?:[^"\\]|\\.)*)"', text)
     if len(modules) < 2:
         print(f"diff: {len(modules)} modules found", flush=True)
