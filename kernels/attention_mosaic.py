@@ -59,12 +59,17 @@ from jaxtyping import Array, Float, Int
 from ejlabel import BwdParams, FwdParams
 
 from ._attention_blocks import segment_block_ranges, uniform_block_ranges
+from ._mosaic_modules import share_modules_across_call_sites
 from ._pallas import MASK_VALUE, pad_axis, pad_to
 
 try:  # The Mosaic GPU backend may be missing from a JAX build; the module still imports.
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover - depends on the JAX build
     plgpu = None
+
+if plgpu is not None:
+    # Every layer's launch of a kernel shares one compiled module (see _mosaic_modules).
+    share_modules_across_call_sites()
 
 __all__ = [
     "WG_ROWS",
@@ -1125,9 +1130,8 @@ def _launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tup
     module embeds its ops' locations and its hash covers them, so with the caller's stack two
     call sites on different source lines (or a forward seen from two backward sites) got two
     modules of one kernel, each compiled on its own (test_call_sites_share_one_module_per_kernel).
-    On the H100 the packed model's 12 layers still lowered to 36 distinct modules after this
-    (run 25; 3 distinct when lowered on the CPU): some other difference remains there, see
-    ``bench/probe_compile.py --diff``. Errors raised while tracing keep their Python traceback."""
+    The other per-launch difference, jaxlib 0.11's dump counter, is removed by
+    :mod:`._mosaic_modules`. Errors raised while tracing keep their Python traceback."""
 
     def kernel_body(*refs: Any) -> None:
         pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")

@@ -176,7 +176,8 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, 
 def test_call_sites_share_one_module_per_kernel() -> None:
     """Two layers' attention, differentiated, from different source lines: six kernel launches
     but three kernels (forward, dq, dk/dv), so the backend compiles each once. The modules'
-    hashes cover their locations, so a kernel traced with its caller's stack would differ."""
+    hashes cover their locations (a kernel traced with its caller's stack differs per site) and,
+    with jaxlib 0.11, a per-launch counter unless it is removed (kernels/_mosaic_modules.py)."""
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
 
     def loss(x: jax.Array) -> jax.Array:
