@@ -288,6 +288,7 @@ def _tile_ready(barriers: Any, buf: jax.Array, wg: jax.Array) -> Any:
 
 
 def _wait_for_tile(barriers: Any, buf: jax.Array, wg: jax.Array) -> None:
+    """Wait until consumer ``wg``'s tile in buffer ``buf`` has arrived (a profiler region)."""
     with jax.named_scope("tile_wait"):
         plgpu.barrier_wait(_tile_ready(barriers, buf, wg))
 
