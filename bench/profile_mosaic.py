@@ -94,11 +94,9 @@ def main() -> None:
     directory = Path(args.out or tempfile.mkdtemp(prefix="mosaic-profile-"))
     directory.mkdir(parents=True, exist_ok=True)
 
-    from ejlabel.kernels import attention_mosaic as am
-
-    os.environ[am.PROFILE_DIR_VARIABLE] = str(directory)  # read when the kernels are traced
     import jax
     import jax.numpy as jnp
+    from ejlabel.kernels import attention_mosaic as am
 
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     cases = {
@@ -112,7 +110,7 @@ def main() -> None:
         ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // 4), (batch, seq)).astype(jnp.int32)
         case_dir = directory / "".join(c if c.isalnum() else "_" for c in title)
         case_dir.mkdir(exist_ok=True)
-        os.environ[am.PROFILE_DIR_VARIABLE] = str(case_dir)
+        os.environ[am.PROFILE_DIR_VARIABLE] = str(case_dir)  # read when the kernels are traced
 
         def twice(q1: Any, q2: Any, k: Any, v: Any, ids: Any) -> Any:
             return [am.mosaic_attention(q, k, v, causal=True, segment_ids=ids) for q in (q1, q2)]

@@ -702,12 +702,13 @@ def tune_in_context(
     report = ContextTuneReport(
         floor=timings[0], tuned=tuned_time, baseline=timings[-1] if baseline_fn is not None else None,
         final=final, calls=list(calls.values()), trials=trials, errors=errors, samples=timings[0].count,
-        budget_s=budget_s, wall_s=0.0, compile_s=search.compile_s, stored=store, reverted=reverted, stages_s=stages.seconds,
+        budget_s=budget_s, wall_s=0.0, compile_s=search.compile_s, stored=store, reverted=reverted,
     )
     if store:
         _store(report, invocations, trials, selector, errors)
         stages.end("storing")
     report.wall_s = time.perf_counter() - start
+    report.stages_s = stages.seconds
     if verbose:
         print(report.render(), flush=True)
     return report
