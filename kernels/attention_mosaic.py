@@ -1229,6 +1229,23 @@ def _check(q: jax.Array, k: jax.Array) -> None:
         raise ValueError(f"q: the mosaic kernels take bfloat16 or float16 with head dim <= {_MAX_DIM}, got {q.dtype} dim {q.shape[3]}")
 
 
+def _traced_once(fn: Any) -> Any:
+    """``fn`` (whose keyword-only arguments are all static) under ``jax.jit``, so every call site
+    with the same shapes, arguments and label reuses one trace and one lowering: a model's
+    layers then lower each kernel once (the packed example model, 12 layers, lowered for CUDA
+    with jax 0.11.2 on the CPU: 14.6 s traced and lowered before, 2.2 s after). Not in the
+    interpreter: its simulated warpgroups hung inside the jitted call (CPU, jax 0.10.2)."""
+    static = [name for name, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    jitted = jax.jit(fn, static_argnames=static)
+
+    @functools.wraps(fn)
+    def call(*args: Any, interpret: bool = False, **kwargs: Any) -> Any:
+        return (fn if interpret else jitted)(*args, interpret=interpret, **kwargs)
+
+    return call
+
+
+@_traced_once
 def mosaic_forward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, *, scale: float, bounds: Window, params: FwdParams, interpret: bool = False,
@@ -1249,6 +1266,7 @@ def mosaic_forward(
     return out[:, : p.seq_q, :, : p.dim], lse[:, :, : p.seq_q]
 
 
+@_traced_once
 def mosaic_backward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, out: Float[Array, "batch sq heads dim"], lse: Float[Array, "batch heads sq"],

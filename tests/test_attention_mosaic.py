@@ -8,6 +8,7 @@ gradients against a float32 reference over head dims, odd lengths, segments and 
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -27,7 +28,7 @@ from ejlabel.kernels.attention import (
 )
 from kernel_checks import gpu, needs_gpu, rel_error
 
-from ejlabel import BwdParams, FwdParams, Invocation
+from ejlabel import BwdParams, FwdParams, Invocation, label, label_scope
 
 pytestmark = pytest.mark.skipif(not am.mosaic_available(), reason="this JAX has no Pallas Mosaic GPU backend")
 
@@ -175,19 +176,30 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, 
 
 def test_call_sites_share_one_module_per_kernel() -> None:
     """Two layers' attention, differentiated, from different source lines: six kernel launches
-    but three kernels (forward, dq, dk/dv), so the backend compiles each once. The modules'
-    hashes cover their locations (a kernel traced with its caller's stack differs per site) and,
-    with jaxlib 0.11, a per-launch counter unless it is removed (kernels/_mosaic_modules.py)."""
+    but three kernels (forward, dq, dk/dv). Calls under one label share one traced and lowered
+    function per kernel, so the program holds each module once; calls under two labels are
+    traced apart, and their modules must still be equal, so the backend compiles each once. The
+    modules' hashes cover their locations (a kernel traced with its caller's stack differs per
+    site) and, with jaxlib 0.11, a per-launch counter unless it is removed
+    (kernels/_mosaic_modules.py)."""
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
 
-    def loss(x: jax.Array) -> jax.Array:
+    def loss(x: jax.Array, *, second_label: str) -> jax.Array:
         x = am.mosaic_attention(x, x, x, causal=True)
         x = 2 * x
-        return am.mosaic_attention(x, x, x, causal=True).astype(jnp.float32).sum()
+        with label_scope(second_label):
+            x = am.mosaic_attention(x, x, x, causal=True)
+        return x.astype(jnp.float32).sum()
 
-    hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', lower_for_cuda(jax.grad(loss), q))
-    assert len(hashes) == 6
-    assert len(set(hashes)) == 3
+    def kernel_hashes(second_label: str) -> list[str]:
+        text = lower_for_cuda(jax.grad(functools.partial(loss, second_label=second_label)), q)
+        return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+
+    with label_scope(label("attention_a@v1", "0" * 16)):
+        shared = kernel_hashes(label("attention_a@v1", "0" * 16))
+        apart = kernel_hashes(label("attention_b@v1", "1" * 16))
+    assert len(shared) == 3 and len(set(shared)) == 3
+    assert len(apart) == 6 and set(apart) == set(shared)
 
 
 def test_rejects_what_it_cannot_run() -> None:
