@@ -24,10 +24,13 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
 - ``"chunked_tokens"``: a ``lax.scan`` over chunks of ``chunk_tokens`` tokens, each against the
   whole vocabulary, so every product is as large as the plain program's along the vocabulary.
   When the output is reduced (``"mean"``/``"sum"``) its cotangent is one scalar, so the forward,
-  run under differentiation, also computes each chunk's gradient while its logits are at hand
-  (``d_z``, then ``d_hidden_c = d_z @ w^T`` and ``d_weight += h_c^T @ d_z``) and the backward
-  only scales them: three passes of the matmul in all, as in the plain program, but the logits
-  of one chunk at a time. With ``reduction="none"`` the backward recomputes the chunks instead.
+  run under differentiation, also computes each chunk's gradient while its logits are at hand,
+  and the backward only scales it: three passes of the matmul in all, as in the plain program,
+  but the logits of one chunk at a time. The gradient is factored (:func:`_factored_chunk`):
+  the one ``[chunk, vocab]`` array written besides the logits is ``exp(z - max)``, in the pass
+  that sums it; the softmax's ``1 / sum``, the label's column and the smoothing term act on
+  ``[chunk, d]`` rows around the two products. With ``reduction="none"`` the backward
+  recomputes the chunks instead.
 
 No Pallas GPU kernel: the backward's two products reduce over different axes (``d_hidden``
 over the vocabulary, ``d_weight`` over the tokens), so a kernel walking (token tile, vocabulary
@@ -36,8 +39,9 @@ global memory (at the benchmark's shape, 16384 tokens x 768 x 32000 in 128 x 128
 float32 partials of ``768 x 128`` per vocabulary block: 12.6 GB of reduce-adds, the kind of
 traffic that made the fused attention backward lose, bench/RESULTS.md runs 18-19) or rebuilt
 in a second kernel (a fourth pass of the matmul, a third more than the plain program's
-three). ``chunked_tokens`` already runs the plain program's three passes with one chunk of
-logits at a time.
+three). ``chunked_tokens`` runs the plain program's three passes with one chunk of logits at
+a time and, factored, two passes over them besides the products (H100: 1.30x the plain
+program at chunks of 8192 tokens, 1.26x at 4096; bench/RESULTS.md run 30).
 
 Tokens labelled ``ignore_index`` get loss 0 and no gradient. The reduction (``"mean"`` over the
 tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is
@@ -232,41 +236,89 @@ def _token_chunks(x: jax.Array, chunk: int) -> jax.Array:
     return pad_axis(x, 0, n * chunk).reshape(n, chunk, *x.shape[1:])
 
 
+class _Factored(NamedTuple):
+    """``d loss / d raw logits`` of one chunk as ``r * dense - c * onehot(y) - k``: the only
+    ``[tokens, vocab]`` array is ``dense``; the rest are ``[tokens]`` coefficients."""
+
+    per_token: Float[Array, "tokens"]
+    dense: Float[Array, "tokens vocab"]  # in the input dtype
+    r: Float[Array, "tokens"]  # scales dense's rows
+    c: Float[Array, "tokens"]  # the label's column
+    k: Float[Array, "tokens"] | None  # every column (smoothing without a cap), or None
+
+
+def _factored_chunk(z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"], loss: _Loss, dtype: Any) -> _Factored:
+    """The loss and the factored gradient of capped float32 logits ``z``, each token's row
+    scaled by ``token_g``.
+
+    With ``e = exp(z - max)``, ``s = sum(e)`` and ``cg`` the cap's derivative, the gradient is
+    ``g cg (e / s - (1 - eps) onehot - eps / V)``. The row max is one pass over ``z``; ``e cg``
+    and ``s`` are the next, which writes the one dense array, and ``g / s`` moves out to the
+    rows of the products. Only a cap with smoothing makes the last term dense in ``cg``: then
+    ``s`` is summed first and the dense array is ``cg (e / s - eps / V)``. The log-sum-exp is
+    not ``jax.nn.logsumexp``: on the H100 that form ran the whole loss 1.09x slower
+    (bench/RESULTS.md, runs 28-29)."""
+    eps, vocab = loss.label_smoothing, z.shape[1]
+    m = jnp.max(z, axis=-1)
+    e = jnp.exp(z - m[:, None])
+    s = jnp.sum(e, axis=-1)
+    picked = jnp.take_along_axis(z, labels[:, None], axis=-1)[:, 0]
+    per_token = m + jnp.log(s) - picked
+    if eps:
+        per_token = per_token + eps * (picked - jnp.mean(z, axis=-1))
+    c = token_g * (1.0 - eps) * loss.cap_grad(picked)
+    if loss.logit_soft_cap is not None and eps:
+        return _Factored(per_token, (loss.cap_grad(z) * (e / s[:, None] - eps / vocab)).astype(dtype), token_g, c, None)
+    k = token_g * (eps / vocab) if eps else None
+    return _Factored(per_token, (e * loss.cap_grad(z)).astype(dtype), token_g / s, c, k)
+
+
 def _tokens_pass(
     hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss, chunk: int, token_g: jax.Array | None = None
 ) -> _TokenPass:
     """Per-token losses, one chunk of tokens against the whole vocabulary at a time, and with
-    ``token_g [tokens]`` the gradient of ``sum(token_g * loss)`` from the same logits."""
+    ``token_g [tokens]`` the gradient of ``sum(token_g * loss)`` from the same logits.
+
+    The gradient products take :class:`_Factored` terms: ``d_hidden = r (dense @ w^T) - c w_y
+    - k sum_j w_j`` and ``d_weight^T += dense^T @ (r h) - scatter(y, c h) - sum_t k_t h_t``, the
+    weight's gradient kept transposed so the label rows scatter contiguously."""
     tokens, vocab = hidden.shape[0], weight.shape[1]
     chunk = min(chunk, tokens)
     safe = jnp.where(loss.counts(labels), labels, 0)
-    xs = (_token_chunks(hidden, chunk), _token_chunks(safe, chunk))
-    if token_g is not None:
-        xs += (_token_chunks(token_g.astype(jnp.float32), chunk),)  # zero on padded tokens
+    g = jnp.zeros(labels.shape, jnp.float32) if token_g is None else token_g.astype(jnp.float32)
+    xs = (_token_chunks(hidden, chunk), _token_chunks(safe, chunk), _token_chunks(g, chunk))  # g is zero on padded tokens
+    weight_t = weight.T  # [vocab, d]
+    smoothed = bool(loss.label_smoothing) and loss.logit_soft_cap is None
+    weight_sum = jnp.sum(weight.astype(jnp.float32), axis=1) if smoothed and token_g is not None else None
 
-    def step(d_weight: jax.Array | None, xs: tuple[jax.Array, ...]) -> tuple[jax.Array | None, tuple[jax.Array, ...]]:
-        h_c, y_c = xs[:2]
+    def step(d_weight_t: jax.Array | None, xs: tuple[jax.Array, ...]) -> tuple[jax.Array | None, tuple[jax.Array, ...]]:
+        h_c, y_c, g_c = xs
         z = loss.cap((h_c @ weight).astype(jnp.float32))  # the plain program's logits, one chunk
-        per_token, lse = loss.from_logits(z, y_c)
-        if d_weight is None:
-            return None, (per_token,)
-        onehot = y_c[:, None] == jnp.arange(vocab)[None, :]
-        d_z = loss.d_logits(z, lse, onehot, xs[2], vocab, hidden.dtype)
-        d_weight = d_weight + jnp.dot(h_c.T, d_z, preferred_element_type=jnp.float32)
-        return d_weight, (per_token, d_z @ weight.T)
+        f = _factored_chunk(z, y_c, g_c, loss, hidden.dtype)
+        if d_weight_t is None:  # the loss only: XLA drops the gradient's terms
+            return None, (f.per_token,)
+        h32 = h_c.astype(jnp.float32)
+        d_hidden = f.r[:, None] * jnp.dot(f.dense, weight_t, preferred_element_type=jnp.float32) - f.c[:, None] * weight_t[y_c].astype(jnp.float32)
+        d_weight_t = d_weight_t + jnp.dot(f.dense.T, (h32 * f.r[:, None]).astype(hidden.dtype), preferred_element_type=jnp.float32)
+        d_weight_t = d_weight_t.at[y_c].add(-f.c[:, None] * h32)
+        if f.k is not None:
+            d_hidden = d_hidden - f.k[:, None] * weight_sum[None, :]
+            d_weight_t = d_weight_t - jnp.sum(f.k[:, None] * h32, axis=0)[None, :]
+        return d_weight_t, (f.per_token, d_hidden.astype(hidden.dtype))
 
-    init = None if token_g is None else jnp.zeros(weight.shape, jnp.float32)
-    d_weight, outs = lax.scan(step, init, xs)
+    init = None if token_g is None else jnp.zeros(weight_t.shape, jnp.float32)
+    d_weight_t, outs = lax.scan(step, init, xs)
     per_token = jnp.where(loss.counts(labels), outs[0].reshape(-1)[:tokens], 0.0)
     d_hidden = None if token_g is None else outs[1].reshape(-1, hidden.shape[1])[:tokens]
-    return _TokenPass(per_token, d_hidden, d_weight)
+    return _TokenPass(per_token, d_hidden, None if d_weight_t is None else d_weight_t.T)
 
 
 class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
     """Cross-entropy of ``hidden @ weight``, per token or reduced; see the module docstring."""
 
     # 2: the reduction is part of the call (version 1 returned per-token losses only).
-    version = "2"
+    # 3: chunked_tokens computes its gradient factored; picks timed against version 2 are stale.
+    version = "3"
 
     def __init__(self) -> None:
         super().__init__("linear_cross_entropy")
@@ -349,7 +401,7 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
         tokens, vocab = inv.args[0].shape[0], inv.args[1].shape[1]
         # Fastest first, as measured on the H100 (bench/RESULTS.md): a tuner that ranks only the
         # first few candidates of each implementation ranks the likely winners.
-        vocab_sizes, token_sizes = ((8192, 4096, 2048), (4096, 2048, 1024)) if on_gpu() else ((64, 16), (32, 8))
+        vocab_sizes, token_sizes = ((8192, 4096, 2048), (16384, 8192, 4096, 2048)) if on_gpu() else ((64, 16), (32, 8))
         return (
             [LinearCrossEntropyConfig("xla")]
             + [LinearCrossEntropyConfig("chunked", chunk_vocab=c) for c in _fitting(vocab_sizes, vocab)]

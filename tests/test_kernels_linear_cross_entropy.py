@@ -127,7 +127,7 @@ def test_token_chunks_compute_a_reduced_gradient_with_the_loss(reduction: str, w
 def test_calls_are_labelled_and_tune():
     hidden, weight, labels = inputs(16, 8, 40, jnp.float32)
     lowered = jax.jit(lambda h, w: linear_cross_entropy(h, w, labels, cfg=LinearCrossEntropyConfig("chunked", 16))).lower(hidden, weight)
-    assert any("#linear_cross_entropy@v2:" in lab for lab in ejlabel.find_labels_in_lowered(lowered))
+    assert any("#linear_cross_entropy@v3:" in lab for lab in ejlabel.find_labels_in_lowered(lowered))
     inv = ejlabel.Invocation(
         linear_cross_entropy.__globals__["_LINEAR_CROSS_ENTROPY"], (hidden, weight),
         {"labels": labels, "ignore_index": -100, "label_smoothing": 0.0, "logit_soft_cap": None},
