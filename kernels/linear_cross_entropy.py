@@ -40,8 +40,8 @@ float32 partials of ``768 x 128`` per vocabulary block: 12.6 GB of reduce-adds, 
 traffic that made the fused attention backward lose, bench/RESULTS.md runs 18-19) or rebuilt
 in a second kernel (a fourth pass of the matmul, a third more than the plain program's
 three). ``chunked_tokens`` runs the plain program's three passes with one chunk of logits at
-a time and, factored, two passes over them besides the products (H100: 1.30x the plain
-program at chunks of 8192 tokens, 1.26x at 4096; bench/RESULTS.md run 30).
+a time and, factored, two passes over them besides the products (H100: 1.28-1.30x the
+plain program at chunks of 8192 tokens, 1.25-1.26x at 4096; bench/RESULTS.md runs 30, 32).
 
 Tokens labelled ``ignore_index`` get loss 0 and no gradient. The reduction (``"mean"`` over the
 tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is
@@ -400,8 +400,9 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
     def config_space(self, inv: Invocation[LinearCrossEntropyConfig, jax.Array]) -> list[LinearCrossEntropyConfig]:
         tokens, vocab = inv.args[0].shape[0], inv.args[1].shape[1]
         # Fastest first, as measured on the H100 (bench/RESULTS.md): a tuner that ranks only the
-        # first few candidates of each implementation ranks the likely winners.
-        vocab_sizes, token_sizes = ((8192, 4096, 2048), (16384, 8192, 4096, 2048)) if on_gpu() else ((64, 16), (32, 8))
+        # first few candidates of each implementation ranks the likely winners. One chunk of
+        # every token (16384) ran slower than two (run 32).
+        vocab_sizes, token_sizes = ((8192, 4096, 2048), (8192, 4096, 2048)) if on_gpu() else ((64, 16), (32, 8))
         return (
             [LinearCrossEntropyConfig("xla")]
             + [LinearCrossEntropyConfig("chunked", chunk_vocab=c) for c in _fitting(vocab_sizes, vocab)]
