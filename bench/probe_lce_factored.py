@@ -2,8 +2,8 @@
 
     python bench/probe_lce_factored.py [--samples 9]
 
-Per chunk of tokens, ``chunked_tokens`` writes the logits ``z`` (bf16), reads them for the
-log-sum-exp, reads them again to write ``d_z = g * (exp(z - lse) - onehot)`` in bf16, and the
+Per chunk of tokens, ``chunked_tokens`` wrote the logits ``z`` (bf16), read them for the
+log-sum-exp, read them again to write ``d_z = g * (exp(z - lse) - onehot)`` in bf16, and the
 two gradient products read ``d_z``. The factored step instead writes ``e = exp(z - m)`` (``m``
 the row max) in the pass that sums it, and moves everything else out of the ``[tokens, vocab]``
 arrays: ``d_z = (g / s) e - g onehot``, so
@@ -11,22 +11,24 @@ arrays: ``d_z = (g / s) e - g onehot``, so
     d_hidden = (g / s) * (e @ w^T) - g * w[:, y]^T
     d_weight^T += e^T @ ((g / s) * h) - scatter_add(y, g * h)
 
-(row scales on ``[tokens, d]``, the label term a gather and a scatter of ``d``-vectors). One
-read of ``z`` fewer per chunk. No soft cap, no smoothing here: the probe answers whether the
-pass structure pays before the kernel takes it. Same shapes and baseline as
-``bench_linear_cross_entropy.py``; one interleaved run.
+(row scales on ``[tokens, d]``, the label term a gather and a scatter of ``d``-vectors). No
+soft cap, no smoothing here. Two first passes are compared: the row max (then ``e`` and its sum
+in one pass) and ``jax.nn.logsumexp`` (then ``e`` already normalised). Runs 28-29
+(bench/RESULTS.md) compared them with the unfactored kernel of the time: the max first won,
+and the kernel has computed its gradient that way since (``_factored_chunk``), so today its
+``chunked_tokens`` rows and the max-first rows are the same algorithm. Same problem, baseline
+and table as ``bench_linear_cross_entropy.py``; one interleaved run.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from _timing import time_interleaved
+from bench_linear_cross_entropy import PLAIN, compare, plain_loss, problem
 
 
 def factored_loss(chunk: int, first_pass: str = "max"):
@@ -92,44 +94,14 @@ def main() -> int:
 
     from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linear_cross_entropy
 
-    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    kh, kw, ky = jax.random.split(jax.random.key(0), 3)
-    hidden = jax.random.normal(kh, (args.tokens, args.d), jnp.float32).astype(dtype)
-    weight = (jax.random.normal(kw, (args.d, args.vocab), jnp.float32) / args.d**0.5).astype(dtype)
-    labels = jax.random.randint(ky, (args.tokens,), 0, args.vocab, jnp.int32)
-
-    def plain(h: jax.Array, w: jax.Array) -> jax.Array:
-        logits = (h @ w).astype(jnp.float32)
-        picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
-        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
-
-    variants = {"plain JAX (matmul + logsumexp)": plain}
+    hidden, weight, labels = problem(args.tokens, args.d, args.vocab)
+    variants = {PLAIN: plain_loss(labels)}
     for chunk in (int(c) for c in args.chunks.split(",")):
         cfg = LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk)
         variants[f"chunked_tokens {chunk}"] = lambda h, w, cfg=cfg: linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
         for first in ("max", "lse"):
             variants[f"factored ({first} first) {chunk}"] = lambda h, w, f=factored_loss(chunk, first): f(h, w, labels)
-
-    compiled, memory, values = {}, {}, {}
-    for name, fn in variants.items():
-        exe = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(hidden, weight).compile()
-        compiled[name], memory[name] = exe, exe.memory_analysis().temp_size_in_bytes
-        values[name] = exe(hidden, weight)
-    base_name = "plain JAX (matmul + logsumexp)"
-    ref_loss, (ref_dh, ref_dw) = values[base_name]
-    rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
-    times = time_interleaved({name: (lambda exe=exe: exe(hidden, weight)) for name, exe in compiled.items()}, args.samples, 5)
-    print(
-        f"Device: {jax.devices()[0].device_kind}; jax {jax.__version__}; {time.strftime('%Y-%m-%d')}; "
-        f"[{args.tokens}, {args.d}] x [{args.d}, {args.vocab}] {jnp.dtype(dtype).name}; medians of {args.samples} interleaved samples of 5\n"
-    )
-    print("| variant | fwd+bwd ms | vs plain | temp MiB | loss rel. err | d_hidden rel. err | d_weight rel. err |\n|---|---:|---:|---:|---:|---:|---:|")
-    for name in compiled:
-        loss, (dh, dw) = values[name]
-        print(
-            f"| {name} | {times[name]:.3f} | {times[base_name] / times[name]:.2f}x | {memory[name] / 2**20:.1f} | "
-            f"{abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)):.1e} | {rel(dh, ref_dh):.1e} | {rel(dw, ref_dw):.1e} |"
-        )
+    print(compare(variants, hidden, weight, args.samples))
     return 0
 
 
