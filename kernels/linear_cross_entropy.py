@@ -282,7 +282,7 @@ def _tokens_pass(
     The gradient products take :class:`_Factored` terms: ``d_hidden = r (dense @ w^T) - c w_y
     - k sum_j w_j`` and ``d_weight^T += dense^T @ (r h) - scatter(y, c h) - sum_t k_t h_t``, the
     weight's gradient kept transposed so the label rows scatter contiguously."""
-    tokens, vocab = hidden.shape[0], weight.shape[1]
+    tokens = hidden.shape[0]
     chunk = min(chunk, tokens)
     safe = jnp.where(loss.counts(labels), labels, 0)
     g = jnp.zeros(labels.shape, jnp.float32) if token_g is None else token_g.astype(jnp.float32)
@@ -291,26 +291,29 @@ def _tokens_pass(
     smoothed = bool(loss.label_smoothing) and loss.logit_soft_cap is None
     weight_sum = jnp.sum(weight.astype(jnp.float32), axis=1) if smoothed and token_g is not None else None
 
-    def step(d_weight_t: jax.Array | None, xs: tuple[jax.Array, ...]) -> tuple[jax.Array | None, tuple[jax.Array, ...]]:
+    def step(carry: tuple[jax.Array, jax.Array] | None, xs: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, jax.Array] | None, tuple[jax.Array, ...]]:
         h_c, y_c, g_c = xs
         z = loss.cap((h_c @ weight).astype(jnp.float32))  # the plain program's logits, one chunk
         f = _factored_chunk(z, y_c, g_c, loss, hidden.dtype)
-        if d_weight_t is None:  # the loss only: XLA drops the gradient's terms
+        if carry is None:  # the loss only: XLA drops the gradient's terms
             return None, (f.per_token,)
+        d_weight_t, smoothing = carry  # smoothing: sum_t k_t h_t, taken from every row at the end
         h32 = h_c.astype(jnp.float32)
         d_hidden = f.r[:, None] * jnp.dot(f.dense, weight_t, preferred_element_type=jnp.float32) - f.c[:, None] * weight_t[y_c].astype(jnp.float32)
         d_weight_t = d_weight_t + jnp.dot(f.dense.T, (h32 * f.r[:, None]).astype(hidden.dtype), preferred_element_type=jnp.float32)
         d_weight_t = d_weight_t.at[y_c].add(-f.c[:, None] * h32)
         if f.k is not None:
             d_hidden = d_hidden - f.k[:, None] * weight_sum[None, :]
-            d_weight_t = d_weight_t - jnp.sum(f.k[:, None] * h32, axis=0)[None, :]
-        return d_weight_t, (f.per_token, d_hidden.astype(hidden.dtype))
+            smoothing = smoothing + jnp.sum(f.k[:, None] * h32, axis=0)
+        return (d_weight_t, smoothing), (f.per_token, d_hidden.astype(hidden.dtype))
 
-    init = None if token_g is None else jnp.zeros(weight_t.shape, jnp.float32)
-    d_weight_t, outs = lax.scan(step, init, xs)
+    init = None if token_g is None else (jnp.zeros(weight_t.shape, jnp.float32), jnp.zeros(weight_t.shape[1:], jnp.float32))
+    carry, outs = lax.scan(step, init, xs)
     per_token = jnp.where(loss.counts(labels), outs[0].reshape(-1)[:tokens], 0.0)
-    d_hidden = None if token_g is None else outs[1].reshape(-1, hidden.shape[1])[:tokens]
-    return _TokenPass(per_token, d_hidden, None if d_weight_t is None else d_weight_t.T)
+    if carry is None:
+        return _TokenPass(per_token, None, None)
+    d_weight_t, smoothing = carry
+    return _TokenPass(per_token, outs[1].reshape(-1, hidden.shape[1])[:tokens], (d_weight_t - smoothing[None, :]).T)
 
 
 class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
