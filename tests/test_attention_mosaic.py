@@ -9,6 +9,7 @@ gradients against a float32 reference over head dims, odd lengths, segments and 
 from __future__ import annotations
 
 import functools
+import importlib
 import re
 from typing import Any
 
@@ -28,7 +29,8 @@ from ejlabel.kernels.attention import (
 )
 from kernel_checks import gpu, needs_gpu, rel_error
 
-from ejlabel import BwdParams, FwdParams, Invocation, label, label_scope
+import ejlabel
+from ejlabel import BwdParams, FwdParams, Invocation, analysis, label, label_scope
 
 pytestmark = pytest.mark.skipif(not am.mosaic_available(), reason="this JAX has no Pallas Mosaic GPU backend")
 
@@ -200,6 +202,26 @@ def test_call_sites_share_one_module_per_kernel() -> None:
         apart = kernel_hashes(label("attention_b@v1", "1" * 16))
     assert len(shared) == 3 and len(set(shared)) == 3
     assert len(apart) == 6 and set(apart) == set(shared)
+
+
+def test_audit_finds_every_call_of_a_shared_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three layers' attention lower to one function per kernel that each layer calls, and the
+    audit of that program still finds three forward and three backward call sites."""
+    monkeypatch.setattr(importlib.import_module("ejlabel.kernels.attention"), "on_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+
+    def loss(x: jax.Array) -> jax.Array:
+        for _ in range(3):
+            x = 2 * flash_attention(x, x, x, causal=True)
+        return x.astype(jnp.float32).sum()
+
+    with ejlabel.use_implementation("mosaic"):
+        lowered = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",))
+    # Nine launches; a kernel is lowered again only under other metadata (the first site of a
+    # call also carries its description), and every copy is the same module.
+    hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', lowered.as_text())
+    assert len(hashes) < 9 and len(set(hashes)) == 3
+    assert sorted(call.direction for call in analysis.audit(lowered).calls) == ["backward"] * 3 + ["forward"] * 3
 
 
 def test_rejects_what_it_cannot_run() -> None:
