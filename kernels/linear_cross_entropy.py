@@ -27,9 +27,9 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
   run under differentiation, also computes each chunk's gradient while its logits are at hand,
   and the backward only scales it: three passes of the matmul in all, as in the plain program,
   but the logits of one chunk at a time. The gradient is factored (:func:`_factored_chunk`):
-  the one ``[chunk, vocab]`` array written besides the logits is ``exp(z - max)``, in the pass
-  that sums it; the softmax's ``1 / sum``, the label's column and the smoothing term act on
-  ``[chunk, d]`` rows around the two products. With ``reduction="none"`` the backward
+  the one ``[chunk, vocab]`` array written besides the logits is ``exp(z - max)`` (zero in the
+  label's column), in the pass that sums it; the softmax's ``1 / sum``, the label's column (in
+  float32) and the smoothing term act on ``[chunk, d]`` rows around the two products. With ``reduction="none"`` the backward
   recomputes the chunks instead.
 
 No Pallas GPU kernel: the backward's two products reduce over different axes (``d_hidden``
@@ -41,7 +41,8 @@ traffic that made the fused attention backward lose, bench/RESULTS.md runs 18-19
 in a second kernel (a fourth pass of the matmul, a third more than the plain program's
 three). ``chunked_tokens`` runs the plain program's three passes with one chunk of logits at
 a time and, factored, two passes over them besides the products (H100: 1.28-1.30x the
-plain program at chunks of 8192 tokens, 1.25-1.26x at 4096; bench/RESULTS.md runs 30, 32).
+plain program at chunks of 8192 tokens, 1.25-1.26x at 4096; bench/RESULTS.md runs 30, 32,
+measured before the label's column left the dense array).
 
 Tokens labelled ``ignore_index`` get loss 0 and no gradient. The reduction (``"mean"`` over the
 tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is
