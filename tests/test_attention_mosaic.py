@@ -137,6 +137,11 @@ def lower_for_cuda(fn: Any, *args: Any) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def kernel_hashes(text: str) -> list[str]:
+    """The hash of every Mosaic GPU module in a lowered program's text, in order."""
+    return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+
+
 @pytest.mark.parametrize(
     ("dim", "kv_heads", "options", "params"),
     [
@@ -193,13 +198,12 @@ def test_call_sites_share_one_module_per_kernel() -> None:
             x = am.mosaic_attention(x, x, x, causal=True)
         return x.astype(jnp.float32).sum()
 
-    def kernel_hashes(second_label: str) -> list[str]:
-        text = lower_for_cuda(jax.grad(functools.partial(loss, second_label=second_label)), q)
-        return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+    def hashes_with(second_label: str) -> list[str]:
+        return kernel_hashes(lower_for_cuda(jax.grad(functools.partial(loss, second_label=second_label)), q))
 
     with label_scope(label("attention_a@v1", "0" * 16)):
-        shared = kernel_hashes(label("attention_a@v1", "0" * 16))
-        apart = kernel_hashes(label("attention_b@v1", "1" * 16))
+        shared = hashes_with(label("attention_a@v1", "0" * 16))
+        apart = hashes_with(label("attention_b@v1", "1" * 16))
     assert len(shared) == 3 and len(set(shared)) == 3
     assert len(apart) == 6 and set(apart) == set(shared)
 
@@ -219,7 +223,7 @@ def test_audit_finds_every_call_of_a_shared_kernel(monkeypatch: pytest.MonkeyPat
         lowered = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",))
     # Nine launches; a kernel is lowered again only under other metadata (the first site of a
     # call also carries its description), and every copy is the same module.
-    hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', lowered.as_text())
+    hashes = kernel_hashes(lowered.as_text())
     assert len(hashes) < 9 and len(set(hashes)) == 3
     assert sorted(call.direction for call in analysis.audit(lowered).calls) == ["backward"] * 3 + ["forward"] * 3
 
