@@ -52,6 +52,7 @@ tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -113,14 +114,19 @@ class _Loss:
     def counts(self, labels: jax.Array) -> jax.Array:
         return jnp.ones(labels.shape, bool) if self.ignore_index is None else labels != self.ignore_index
 
+    def per_token(self, lse: jax.Array, picked: jax.Array, mean_logit: Callable[[], jax.Array]) -> jax.Array:
+        """Each token's loss from its log-sum-exp, its label's logit and (only read with
+        smoothing) ``mean_logit()``, the mean of its logits, all ``[tokens]`` float32."""
+        per_token = lse - picked
+        if self.label_smoothing:
+            per_token = per_token + self.label_smoothing * (picked - mean_logit())
+        return per_token
+
     def from_logits(self, z: Float[Array, "tokens vocab"], safe_labels: Int[Array, "tokens"]) -> tuple[jax.Array, jax.Array]:
         """``(per-token loss, log-sum-exp)`` from capped float32 logits over the whole vocabulary."""
         picked = jnp.take_along_axis(z, safe_labels[:, None], axis=-1)[:, 0]
         lse = jax.nn.logsumexp(z, axis=-1)
-        per_token = lse - picked
-        if self.label_smoothing:
-            per_token = per_token + self.label_smoothing * (picked - jnp.mean(z, axis=-1))
-        return per_token, lse
+        return self.per_token(lse, picked, lambda: jnp.mean(z, axis=-1)), lse
 
     def d_logits(
         self, z: Float[Array, "tokens cols"], lse: Float[Array, "tokens"], onehot: jax.Array, token_g: Float[Array, "tokens"],
@@ -197,9 +203,7 @@ def _forward_chunked(hidden: jax.Array, weight: jax.Array, labels: jax.Array, lo
     init = (jnp.full((tokens,), -jnp.inf, jnp.float32), jnp.zeros((tokens,), jnp.float32), jnp.zeros((tokens,), jnp.float32), jnp.zeros((tokens,), jnp.float32))
     (running_max, running_sum, picked, total), _ = lax.scan(step, init, (jnp.arange(chunks.shape[0]), chunks))
     lse = running_max + jnp.log(running_sum)
-    per_token = lse - picked
-    if loss.label_smoothing:
-        per_token = per_token + loss.label_smoothing * (picked - total / vocab)
+    per_token = loss.per_token(lse, picked, lambda: total / vocab)
     counts = loss.counts(labels)
     return jnp.where(counts, per_token, 0.0), lse
 
@@ -270,9 +274,7 @@ def _factored_chunk(z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"
     e = jnp.exp(z - m[:, None])
     s = jnp.sum(e, axis=-1)
     picked = jnp.take_along_axis(z, labels[:, None], axis=-1)[:, 0]
-    per_token = m + jnp.log(s) - picked
-    if eps:
-        per_token = per_token + eps * (picked - jnp.mean(z, axis=-1))
+    per_token = loss.per_token(m + jnp.log(s), picked, lambda: jnp.mean(z, axis=-1))
     e_label, cg_label = jnp.exp(picked - m), loss.cap_grad(picked)
     if loss.logit_soft_cap is not None and eps:
         dense = loss.cap_grad(z) * (e / s[:, None] - eps / vocab)
