@@ -91,8 +91,10 @@ def test_bf16_inputs_and_odd_sizes():
 def test_confident_predictions_keep_their_gradient(sharpness: float, options: dict):
     """Hidden states pointing at their label's column: the label gets p = 0.996 (sharpness 2)
     or 0.99998 (3), as in a trained model. A token's gradient there is ``g (p - 1)``, small;
-    bf16 inputs, float32 reference. Built from ``g p`` in bf16 and ``-g`` in float32, the
-    weight's gradient was 10% and 96% off (the plain bf16 program: 1.6% and 3.6%)."""
+    bf16 inputs, float32 reference. The bar is the plain bf16 program's own error on this
+    device (``"xla"``: its logits are rounded to bf16 as ours are; on the CPU 1.6% and 3.6% of
+    the weight's gradient, on the H100 about as much as ours). Built from ``g p`` in bf16 and
+    ``-g`` in float32, the weight's gradient was 10% and 96% off: 6 and 27 times that."""
     tokens, d, vocab = 512, 64, 1000
     kh, kw, ky = jax.random.split(jax.random.key(3), 3)
     weight = jax.random.normal(kw, (d, vocab), jnp.float32)
@@ -101,10 +103,15 @@ def test_confident_predictions_keep_their_gradient(sharpness: float, options: di
     hidden = 0.9 * sharpness * columns / jnp.linalg.norm(columns, axis=1, keepdims=True) + 0.1 * jax.random.normal(kh, (tokens, d))
     hidden, weight = hidden.astype(jnp.bfloat16), weight.astype(jnp.bfloat16)
     ref = jax.grad(lambda h, w: reference(h, w, labels, **options), argnums=(0, 1))(hidden.astype(jnp.float32), weight.astype(jnp.float32))
-    for cfg in (CONFIGS["chunked"], LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=128)):
+
+    def errors(cfg: LinearCrossEntropyConfig) -> list[float]:
         got = jax.grad(lambda h, w: linear_cross_entropy(h, w, labels, cfg=cfg, **options), argnums=(0, 1))(hidden, weight)
-        for g, r in zip(got, ref):
-            assert rel_error(g.astype(jnp.float32), r) < 1e-2, cfg
+        return [rel_error(g.astype(jnp.float32), r) for g, r in zip(got, ref)]
+
+    plain = errors(LinearCrossEntropyConfig("xla"))
+    for cfg in (CONFIGS["chunked"], LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=128)):
+        for name, ours, bar in zip(("d_hidden", "d_weight"), errors(cfg), plain):
+            assert ours < 2 * bar + 2e-3, (cfg, name, ours, bar)
 
 
 def test_chunked_program_never_holds_the_logits():
