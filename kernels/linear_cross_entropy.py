@@ -252,37 +252,17 @@ class _Factored(NamedTuple):
     k: Float[Array, "tokens"] | None  # every column (smoothing without a cap), or None
 
 
-_FIRST_PASS = "online"  # or "max"; bench/probe_lce_inplace.py compares them
-
-
-def _max_and_sum(z: Float[Array, "tokens vocab"]) -> tuple[Float[Array, "tokens"], Float[Array, "tokens"]]:
-    """Each row's max ``m`` and ``sum(exp(z - m))`` in one read of ``z``: a reduction whose
-    partials are ``(max, sum scaled to that max)`` pairs, as in an online softmax."""
-
-    def combine(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        (m_a, s_a), (m_b, s_b) = a, b
-        m = jnp.maximum(m_a, m_b)
-        scale = jnp.where(m == -jnp.inf, 0.0, jnp.exp(jnp.minimum(m_a, m_b) - m))  # two empty partials: 0, not nan
-        return m, jnp.where(m_a >= m_b, s_a + s_b * scale, s_a * scale + s_b)
-
-    init = (jnp.array(-jnp.inf, z.dtype), jnp.array(0.0, z.dtype))
-    return lax.reduce((z, jnp.ones_like(z)), init, combine, (1,))
-
-
-def _factored_chunk(
-    z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"], loss: _Loss, dtype: Any,
-    first_pass: str = "online",
-) -> _Factored:
+def _factored_chunk(z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"], loss: _Loss, dtype: Any) -> _Factored:
     """The loss and the factored gradient of capped float32 logits ``z``, each token's row
     scaled by ``token_g``.
 
     With ``e = exp(z - max)``, ``s = sum(e)`` and ``cg`` the cap's derivative, the gradient is
-    ``g cg (e / s - (1 - eps) onehot - eps / V)``. One reduction over ``z`` gives the row max,
-    ``s`` and the label's logit; the next pass, elementwise, turns ``z`` into the one dense
-    array ``e cg``, and ``g / s`` moves out to the rows of the products. Only a cap with
-    smoothing makes the last term dense in ``cg``: then the dense array is
-    ``cg (e / s - eps / V)``. The log-sum-exp is not ``jax.nn.logsumexp``: on the H100 that
-    form ran the whole loss 1.09x slower (bench/RESULTS.md, runs 28-29).
+    ``g cg (e / s - (1 - eps) onehot - eps / V)``. The row max is one pass over ``z``; ``e cg``
+    and ``s`` are the next, which writes the one dense array, and ``g / s`` moves out to the
+    rows of the products. Only a cap with smoothing makes the last term dense in ``cg``: then
+    ``s`` is summed first and the dense array is ``cg (e / s - eps / V)``. The log-sum-exp is
+    not ``jax.nn.logsumexp``: on the H100 that form ran the whole loss 1.09x slower
+    (bench/RESULTS.md, runs 28-29).
 
     The label's column is left out of ``dense`` and its whole gradient kept in float32
     (``at_label``): for a confident prediction it is ``g (p - 1)``, small, and adding ``g p``
@@ -290,15 +270,10 @@ def _factored_chunk(
     (d_weight 10% off at p = 0.996, 96% at p = 0.99998, against 2-4% for the plain bf16
     program; test_confident_predictions_keep_their_gradient)."""
     eps, vocab = loss.label_smoothing, z.shape[1]
-    is_label = jnp.arange(vocab)[None, :] == labels[:, None]
-    picked = jnp.sum(jnp.where(is_label, z, 0.0), axis=-1)  # a reduction beside the max, not a gather after it
-    if first_pass == "online":
-        m, s = _max_and_sum(z)
-        e = jnp.exp(z - m[:, None])
-    else:
-        m = jnp.max(z, axis=-1)
-        e = jnp.exp(z - m[:, None])
-        s = jnp.sum(e, axis=-1)
+    m = jnp.max(z, axis=-1)
+    e = jnp.exp(z - m[:, None])
+    s = jnp.sum(e, axis=-1)
+    picked = jnp.take_along_axis(z, labels[:, None], axis=-1)[:, 0]
     per_token = loss.per_token(m + jnp.log(s), picked, lambda: jnp.mean(z, axis=-1))
     e_label, cg_label = jnp.exp(picked - m), loss.cap_grad(picked)
     if loss.logit_soft_cap is not None and eps:
@@ -308,11 +283,12 @@ def _factored_chunk(
         dense = e * loss.cap_grad(z)
         r, dense_label, k = token_g / s, e_label * cg_label, (token_g * (eps / vocab) if eps else None)
     at_label = r * dense_label - token_g * (1.0 - eps) * cg_label
+    is_label = jnp.arange(vocab)[None, :] == labels[:, None]
     return _Factored(per_token, jnp.where(is_label, 0.0, dense).astype(dtype), r, at_label, k)
 
 
 def _tokens_pass(
-    hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss, chunk: int, token_g: jax.Array | None = None,
+    hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss, chunk: int, token_g: jax.Array | None = None
 ) -> _TokenPass:
     """Per-token losses, one chunk of tokens against the whole vocabulary at a time, and with
     ``token_g [tokens]`` the gradient of ``sum(token_g * loss)`` from the same logits.
@@ -332,7 +308,7 @@ def _tokens_pass(
     def step(carry: tuple[jax.Array, jax.Array] | None, xs: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, jax.Array] | None, tuple[jax.Array, ...]]:
         h_c, y_c, g_c = xs
         z = loss.cap((h_c @ weight).astype(jnp.float32))  # the plain program's logits, one chunk
-        f = _factored_chunk(z, y_c, g_c, loss, hidden.dtype, _FIRST_PASS)
+        f = _factored_chunk(z, y_c, g_c, loss, hidden.dtype)
         if carry is None:  # the loss only: XLA drops the gradient's terms
             return None, (f.per_token,)
         d_weight_t, smoothing = carry  # smoothing: sum_t k_t h_t, taken from every row at the end
