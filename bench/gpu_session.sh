@@ -31,7 +31,7 @@ for step in "$@"; do
     mosaicgrads) timeout 450 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_values_and_gradients tests/test_attention_mosaic.py::test_gpu_forward_pingpong tests/test_attention_mosaic.py::test_gpu_fused_backward tests/test_attention_mosaic.py::test_gpu_other_tiles -p no:cacheprovider 2>&1 | tee "$OUT/pytest_mosaic_grads_gpu.log" | tail -n 25 ;;
     fusedtests) timeout 150 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_fused_backward -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fused_gpu.log" | tail -n 15 ;;
     tritongpu) timeout 200 python3 -m pytest -q -m gpu tests/test_kernels_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_triton_gpu.log" | tail -n 25 ;;
-    lcetests) timeout 200 python3 -m pytest -q tests/test_kernels_linear_cross_entropy.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_lce_gpu.log" | tail -n 15 ;;
+    lcetests) timeout 300 python3 -m pytest -q tests/test_kernels_linear_cross_entropy.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_lce_gpu.log" | tail -n 15 ;;
     lce) timeout 160 python3 bench/bench_linear_cross_entropy.py --samples 9 --out "$OUT/lce.md" 2>&1 | tee "$OUT/lce.log" | tail -n 12 ;;
     modelpacked) timeout 585 python3 bench/bench_model.py --packed --samples 6 --tune-budget 280 --out "$OUT/model_packed.md" 2>&1 | tee "$OUT/model_packed.log" | tail -n 25 ;;
     model) timeout 560 python3 bench/bench_model.py --out "$OUT/model.md" 2>&1 | tee "$OUT/model.log" | tail -n 40 ;;
