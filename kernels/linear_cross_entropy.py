@@ -252,9 +252,6 @@ class _Factored(NamedTuple):
     k: Float[Array, "tokens"] | None  # every column (smoothing without a cap), or None
 
 
-_PROBE = {"dense": "pass", "weight_t": True}  # bench/probe_lce_prologue.py
-
-
 def _factored_chunk(z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"], loss: _Loss, dtype: Any) -> _Factored:
     """The loss and the factored gradient of capped float32 logits ``z``, each token's row
     scaled by ``token_g``.
@@ -275,10 +272,7 @@ def _factored_chunk(z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"
     eps, vocab = loss.label_smoothing, z.shape[1]
     m = jnp.max(z, axis=-1)
     e = jnp.exp(z - m[:, None])
-    if _PROBE["dense"] == "prologue":  # a sum of its own (exp2: not CSE'd with e), e only feeds the products
-        s = jnp.sum(jnp.exp2((z - m[:, None]) * 1.4426950408889634), axis=-1)
-    else:
-        s = jnp.sum(e, axis=-1)
+    s = jnp.sum(e, axis=-1)
     picked = jnp.take_along_axis(z, labels[:, None], axis=-1)[:, 0]
     per_token = loss.per_token(m + jnp.log(s), picked, lambda: jnp.mean(z, axis=-1))
     e_label, cg_label = jnp.exp(picked - m), loss.cap_grad(picked)
@@ -308,7 +302,6 @@ def _tokens_pass(
     g = jnp.zeros(labels.shape, jnp.float32) if token_g is None else token_g.astype(jnp.float32)
     xs = (_token_chunks(hidden, chunk), _token_chunks(safe, chunk), _token_chunks(g, chunk))  # g is zero on padded tokens
     weight_t = weight.T  # [vocab, d]
-    by_vocab = (((1,), (1,)), ((), ()))
     smoothed = bool(loss.label_smoothing) and loss.logit_soft_cap is None
     weight_sum = jnp.sum(weight.astype(jnp.float32), axis=1) if smoothed and token_g is not None else None
 
@@ -320,11 +313,7 @@ def _tokens_pass(
             return None, (f.per_token,)
         d_weight_t, smoothing = carry  # smoothing: sum_t k_t h_t, taken from every row at the end
         h32 = h_c.astype(jnp.float32)
-        if _PROBE["weight_t"]:
-            d_hidden = f.r[:, None] * jnp.dot(f.dense, weight_t, preferred_element_type=jnp.float32) + f.at_label[:, None] * weight_t[y_c].astype(jnp.float32)
-        else:
-            label_rows = jnp.take(weight, y_c, axis=1).T.astype(jnp.float32)
-            d_hidden = f.r[:, None] * lax.dot_general(f.dense, weight, by_vocab, preferred_element_type=jnp.float32) + f.at_label[:, None] * label_rows
+        d_hidden = f.r[:, None] * jnp.dot(f.dense, weight_t, preferred_element_type=jnp.float32) + f.at_label[:, None] * weight_t[y_c].astype(jnp.float32)
         d_weight_t = d_weight_t + jnp.dot(f.dense.T, (h32 * f.r[:, None]).astype(hidden.dtype), preferred_element_type=jnp.float32)
         d_weight_t = d_weight_t.at[y_c].add(f.at_label[:, None] * h32)
         if f.k is not None:
