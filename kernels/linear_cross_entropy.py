@@ -40,9 +40,11 @@ float32 partials of ``768 x 128`` per vocabulary block: 12.6 GB of reduce-adds, 
 traffic that made the fused attention backward lose, bench/RESULTS.md runs 18-19) or rebuilt
 in a second kernel (a fourth pass of the matmul, a third more than the plain program's
 three). ``chunked_tokens`` runs the plain program's three passes with one chunk of logits at
-a time and, factored, two passes over them besides the products (H100: 1.28-1.30x the
-plain program at chunks of 8192 tokens, 1.25-1.26x at 4096; bench/RESULTS.md runs 30, 32,
-measured before the label's column left the dense array).
+a time and, factored, two passes over them besides the products (H100: 1.27-1.30x the
+plain program at chunks of 8192 tokens, 1.24-1.28x at 4096, as close to float32 as the plain
+program; bench/RESULTS.md runs 30-39). A chunk holds two ``[chunk, vocab]`` arrays, the logits
+and ``e``: XLA writes ``e`` beside the logits, not over them, and fuses it into neither product
+(three variants tried, runs 35, 36 and 40).
 
 Tokens labelled ``ignore_index`` get loss 0 and no gradient. The reduction (``"mean"`` over the
 tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is
