@@ -17,6 +17,7 @@ for step in "$@"; do
     attnbench) timeout 240 python3 bench/bench_attention.py --only a,b,c --samples 7 2>&1 | tee "$OUT/attention.log" | grep -v "^W1\|Delay kernel" | tail -n 60 ;;
     attncheck) timeout 120 python3 bench/bench_attention.py --only check --quick 2>&1 | tee "$OUT/attention_check.log" | tail -n 30 ;;
     attngpu) timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_attention.py tests/test_attention_mosaic.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -n 25 ;;
+    registers) timeout 300 python3 bench/probe_registers.py 2>&1 | tee "$OUT/registers.log" | tail -n 40 ;;
     quickmosaic) timeout 200 python3 bench/quick_mosaic.py 2>&1 | tee "$OUT/quick_mosaic.log" | grep -v "^W1\|Delay kernel" | tail -n 30 ;;
     profile) timeout 240 python3 bench/profile_mosaic.py 2>&1 | tee "$OUT/profile_mosaic.log" | grep -v "^W1\|Delay kernel" | tail -n 40 ;;
     compileprobe) timeout 300 python3 bench/probe_compile.py 2>&1 | tee "$OUT/probe_compile.log" | grep -v "^W1\|Delay kernel" | tail -n 12 ;;

@@ -1,0 +1,47 @@
+"""Registers and spills of each Mosaic GPU attention kernel at the benchmark shapes.
+
+    python bench/probe_registers.py
+
+Compiles the forward and the split backward (``mosaic_attention``, causal) for causal B4 S4096
+H16 D128, the same with 4 documents per row, and the packed model's shape (B8 S2048 H12/4 D64,
+4 documents), with ``MOSAIC_GPU_DUMP_PTXAS=1`` so the PTX assembler reports each kernel's
+registers per thread and its spill stores and loads; prints those lines per shape. A consumer
+warpgroup that spills pays local-memory traffic at every step of its walk.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+SHAPES = {
+    "causal B4 S4096 H16 D128": (4, 4096, 16, 16, 128, 1),
+    "4 segments B4 S4096 H16 D128": (4, 4096, 16, 16, 128, 4),
+    "packed B8 S2048 H12/4 D64": (8, 2048, 12, 4, 64, 4),
+}
+
+_COMPILE = """
+import jax, jax.numpy as jnp
+from ejlabel.kernels import attention_mosaic as am
+batch, seq, heads, kv_heads, dim, docs = {shape}
+q = jnp.zeros((batch, seq, heads, dim), jnp.bfloat16)
+k = v = jnp.zeros((batch, seq, kv_heads, dim), jnp.bfloat16)
+ids = None if docs == 1 else jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
+loss = lambda q, k, v: jnp.sum(am.mosaic_attention(q, k, v, causal=True, segment_ids=ids).astype(jnp.float32))
+jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+"""
+
+
+def main() -> int:
+    env = {**os.environ, "MOSAIC_GPU_DUMP_PTXAS": "1"}
+    for name, shape in SHAPES.items():
+        done = subprocess.run([sys.executable, "-c", _COMPILE.format(shape=shape)], env=env, capture_output=True, text=True, timeout=300)
+        lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if "registers" in line or "spill" in line or "Compiling entry" in line]
+        print(f"### {name} (exit {done.returncode})")
+        print("\n".join(lines) if lines else (done.stdout + done.stderr)[-2000:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
