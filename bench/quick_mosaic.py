@@ -1,6 +1,6 @@
 """Quick H100 check of the Mosaic GPU attention against cuDNN, one process.
 
-    python bench/quick_mosaic.py [--split-only]
+    python bench/quick_mosaic.py [--split-only] [--bwd-tiles 64x64,128x64]
 
 Causal B4 S4096 H16 D128 bf16 forward and forward+backward, then packed documents at the
 example model's shape (B8 S2048, 12 heads, 4 kv heads, dim 64, 4 documents per row) against
@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from _timing import time_interleaved
+from ejlabel import BwdParams, FwdParams
 from ejlabel.kernels import attention_mosaic as am
 
 
@@ -84,12 +85,18 @@ def report(title: str, variants: dict[str, Any], flops_fwd: float, samples: int 
 
 def main() -> None:
     split_only = "--split-only" in sys.argv[1:]  # the default backward alone: half the compiles
+    # --bwd-tiles 64x64,128x64: the split backward at these (q block, kv block) tiles as well
+    tiles = sys.argv[sys.argv.index("--bwd-tiles") + 1].split(",") if "--bwd-tiles" in sys.argv else []
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, hopper={am.on_hopper()}", flush=True)
     tables = []
 
     def mosaic(label: str = "", **options: Any) -> dict[str, Any]:
         """Our kernels with the backward split in two (dq; dk, dv: the default) and fused."""
         split = {f"mosaic split bwd{label}": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, fused_backward=False, **options)}
+        for tile in tiles:
+            bq, bk = (int(x) for x in tile.split("x"))
+            params = (FwdParams(), BwdParams(q_blocksize=bq, kv_blocksize=bk))
+            split[f"mosaic split bwd {tile}{label}"] = lambda q, k, v, params=params: am.mosaic_attention(q, k, v, causal=True, params=params, **options)
         if split_only:
             return split
         return {**split, f"mosaic fused bwd{label}": lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, fused_backward=True, **options)}

@@ -1192,10 +1192,13 @@ def _forward_padded(p: _Padded, *, block_k: int, stages: int, pingpong: bool = F
 
 def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int]:
     """``(q block, kv block, stages)`` from launch parameters; unset fields get defaults that
-    fit shared memory at this head dimension (two stages of 128-row blocks up to dim 128)."""
-    wide = dim > 128
+    fit shared memory at this head dimension (two stages of 128-row blocks up to dim 128) and,
+    in the backward, registers: above dim 64 the dq kernel's tiles of 128 keys spilled 412 bytes
+    per thread and 64 keys spill none (H100, bench/RESULTS.md run 44: fwd+bwd 5% and 9% faster
+    at dim 128, causal and 4 documents)."""
+    widest = 64 if isinstance(params, BwdParams) else 128
     block_q = params.q_blocksize or 64
-    block_k = params.kv_blocksize or (64 if wide else 128)
+    block_k = params.kv_blocksize or (64 if dim > widest else 128)
     stages = params.num_stages or 2
     for name, value in (("q_blocksize", block_q), ("kv_blocksize", block_k)):
         if value not in (64, 128):
