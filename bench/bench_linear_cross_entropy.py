@@ -36,6 +36,16 @@ def problem(tokens: int, d: int, vocab: int) -> tuple[jax.Array, jax.Array, jax.
     return hidden, weight, jax.random.randint(ky, (tokens,), 0, vocab, jnp.int32)
 
 
+def problem_parser(description: str, samples: int) -> argparse.ArgumentParser:
+    """The command line of a script timing :func:`problem`: its shape and the sample count."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--d", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--samples", type=int, default=samples)
+    return parser
+
+
 def plain_loss(labels: jax.Array) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """The baseline: the mean loss as a JAX user writes it."""
 
@@ -80,11 +90,7 @@ def compare(variants: dict[str, Callable[[jax.Array, jax.Array], jax.Array]], hi
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--d", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--samples", type=int, default=15)
+    parser = problem_parser(__doc__.splitlines()[0], samples=15)
     parser.add_argument("--chunks", default="2048,4096,8192", help="vocabulary chunks of the chunked implementation")
     parser.add_argument("--token-chunks", default="2048,4096,8192", help="token chunks of the chunked_tokens implementation")
     parser.add_argument("--out", default=None)

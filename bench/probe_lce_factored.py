@@ -22,13 +22,12 @@ and table as ``bench_linear_cross_entropy.py``; one interleaved run.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from bench_linear_cross_entropy import PLAIN, compare, plain_loss, problem
+from bench_linear_cross_entropy import PLAIN, compare, plain_loss, problem, problem_parser
 
 
 def factored_loss(chunk: int, first_pass: str = "max"):
@@ -84,11 +83,7 @@ def factored_loss(chunk: int, first_pass: str = "max"):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--d", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--samples", type=int, default=9)
+    parser = problem_parser(__doc__.splitlines()[0], samples=9)
     parser.add_argument("--chunks", default="4096,8192")
     args = parser.parse_args()
 

@@ -29,8 +29,8 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
   but the logits of one chunk at a time. The gradient is factored (:func:`_factored_chunk`):
   the one ``[chunk, vocab]`` array written besides the logits is ``exp(z - max)`` (zero in the
   label's column), in the pass that sums it; the softmax's ``1 / sum``, the label's column (in
-  float32) and the smoothing term act on ``[chunk, d]`` rows around the two products. With ``reduction="none"`` the backward
-  recomputes the chunks instead.
+  float32) and the smoothing term act on ``[chunk, d]`` rows around the two products. With
+  ``reduction="none"`` the backward recomputes the chunks instead.
 
 No Pallas GPU kernel: the backward's two products reduce over different axes (``d_hidden``
 over the vocabulary, ``d_weight`` over the tokens), so a kernel walking (token tile, vocabulary
