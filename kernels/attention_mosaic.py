@@ -530,16 +530,17 @@ def _operand(x: Any) -> jax.Array:
     return x if isinstance(x, jax.Array) else x[...]
 
 
-def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, between: Any = None) -> jax.Array:
+def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, between: Any = None) -> jax.Array | tuple[jax.Array, Any]:
     """``a @ b`` (``b^T`` with ``transpose_b``) into a fresh float32 accumulator: ``a`` in
     shared memory or registers, ``b`` in shared memory, the product with wgmma. ``between()``,
-    if given, runs after the wgmma is issued and before its result is awaited."""
+    if given, runs after the wgmma is issued and before its result is awaited (CUDA-core work
+    beside the tensor cores'); what it returns, if not None, comes back as ``(product, it)``."""
     return _mma_sum(shape, [(a, b)], transpose_b=transpose_b, between=between)
 
 
 def _mma_sum(
     shape: _Shape, products: list[tuple[Any, Any]], *, transpose_b: bool, transpose_a: bool = False, between: Any = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, Any]:
     """The sum of ``a @ b`` over ``products`` in one fresh float32 accumulator, one wgmma each
     (operands as in :func:`_mma_new`; ``a^T`` with ``transpose_a``, then from shared memory).
 
@@ -549,21 +550,20 @@ def _mma_sum(
     if shape.interpret:
         dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
         out = sum(lax.dot_general(_operand(a), b[...], dims, preferred_element_type=jnp.float32) for a, b in products)
-        if between is not None:
-            between()
-        return out
+        extra = between() if between is not None else None
+        return out if extra is None else (out, extra)
     a, b = products[0]
     rows = a.shape[1] if transpose_a else a.shape[0]
     cols = b.shape[0] if transpose_b else b.shape[1]
 
-    def run(acc_ref: Any) -> jax.Array:
+    def run(acc_ref: Any) -> Any:
         for a, b in products:
             plgpu.wgmma(acc_ref, a.transpose((1, 0)) if transpose_a else a, b.transpose((1, 0)) if transpose_b else b)
-        if between is not None:
-            between()
-        return acc_ref[...]
+        extra = between() if between is not None else None
+        return acc_ref[...], extra
 
-    return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
+    acc, extra = pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
+    return acc if extra is None else (acc, extra)
 
 
 def _mma_into(shape: _Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
@@ -602,8 +602,10 @@ def _interpret_params() -> Any:
     return InterpretGPUParams()
 
 
-_CONSUMER_REGISTERS = 232
-_PRODUCER_REGISTERS = 40
+# 24 x 128 + 2 x 240 x 128 = 64512 of the SM's 65536 registers. The producer only issues copies;
+# 240 rather than 232 per consumer cut the dk/dv kernel's spills at head dim 128 by a fifth.
+_CONSUMER_REGISTERS = 240
+_PRODUCER_REGISTERS = 24
 
 
 # --------------------------------------------------------------------------------------------
@@ -811,13 +813,18 @@ def _dq_call(
                             k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
                     plgpu.barrier_wait(k_ready.at[slot])
                     s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
-                    p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-                    if masked:
-                        mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False)
-                        if mask is not None:
-                            p = jnp.where(mask, p, 0.0)
+
+                    def probabilities() -> jax.Array:
+                        p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+                        if masked:
+                            mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False)
+                            if mask is not None:
+                                p = jnp.where(mask, p, 0.0)
+                        return p
+
                     plgpu.barrier_wait(v_ready.at[slot])
-                    dp = _mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
+                    # The softmax runs while the tensor cores compute dP.
+                    dp, p = _mma_new(shape, my_do, v_ring.at[slot], transpose_b=True, between=probabilities)
                     plgpu.barrier_arrive(v_used.at[slot])
                     ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
                     dq = _mma_into(shape, dq, ds, k_ring.at[slot])
@@ -955,22 +962,24 @@ def _dkv_call(
                     slot = lax.rem(t, stages)
                     for barrier in (lse_ready, delta_ready) + ((qseg_ready,) if segmented else ()):
                         plgpu.barrier_wait(barrier.at[slot])
-                    lse = _load(shape, lse_ring.at[slot], _col_layout())
-                    delta = _load(shape, delta_ring.at[slot], _col_layout())
-                    q_seg = _load(shape, qseg_ring.at[slot], _col_layout()) if segmented and masked else None
                     plgpu.barrier_wait(q_ready.at[slot])
                     s_t = _mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
+                    lse = _load(shape, lse_ring.at[slot], _col_layout())
                     p_t = jnp.exp2(s_t * shape.scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
                     if masked:
+                        q_seg = _load(shape, qseg_ring.at[slot], _col_layout()) if segmented else None
                         mask = _visibility(shape, j * block_q, row0, WG_ROWS, block_q, q_seg, k_seg, transpose=True)
                         if mask is not None:
                             p_t = jnp.where(mask, p_t, 0.0)
+                    # dP before the dV product (delta loaded only now): P and dP in float32 die
+                    # into 16-bit P and dS before dV and dK accumulate. Spills at head dim 128:
+                    # 108-128 bytes per thread, 120-188 the other way round (RESULTS.md run 48).
                     plgpu.barrier_wait(do_ready.at[slot])
-                    p16 = p_t.astype(dtype)
-                    dv = _mma_into(shape, dv, p16, do_ring.at[slot])
                     dp_t = _mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
-                    plgpu.barrier_arrive(do_used.at[slot])
+                    delta = _load(shape, delta_ring.at[slot], _col_layout())
                     ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+                    dv = _mma_into(shape, dv, p_t.astype(dtype), do_ring.at[slot])
+                    plgpu.barrier_arrive(do_used.at[slot])
                     dk = _mma_into(shape, dk, ds_t, q_ring.at[slot])
                     plgpu.barrier_arrive(q_used.at[slot])
                     if fused:

@@ -1,0 +1,103 @@
+"""Side-by-side H100 timing of the Mosaic attention kernels under schedule and register settings.
+
+    MOSAIC_GPU_DUMP_PTXAS=1 python bench/probe_schedules.py
+
+Each variant sets private constants of ``kernels.attention_mosaic`` while its program is traced
+(the kernels' own trace caches are cleared first, so every variant lowers its own kernels) and
+is timed interleaved with the others and cuDNN in one process: causal B4 S4096 H16 D128 bf16,
+the same with 4 documents per row, and the packed model's shape (B8 S2048 H12/4 D64, 4
+documents; cuDNN with the dense mask). With ``MOSAIC_GPU_DUMP_PTXAS=1`` the assembler's spill
+lines follow each ``=== variant`` marker.
+
+Runs 47-48 (bench/RESULTS.md) compared the backward's step orders this way, through two
+switches the kernels no longer have (the chosen orders are the code now); the variants here
+are what the module still exposes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from quick_mosaic import inputs, report
+from ejlabel.kernels import attention_mosaic as am
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "registers 232/40": {"_CONSUMER_REGISTERS": 232, "_PRODUCER_REGISTERS": 40},
+    "default again": {},  # the spread of one variant timed twice
+}
+
+
+def _clear_kernel_traces() -> None:
+    for entry in (am.mosaic_forward, am.mosaic_backward):
+        inspect.getclosurevars(entry).nonlocals["jitted"].clear_cache()
+
+
+def under(settings: dict[str, Any], label: str, fn: Any) -> Any:
+    """``fn`` traced with ``settings`` applied to the kernel module (a marker names it on stderr)."""
+
+    def traced(*args: Any) -> Any:
+        print(f"=== variant {label}", flush=True)
+        missing = sorted(set(settings) - set(vars(am)))
+        if missing:
+            raise AttributeError(f"settings: kernels.attention_mosaic has no {missing}")
+        saved = {name: getattr(am, name) for name in settings}
+        _clear_kernel_traces()
+        for name, value in settings.items():
+            setattr(am, name, value)
+        try:
+            return fn(*args)
+        finally:
+            for name, value in saved.items():
+                setattr(am, name, value)
+
+    return traced
+
+
+def steps(title: str, cudnn: Any, mosaic: Any, q: jax.Array, k: jax.Array, v: jax.Array, probe: jax.Array) -> dict[str, Any]:
+    def loss(fn: Any) -> Any:
+        return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * probe)
+
+    out: dict[str, Any] = {}
+    if cudnn is not None:
+        out["cudnn fwd"] = jax.jit(cudnn)
+        out["cudnn fwd+bwd"] = jax.jit(jax.value_and_grad(loss(cudnn), argnums=(0, 1, 2)))
+    for name, settings in VARIANTS.items():
+        label = f"{title}: {name}"
+        out[f"{name} fwd"] = jax.jit(under(settings, label + " fwd", mosaic))
+        out[f"{name} fwd+bwd"] = jax.jit(under(settings, label + " fwd+bwd", jax.value_and_grad(loss(mosaic), argnums=(0, 1, 2))))
+    return {name: (lambda f=f: f(q, k, v)) for name, f in out.items()}
+
+
+def main() -> None:
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
+    tables = []
+    batch, seq, heads, dim = 4, 4096, 16, 128
+    q, k, v, probe = inputs(batch, seq, heads, heads, dim)
+    flops = 4 * batch * heads * dim * seq * seq / 2
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    causal = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True)
+    tables += report("causal B4 S4096 H16 D128 bf16", steps("causal", cudnn, causal, q, k, v, probe), flops, samples=15, per_sample=6)
+
+    docs = 4
+    ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
+    segments = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids)
+    tables += report("4 segments B4 S4096 H16 D128 bf16 (visible work)", steps("segments", None, segments, q, k, v, probe), flops / docs, samples=15, per_sample=6)
+
+    batch, seq, heads, kv_heads, dim = 8, 2048, 12, 4, 64
+    q, k, v, probe = inputs(batch, seq, heads, kv_heads, dim)
+    ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
+    dense = (ids[:, :, None] == ids[:, None, :]) & (jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :])
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense[:, None], implementation="cudnn")
+    packed = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids)
+    flops = 4 * batch * heads * dim * seq * seq / 2 / docs
+    tables += report("packed B8 S2048 H12/4 D64, 4 documents", steps("packed", cudnn, packed, q, k, v, probe), flops, samples=15, per_sample=12)
+    print("\n" + "\n".join(tables))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
