@@ -9,9 +9,10 @@ the same with 4 documents per row, and the packed model's shape (B8 S2048 H12/4 
 documents; cuDNN with the dense mask). With ``MOSAIC_GPU_DUMP_PTXAS=1`` the assembler's spill
 lines follow each ``=== variant`` marker.
 
-Runs 47-48 (bench/RESULTS.md) compared the backward's step orders this way, through two
-switches the kernels no longer have (the chosen orders are the code now); the variants here
-are what the module still exposes.
+Runs 47-48 (bench/RESULTS.md) compared the backward's step orders this way, run 52 two forward
+softmax variants (``bench/runs/2026-11-25_run52_forward_variants.diff``), each through switches
+the kernels no longer have (the chosen orders are the code; the forward variants were not
+kept); the variants here are what the module still exposes.
 """
 
 from __future__ import annotations
