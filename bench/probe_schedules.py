@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from bench_attention import dense_mask, equal_documents
 from quick_mosaic import inputs, report
 from ejlabel.kernels import attention_mosaic as am
 
@@ -85,15 +86,15 @@ def main() -> None:
     tables += report("causal B4 S4096 H16 D128 bf16", steps("causal", cudnn, causal, q, k, v, probe), flops, samples=15, per_sample=6)
 
     docs = 4
-    ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
+    ids = equal_documents(batch, seq, docs)
     segments = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids)
     tables += report("4 segments B4 S4096 H16 D128 bf16 (visible work)", steps("segments", None, segments, q, k, v, probe), flops / docs, samples=15, per_sample=6)
 
     batch, seq, heads, kv_heads, dim = 8, 2048, 12, 4, 64
     q, k, v, probe = inputs(batch, seq, heads, kv_heads, dim)
-    ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
-    dense = (ids[:, :, None] == ids[:, None, :]) & (jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :])
-    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense[:, None], implementation="cudnn")
+    ids = equal_documents(batch, seq, docs)
+    dense = dense_mask(ids, causal=True)
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="cudnn")
     packed = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids)
     flops = 4 * batch * heads * dim * seq * seq / 2 / docs
     tables += report("packed B8 S2048 H12/4 D64, 4 documents", steps("packed", cudnn, packed, q, k, v, probe), flops, samples=15, per_sample=12)

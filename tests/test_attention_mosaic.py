@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -338,9 +339,20 @@ def test_interpreted_persistent_programs_walk_several_tiles() -> None:
     interpreted_values_and_gradients(q, k, v, ids, params, probe)
 
 
+@pytest.fixture
+def races(monkeypatch: pytest.MonkeyPatch) -> Callable[[], bool]:
+    """The interpreter with its race detector on; the returned function tells whether it found
+    an access the kernels' barriers leave unordered."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    params_type = type(am._interpret_params())
+    monkeypatch.setattr(am, "_interpret_params", lambda: params_type(detect_races=True))
+    return lambda: gpu_callbacks.get_races().races_found
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True])
-def test_interpreted_backward(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+def test_interpreted_backward(races: Callable[[], bool], fused: bool) -> None:
     # Four tiles over three programs (one walks two), a query head group of 2, three documents
     # and padding. Some tiles visit masked blocks on both sides of an unmasked run (asserted
     # below): the producer and the consumers must agree on the order of the walk. Fused: each
@@ -349,10 +361,6 @@ def test_interpreted_backward(monkeypatch: pytest.MonkeyPatch, fused: bool) -> N
     # consumers take turns sending shares and read each other's ds and keys. The interpreter's
     # race detector must find no access that the kernels' barriers leave unordered (taking out
     # one of the turns' waits makes it report the race).
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-    params_type = type(am._interpret_params())
-    monkeypatch.setattr(am, "_interpret_params", lambda: params_type(detect_races=True))
     seq, dim = 512, 64
     q, k, v = qkv(1, seq, 2, 1, dim, jnp.bfloat16, seed=13)
     position = jnp.arange(seq)
@@ -364,7 +372,7 @@ def test_interpreted_backward(monkeypatch: pytest.MonkeyPatch, fused: bool) -> N
     probe = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
     _, grads = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=fused)
-    assert not gpu_callbacks.get_races().races_found
+    assert not races()
     assert not np.any(np.asarray(grads[0].astype(jnp.float32))[0, seq - 11 :])  # padding: dq exactly 0
 
 
@@ -390,21 +398,17 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 
 
 @pytest.mark.slow
-def test_interpreted_pingpong_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interpreted_pingpong_forward(races: Callable[[], bool]) -> None:
     # Two query tiles, two documents and padding: the consumers' meetings pair up (a missed
     # one would hang or leave a barrier phase unobserved, which the interpreter reports), and
     # the race detector finds no shared-memory access the barriers leave unordered (the second
     # tile walks four key blocks through two ring slots, so slots are refilled while in use
     # elsewhere; arriving on a slot's "consumed" barrier before reading it is reported).
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-    params_type = type(am._interpret_params())
-    monkeypatch.setattr(am, "_interpret_params", lambda: params_type(detect_races=True))
     seq = 256
     q, k, v = qkv(1, seq, 1, 1, 64, jnp.bfloat16, seed=6)
     ids = jnp.where(jnp.arange(seq) < seq - 7, 1 + (jnp.arange(seq) >= 3 * seq // 4), 0)[None].astype(jnp.int32)
     out, _ = am.mosaic_forward(q, k, v, ids, scale=0.125, bounds=_bounds(True, None), params=FwdParams(kv_blocksize=64), interpret=True, pingpong=True)
-    assert not gpu_callbacks.get_races().races_found
+    assert not races()
     assert rel_error(out, reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=0.125)) < 1e-2
 
 
