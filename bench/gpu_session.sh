@@ -35,11 +35,11 @@ for step in "$@"; do
     lcetests) timeout 300 python3 -m pytest -q tests/test_kernels_linear_cross_entropy.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_lce_gpu.log" | tail -n 15 ;;
     lce) timeout 160 python3 bench/bench_linear_cross_entropy.py --samples 9 --out "$OUT/lce.md" 2>&1 | tee "$OUT/lce.log" | tail -n 12 ;;
     schedules) MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python3 bench/probe_schedules.py 2>&1 | tee "$OUT/schedules.log" | grep "^|\|^###\|=== variant\|stack frame" | tail -n 60 ;;
-    overlap)  # the unmeasured forward patch (bench/RESULTS.md, runs 47-53), timed and checked, then taken out again
-      git apply bench/runs/2026-11-25_forward_overlap.diff || exit 1
+    overlap)  # the forward overlap patch, not kept (bench/RESULTS.md, runs 54-56), timed and checked, then taken out again
+      git apply bench/runs/2026-11-26_forward_overlap.diff || exit 1
       MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python3 bench/probe_schedules.py 2>&1 | tee "$OUT/overlap_schedules.log" | grep "^|\|^###\|stack frame" | tail -n 60
       timeout 240 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_forward_pingpong tests/test_attention_mosaic.py::test_gpu_values_and_gradients -p no:cacheprovider 2>&1 | tee "$OUT/overlap_pytest.log" | tail -n 8
-      git apply -R bench/runs/2026-11-25_forward_overlap.diff ;;
+      git apply -R bench/runs/2026-11-26_forward_overlap.diff ;;
     modelpacked) timeout 585 python3 bench/bench_model.py --packed --samples 6 --tune-budget 280 --out "$OUT/model_packed.md" 2>&1 | tee "$OUT/model_packed.log" | tail -n 25 ;;
     model) timeout 560 python3 bench/bench_model.py --out "$OUT/model.md" 2>&1 | tee "$OUT/model.log" | tail -n 40 ;;
     modelquick) timeout 400 python3 bench/bench_model.py --quick --out "$OUT/model_quick.md" 2>&1 | tee "$OUT/model_quick.log" | tail -n 40 ;;
