@@ -39,6 +39,8 @@ from ejlabel.kernels.cross_entropy import CrossEntropyConfig, CrossEntropyKernel
 from ejlabel.kernels.matmul import MatmulConfig, MatmulKernel, matmul
 from ejlabel.kernels.norms import LayerNormKernel, NormConfig, RMSNormKernel, layer_norm, rms_norm
 
+from bench_attention import equal_documents
+
 FAMILIES = ("matmul", "attention", "norms", "cross_entropy")
 BWD_FLOP_FACTOR = 2.5
 
@@ -219,7 +221,7 @@ def bench_attention(b: Bench) -> None:
         batch, seq, heads, dim = 4, 4096, 16, 128
     kernel = AttentionKernel()
     causal_flops = 4.0 * batch * heads * seq * seq * dim / 2
-    segments = jnp.broadcast_to(1 + jnp.arange(seq) * 4 // seq, (batch, seq)).astype(jnp.int32)
+    segments = equal_documents(batch, seq, 4)
     # Varlen: the same tokens as one packed row of `batch` sequences of unequal lengths.
     lengths = [seq // 2, seq + seq // 2, seq // 4, seq + seq // 4][:batch] if batch == 4 else [seq * batch // 2] * 2
     cu_seqlens = jnp.cumsum(jnp.array([0, *lengths], jnp.int32))

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from _timing import time_interleaved
+from bench_attention import equal_documents
 from ejlabel import BwdParams, FwdParams
 from ejlabel.kernels import attention_mosaic as am
 
@@ -54,7 +55,7 @@ def case(batch: int, seq: int, heads: int, kv_heads: int, dim: int, segments: in
     k = jax.random.normal(keys[1], (batch, seq, kv_heads, dim), jnp.bfloat16)
     v = jax.random.normal(keys[2], (batch, seq, kv_heads, dim), jnp.bfloat16)
     g = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
-    ids = None if segments is None else jnp.broadcast_to(1 + jnp.arange(seq) // (seq // segments), (batch, seq)).astype(jnp.int32)
+    ids = None if segments is None else equal_documents(batch, seq, segments)
     bounds = (None, 0)
     out, lse = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, ids, scale=dim**-0.5, bounds=bounds, params=FwdParams()))(q, k, v)
     steps = {}

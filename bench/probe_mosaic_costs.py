@@ -23,6 +23,7 @@ import sys
 import jax
 import jax.numpy as jnp
 from _timing import time_interleaved
+from bench_attention import equal_documents
 from ejlabel.kernels import attention_mosaic as am
 
 PROGRAMS_PER_SM = 2048 / 132  # programs each of an H100's 132 SMs runs, one at a time
@@ -41,7 +42,7 @@ def main() -> int:
     add("full S4096", 4, 4096, 32, 0)
     add("full S1024 B16", 16, 1024, 8, 0)
     add("causal S4096", 4, 4096, 16.5, 1, causal=True)
-    ids = jnp.broadcast_to(1 + jnp.arange(4096) // 1024, (4, 4096)).astype(jnp.int32)
+    ids = equal_documents(4, 4096, 4)
     add("4 documents S4096", 4, 4096, 4.5, 1, causal=True, segment_ids=ids)
     add("causal S4096, no pingpong", 4, 4096, 16.5, 1, causal=True, pingpong=False)
 

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from _timing import time_interleaved
+from bench_attention import equal_documents
 from ejlabel.kernels import attention_mosaic as am
 
 
@@ -32,7 +33,7 @@ def case(title: str, batch: int, seq: int, heads: int, kv_heads: int, dim: int, 
     k = jax.random.normal(keys[1], (batch, seq, kv_heads, dim), jnp.bfloat16)
     v = jax.random.normal(keys[2], (batch, seq, kv_heads, dim), jnp.bfloat16)
     probe = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
-    ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
+    ids = equal_documents(batch, seq, docs)
     shape = am._Shape(dim**-0.5 * am._LOG2E, (None, 0), None, heads // kv_heads, True)
 
     def plans(ids: jax.Array) -> Any:

@@ -23,7 +23,10 @@ SHAPES = {
 }
 
 _COMPILE = """
+import sys
+sys.path.insert(0, {bench!r})
 import jax, jax.numpy as jnp
+from bench_attention import equal_documents
 from ejlabel import BwdParams, FwdParams
 from ejlabel.kernels import attention_mosaic as am
 tile = {tile}
@@ -31,7 +34,7 @@ bwd = BwdParams() if tile is None else BwdParams(q_blocksize=tile[0], kv_blocksi
 batch, seq, heads, kv_heads, dim, docs = {shape}
 q = jnp.zeros((batch, seq, heads, dim), jnp.bfloat16)
 k = v = jnp.zeros((batch, seq, kv_heads, dim), jnp.bfloat16)
-ids = None if docs == 1 else jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
+ids = None if docs == 1 else equal_documents(batch, seq, docs)
 loss = lambda q, k, v: jnp.sum(am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=(FwdParams(), bwd)).astype(jnp.float32))
 jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
 """
@@ -41,7 +44,7 @@ def main() -> int:
     env = {**os.environ, "MOSAIC_GPU_DUMP_PTXAS": "1"}
     tiles = sys.argv[sys.argv.index("--bwd-tiles") + 1].split(",") if "--bwd-tiles" in sys.argv else ["default"]
     for (name, shape), tile in ((item, tile) for item in SHAPES.items() for tile in tiles):
-        code = _COMPILE.format(shape=shape, tile=None if tile == "default" else tuple(int(x) for x in tile.split("x")))
+        code = _COMPILE.format(bench=os.path.dirname(os.path.abspath(__file__)), shape=shape, tile=None if tile == "default" else tuple(int(x) for x in tile.split("x")))
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if "spill stores" in line and "stack frame" in line]
         print(f"### {name}, backward tiles {tile} (exit {done.returncode})")

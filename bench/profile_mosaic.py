@@ -96,6 +96,7 @@ def main() -> None:
 
     import jax
     import jax.numpy as jnp
+    from bench_attention import equal_documents
     from ejlabel.kernels import attention_mosaic as am
 
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
@@ -107,7 +108,7 @@ def main() -> None:
         keys = jax.random.split(jax.random.key(0), 4)
         q1, q2 = (jax.random.normal(key, (batch, seq, heads, dim), jnp.bfloat16) for key in keys[:2])
         k, v = (jax.random.normal(key, (batch, seq, kv_heads, dim), jnp.bfloat16) for key in keys[2:])
-        ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // 4), (batch, seq)).astype(jnp.int32)
+        ids = equal_documents(batch, seq, 4)
         case_dir = directory / "".join(c if c.isalnum() else "_" for c in title)
         case_dir.mkdir(exist_ok=True)
         os.environ[am.PROFILE_DIR_VARIABLE] = str(case_dir)  # read when the kernels are traced

@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from _timing import time_interleaved
+from bench_attention import dense_mask, equal_documents
 from ejlabel import BwdParams, FwdParams
 from ejlabel.kernels import attention_mosaic as am
 
@@ -108,7 +109,7 @@ def main() -> None:
 
     # The segment goal's shape: 4 documents of 1024 tokens per row, rate in visible work.
     docs = 4
-    ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
+    ids = equal_documents(batch, seq, docs)
     doc = seq // docs
     tables += report(
         "4 segments B4 S4096 H16 D128 bf16 (visible work)", steps(mosaic(", 4 segments", segment_ids=ids), q, k, v, probe),
@@ -117,10 +118,10 @@ def main() -> None:
 
     batch, seq, heads, kv_heads, dim, docs = 8, 2048, 12, 4, 64, 4
     q, k, v, probe = inputs(batch, seq, heads, kv_heads, dim)
-    ids = jnp.broadcast_to(1 + jnp.arange(seq) // (seq // docs), (batch, seq)).astype(jnp.int32)
-    dense = (ids[:, :, None] == ids[:, None, :]) & (jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :])
+    ids = equal_documents(batch, seq, docs)
+    dense = dense_mask(ids, causal=True)
     attend = {
-        "cudnn dense mask": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense[:, None], implementation="cudnn"),
+        "cudnn dense mask": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="cudnn"),
         **mosaic(" segments", segment_ids=ids),
     }
     doc = seq // docs
