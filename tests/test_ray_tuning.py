@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
-import ray
 from ejlabel.analysis import read_program, tune_unseen
 from ejlabel.analysis.remote_tuning import result_from_data, result_to_data
 from jax import lax
@@ -31,6 +30,9 @@ from ejlabel.config.persistent import PersistentCache
 from ejlabel.config.selection import ConfigSelectorChain
 from ejlabel.execution.tuning import CandidateResult, Timing, TuneResult
 from ejlabel.utils.serialize import DecodeError
+
+# The ``ray`` extra (in the test extra, so CI has it); the GPU machine's image lacks it.
+ray = pytest.importorskip("ray")
 
 MODULE = __name__
 POLICY = AutotunePolicy(num_warmup=1, num_iters=4, compile_workers=2)
