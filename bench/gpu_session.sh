@@ -35,6 +35,13 @@ for step in "$@"; do
     fusedtests) timeout 150 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_fused_backward -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fused_gpu.log" | tail -n 15 ;;
     tritongpu) timeout 200 python3 -m pytest -q -m gpu tests/test_kernels_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_triton_gpu.log" | tail -n 25 ;;
     lcetests) timeout 300 python3 -m pytest -q tests/test_kernels_linear_cross_entropy.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_lce_gpu.log" | tail -n 15 ;;
+    lcepasses)  # the loss's passes over the logits: the kernel beside its variants (bench/RESULTS.md, runs 62-68)
+      args=()
+      for v in previous_kernel normalised label_shift; do
+        patch -s -o "/tmp/lce_$v.py" kernels/linear_cross_entropy.py < "bench/runs/2026-11-26_lce_$v.diff" || exit 1
+        args+=(--variant "${v//_/ }=/tmp/lce_$v.py")
+      done
+      (cd bench && timeout 300 python3 probe_lce_label_shift.py "${args[@]}" --samples 9 --out "$OUT/lce_passes.md" 2>&1 | tee "$OUT/lce_passes.log" | tail -n 14) ;;
     lce) timeout 160 python3 bench/bench_linear_cross_entropy.py --samples 9 --out "$OUT/lce.md" 2>&1 | tee "$OUT/lce.log" | tail -n 12 ;;
     schedules) MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python3 bench/probe_schedules.py 2>&1 | tee "$OUT/schedules.log" | grep "^|\|^###\|=== variant\|stack frame" | tail -n 60 ;;
     overlap)  # the forward overlap patch, not kept (bench/RESULTS.md, runs 54-56), timed and checked, then taken out again

@@ -244,49 +244,80 @@ def _token_chunks(x: jax.Array, chunk: int) -> jax.Array:
 
 
 class _Factored(NamedTuple):
-    """``d loss / d raw logits`` of one chunk as ``r * dense + at_label * onehot(y) - k``: the
-    only ``[tokens, vocab]`` array is ``dense`` (zero at the label); the rest are ``[tokens]``."""
+    """``d loss / d raw logits`` of one chunk as ``r * dense - k``: the one ``[tokens, vocab]``
+    array is ``dense``; ``r`` scales its rows and ``k`` (smoothing without a cap) is taken from
+    every column. ``label`` is ``dense``'s label column in float32, before its rounding."""
 
     per_token: Float[Array, "tokens"]
-    dense: Float[Array, "tokens vocab"]  # in the input dtype, zero in the label's column
-    r: Float[Array, "tokens"]  # scales dense's rows
-    at_label: Float[Array, "tokens"]  # the whole gradient in the label's column (but k)
-    k: Float[Array, "tokens"] | None  # every column (smoothing without a cap), or None
+    dense: Float[Array, "tokens vocab"] | None  # in the input dtype; None for the loss alone
+    r: Float[Array, "tokens"] | None
+    k: Float[Array, "tokens"] | None
+    label: Float[Array, "tokens"] | None
 
 
-def _factored_chunk(z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"], loss: _Loss, dtype: Any) -> _Factored:
-    """The loss and the factored gradient of capped float32 logits ``z``, each token's row
-    scaled by ``token_g``.
+def _row_reductions(*pairs: tuple[jax.Array, str]) -> tuple[jax.Array, ...]:
+    """Per-row ``max`` or ``sum`` of each ``[tokens, vocab]`` operand, as one reduction: one pass
+    over what the operands are computed from, where separate reductions may read it once each."""
+    inits = tuple(jnp.float32(-jnp.inf if kind == "max" else 0.0) for _, kind in pairs)
+    combine = lambda a, b: tuple(jnp.maximum(x, y) if kind == "max" else x + y for x, y, (_, kind) in zip(a, b, pairs))
+    return lax.reduce(tuple(operand for operand, _ in pairs), inits, combine, (1,))
 
-    With ``e = exp(z - max)``, ``s = sum(e)`` and ``cg`` the cap's derivative, the gradient is
-    ``g cg (e / s - (1 - eps) onehot - eps / V)``. The row max is one pass over ``z``; ``e cg``
-    and ``s`` are the next, which writes the one dense array, and ``g / s`` moves out to the
-    rows of the products. Only a cap with smoothing makes the last term dense in ``cg``: then
-    ``s`` is summed first and the dense array is ``cg (e / s - eps / V)``. The log-sum-exp is
-    not ``jax.nn.logsumexp``: on the H100 that form ran the whole loss 1.09x slower
-    (bench/RESULTS.md, runs 28-29).
 
-    The label's column is left out of ``dense`` and its whole gradient kept in float32
-    (``at_label``): for a confident prediction it is ``g (p - 1)``, small, and adding ``g p``
-    through the bf16 products and ``-g`` beside them would leave the rounding of ``g p``
-    (d_weight 10% off at p = 0.996, 96% at p = 0.99998, against 2-4% for the plain bf16
-    program; test_confident_predictions_keep_their_gradient)."""
+def _factored_chunk(
+    z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"] | None, loss: _Loss, dtype: Any
+) -> _Factored:
+    """The loss and (given ``token_g``) the factored gradient of capped float32 logits ``z``,
+    each token's row scaled by ``token_g``.
+
+    The gradient is ``g cg (p - (1 - eps) onehot - eps / V)``, ``p`` the softmax and ``cg`` the
+    cap's derivative. A first pass over ``z`` finds each row's max ``m``; the second writes the
+    one dense array ``cg e`` with ``e = exp(z - m)`` and sums ``e``, all of it (``s``) and off the
+    label (``others``), in one reduction; ``g / s`` scales the rows of the products and, without
+    a cap, ``g eps / V`` is taken from every column beside them (``k``). A cap with smoothing
+    puts ``eps / V`` inside the dense array, ``cg (e / s - eps / V)``, which needs ``s`` first: a
+    pass of its own (``e`` is then ``p`` and its sum 1).
+
+    The label's column is written last, ``cg (eps e_y - (1 - eps) others)``: the gradient
+    ``p_y - (1 - eps)`` as ``eps p_y - (1 - eps)(1 - p_y)``, for a confident prediction the small
+    ``p_y - 1`` with no cancellation before its rounding to ``dtype`` (``g p_y`` rounded with
+    ``-g`` added beside it keeps the rounding of ``g p_y``: d_weight 10% off at p = 0.996, 96% at
+    p = 0.99998; test_confident_predictions_keep_their_gradient). In an untrained model this
+    entry, ``-(s - e_y)``, is the row's largest and its rounding shows in ``d_hidden`` (H100,
+    [16384, 768] x [768, 32000]: 2.3e-3 of float32 against 1.7e-3 for the plain program, whose
+    ``p_y - 1`` is close to -1, nearly exact in bf16); writing ``p`` instead needs the sum
+    before the dense pass, which ran 4% slower (bench/RESULTS.md, runs 66-67). The log-sum-exp
+    is not ``jax.nn.logsumexp``: on the H100 that form ran the whole loss 1.09x slower (runs
+    28-29)."""
     eps, vocab = loss.label_smoothing, z.shape[1]
-    m = jnp.max(z, axis=-1)
-    e = jnp.exp(z - m[:, None])
-    s = jnp.sum(e, axis=-1)
+    capped = loss.logit_soft_cap is not None
     picked = jnp.take_along_axis(z, labels[:, None], axis=-1)[:, 0]
-    per_token = loss.per_token(m + jnp.log(s), picked, lambda: jnp.mean(z, axis=-1))
-    e_label, cg_label = jnp.exp(picked - m), loss.cap_grad(picked)
-    if loss.logit_soft_cap is not None and eps:
-        dense = loss.cap_grad(z) * (e / s[:, None] - eps / vocab)
-        r, dense_label, k = token_g, cg_label * (e_label / s - eps / vocab), None
-    else:
-        dense = e * loss.cap_grad(z)
-        r, dense_label, k = token_g / s, e_label * cg_label, (token_g * (eps / vocab) if eps else None)
-    at_label = r * dense_label - token_g * (1.0 - eps) * cg_label
+    m, *total = _row_reductions((z, "max"), *(((z, "sum"),) if eps else ()))
+    e = jnp.exp(z - m[:, None])
+    if token_g is None:  # the loss only
+        per_token = loss.per_token(m + jnp.log(jnp.sum(e, axis=-1)), picked, lambda: total[0] / vocab)
+        return _Factored(per_token, None, None, None, None)
+    normalised = capped and bool(eps)
+    e_label = jnp.exp(picked - m)
+    if normalised:
+        total_e = jnp.sum(e, axis=-1)
+        e, e_label = e / total_e[:, None], e_label / total_e
     is_label = jnp.arange(vocab)[None, :] == labels[:, None]
-    return _Factored(per_token, jnp.where(is_label, 0.0, dense).astype(dtype), r, at_label, k)
+    s, others = _row_reductions((e, "sum"), (jnp.where(is_label, 0.0, e), "sum"))
+    per_token = loss.per_token(m + jnp.log(total_e if normalised else s), picked, lambda: total[0] / vocab)
+    uniform = eps / vocab if capped else 0.0  # the smoothing term inside the dense array
+    dense = loss.cap_grad(z) * (e - uniform)
+    label = loss.cap_grad(picked) * (eps * e_label - (1.0 - eps) * others - uniform)
+    dense = dense.astype(dtype).at[jnp.arange(z.shape[0]), labels].set(label.astype(dtype))
+    r = token_g if normalised else token_g / s
+    k = token_g * (eps / vocab) if eps and not capped else None
+    return _Factored(per_token, dense, r, k, label)
+
+
+def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` rounded to ``dtype``'s precision, kept in float32: a rounding XLA may not skip, as
+    it may a convert there and back."""
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def _tokens_pass(
@@ -295,41 +326,45 @@ def _tokens_pass(
     """Per-token losses, one chunk of tokens against the whole vocabulary at a time, and with
     ``token_g [tokens]`` the gradient of ``sum(token_g * loss)`` from the same logits.
 
-    The gradient products take :class:`_Factored` terms: ``d_hidden = r (dense @ w^T) +
-    at_label w_y - k sum_j w_j`` and ``d_weight^T += dense^T @ (r h) + scatter(y, at_label h) -
-    sum_t k_t h_t``, the weight's gradient kept transposed so the label rows scatter contiguously."""
-    tokens = hidden.shape[0]
+    The gradient products take :class:`_Factored` terms: ``d_hidden = r (dense @ w^T) - k
+    sum_j w_j`` and ``d_weight^T += dense^T @ (r h) - sum_t k_t h_t``, the label's column inside
+    ``dense``, so ``d_hidden`` needs no gathered row of the weight (nor a transposed copy of it
+    to gather from). ``d_weight`` is kept transposed so that each label's row takes a float32
+    correction contiguously: the exact ``label r h`` less what the product added from the two
+    rounded operands, so the label's term, the largest in a confident or an untrained model's
+    gradient, is not rounded twice."""
+    tokens, d = hidden.shape
     chunk = min(chunk, tokens)
     safe = jnp.where(loss.counts(labels), labels, 0)
     g = jnp.zeros(labels.shape, jnp.float32) if token_g is None else token_g.astype(jnp.float32)
     xs = (_token_chunks(hidden, chunk), _token_chunks(safe, chunk), _token_chunks(g, chunk))  # g is zero on padded tokens
-    weight_t = weight.T  # [vocab, d]
     smoothed = bool(loss.label_smoothing) and loss.logit_soft_cap is None
     weight_sum = jnp.sum(weight.astype(jnp.float32), axis=1) if smoothed and token_g is not None else None
 
     def step(carry: tuple[jax.Array, jax.Array] | None, xs: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, jax.Array] | None, tuple[jax.Array, ...]]:
         h_c, y_c, g_c = xs
         z = loss.cap((h_c @ weight).astype(jnp.float32))  # the plain program's logits, one chunk
-        f = _factored_chunk(z, y_c, g_c, loss, hidden.dtype)
-        if carry is None:  # the loss only: XLA drops the gradient's terms
+        f = _factored_chunk(z, y_c, None if carry is None else g_c, loss, hidden.dtype)
+        if carry is None:  # the loss only
             return None, (f.per_token,)
         d_weight_t, smoothing = carry  # smoothing: sum_t k_t h_t, taken from every row at the end
         h32 = h_c.astype(jnp.float32)
-        d_hidden = f.r[:, None] * jnp.dot(f.dense, weight_t, preferred_element_type=jnp.float32) + f.at_label[:, None] * weight_t[y_c].astype(jnp.float32)
-        d_weight_t = d_weight_t + jnp.dot(f.dense.T, (h32 * f.r[:, None]).astype(hidden.dtype), preferred_element_type=jnp.float32)
-        d_weight_t = d_weight_t.at[y_c].add(f.at_label[:, None] * h32)
+        rh = h32 * f.r[:, None]
+        d_hidden = f.r[:, None] * jnp.dot(f.dense, weight.T, preferred_element_type=jnp.float32)
+        d_weight_t = d_weight_t + jnp.dot(f.dense.T, rh.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        d_weight_t = d_weight_t.at[y_c].add(f.label[:, None] * rh - _rounded(f.label, hidden.dtype)[:, None] * _rounded(rh, hidden.dtype))
         if f.k is not None:
             d_hidden = d_hidden - f.k[:, None] * weight_sum[None, :]
             smoothing = smoothing + jnp.sum(f.k[:, None] * h32, axis=0)
         return (d_weight_t, smoothing), (f.per_token, d_hidden.astype(hidden.dtype))
 
-    init = None if token_g is None else (jnp.zeros(weight_t.shape, jnp.float32), jnp.zeros(weight_t.shape[1:], jnp.float32))
+    init = None if token_g is None else (jnp.zeros((weight.shape[1], d), jnp.float32), jnp.zeros((d,), jnp.float32))
     carry, outs = lax.scan(step, init, xs)
     per_token = jnp.where(loss.counts(labels), outs[0].reshape(-1)[:tokens], 0.0)
     if carry is None:
         return _TokenPass(per_token, None, None)
     d_weight_t, smoothing = carry
-    return _TokenPass(per_token, outs[1].reshape(-1, hidden.shape[1])[:tokens], (d_weight_t - smoothing[None, :]).T)
+    return _TokenPass(per_token, outs[1].reshape(-1, d)[:tokens], (d_weight_t - smoothing[None, :]).T)
 
 
 class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
@@ -337,7 +372,9 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
 
     # 2: the reduction is part of the call (version 1 returned per-token losses only).
     # 3: chunked_tokens computes its gradient factored; picks timed against version 2 are stale.
-    version = "3"
+    # 4: chunked_tokens writes probabilities with the label's gradient inside (no transposed
+    # weight), so its time and memory changed: picks timed against version 3 are stale.
+    version = "4"
 
     def __init__(self) -> None:
         super().__init__("linear_cross_entropy")

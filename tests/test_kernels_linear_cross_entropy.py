@@ -114,6 +114,28 @@ def test_confident_predictions_keep_their_gradient(sharpness: float, options: di
             assert ours < 2 * bar + 2e-3, (cfg, name, ours, bar)
 
 
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1}, {"label_smoothing": 0.1, "logit_soft_cap": 60.0}], ids=["plain", "smoothing", "smoothing,cap"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_labels_far_below_the_max(options: dict, dtype):
+    """Losses of tens of nats: token chunks whose rows have labels 45 and more below their max
+    (and rows with labels near it, asserted), where an exponential taken from the label's
+    logit would overflow (fp16 beyond 11 nats), float32 and fp16 inputs against float32."""
+    hidden, weight, labels = inputs(24, 16, 70, jnp.float32)
+    hidden = 15.0 * hidden
+    z = hidden @ weight
+    gap = np.asarray(jnp.max(z, axis=1) - jnp.take_along_axis(z, jnp.where(labels < 0, 0, labels)[:, None], axis=1)[:, 0])
+    for chunk in gap.reshape(2, 12):
+        assert np.any(chunk > 45) and np.any(chunk < 35), chunk
+    cfg = LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=12)
+    h, w = hidden.astype(dtype), weight.astype(dtype)
+    got, grads = jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, labels, cfg=cfg, **options), argnums=(0, 1))(h, w)
+    ref, ref_grads = jax.value_and_grad(lambda h, w: reference(h, w, labels, **options), argnums=(0, 1))(h.astype(jnp.float32), w.astype(jnp.float32))
+    assert np.isfinite(float(got))
+    assert_close(got, ref, dtype)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g.astype(jnp.float32), r, dtype)
+
+
 def test_chunked_program_never_holds_the_logits():
     tokens, d, vocab = 512, 64, 8192
     hidden, weight, labels = inputs(tokens, d, vocab, jnp.float32)
@@ -155,7 +177,7 @@ def test_token_chunks_compute_a_reduced_gradient_with_the_loss(reduction: str, w
 def test_calls_are_labelled_and_tune():
     hidden, weight, labels = inputs(16, 8, 40, jnp.float32)
     lowered = jax.jit(lambda h, w: linear_cross_entropy(h, w, labels, cfg=LinearCrossEntropyConfig("chunked", 16))).lower(hidden, weight)
-    assert any("#linear_cross_entropy@v3:" in lab for lab in ejlabel.find_labels_in_lowered(lowered))
+    assert any("#linear_cross_entropy@v4:" in lab for lab in ejlabel.find_labels_in_lowered(lowered))
     inv = ejlabel.Invocation(
         linear_cross_entropy.__globals__["_LINEAR_CROSS_ENTROPY"], (hidden, weight),
         {"labels": labels, "ignore_index": -100, "label_smoothing": 0.0, "logit_soft_cap": None},
