@@ -27,10 +27,11 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
   run under differentiation, also computes each chunk's gradient while its logits are at hand,
   and the backward only scales it: three passes of the matmul in all, as in the plain program,
   but the logits of one chunk at a time. The gradient is factored (:func:`_factored_chunk`):
-  the one ``[chunk, vocab]`` array written besides the logits is ``exp(z - max)`` (zero in the
-  label's column), in the pass that sums it; the softmax's ``1 / sum``, the label's column (in
-  float32) and the smoothing term act on ``[chunk, d]`` rows around the two products. With
-  ``reduction="none"`` the backward recomputes the chunks instead.
+  the one ``[chunk, vocab]`` array written besides the logits is ``exp(z - max)``, in the pass
+  that sums it, with the label's gradient in the label's column; the softmax's ``1 / sum`` and
+  the smoothing term act on ``[chunk, d]`` rows around the two products, and ``d_weight``'s
+  label rows take a float32 correction (:func:`_tokens_pass`). With ``reduction="none"`` the
+  backward recomputes the chunks instead.
 
 No Pallas GPU kernel: the backward's two products reduce over different axes (``d_hidden``
 over the vocabulary, ``d_weight`` over the tokens), so a kernel walking (token tile, vocabulary
@@ -41,10 +42,14 @@ traffic that made the fused attention backward lose, bench/RESULTS.md runs 18-19
 in a second kernel (a fourth pass of the matmul, a third more than the plain program's
 three). ``chunked_tokens`` runs the plain program's three passes with one chunk of logits at
 a time and, factored, two passes over them besides the products (H100: 1.27-1.30x the
-plain program at chunks of 8192 tokens, 1.24-1.28x at 4096, as close to float32 as the plain
-program; bench/RESULTS.md runs 30-39). A chunk holds two ``[chunk, vocab]`` arrays, the logits
-and ``e``: XLA writes ``e`` beside the logits, not over them, and fuses it into neither product
-(three variants tried, runs 35, 36 and 40).
+plain program at chunks of 8192 tokens, 1.23-1.31x at 4096, 1.18-1.25x at 2048 with 0.119 of
+its memory; bench/RESULTS.md runs 30-39, 57 and 68). A chunk holds two ``[chunk, vocab]``
+arrays, the logits and ``e``: XLA writes ``e`` beside the logits, not over them, and fuses it
+into neither product (three variants tried, runs 35, 36 and 40). One pass over the logits would
+do, shifting each row by its label's logit instead of its max (7-9% faster), but that is exact
+only while the label lies within ~40 nats of the max, and redoing the other rows costs more than
+the pass saves in every form XLA offers, a loop whose count the host reads or a conditional
+that copies ``e`` (runs 62-68).
 
 Tokens labelled ``ignore_index`` get loss 0 and no gradient. The reduction (``"mean"`` over the
 tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is
@@ -285,7 +290,7 @@ def _factored_chunk(
     entry, ``-(s - e_y)``, is the row's largest and its rounding shows in ``d_hidden`` (H100,
     [16384, 768] x [768, 32000]: 2.3e-3 of float32 against 1.7e-3 for the plain program, whose
     ``p_y - 1`` is close to -1, nearly exact in bf16); writing ``p`` instead needs the sum
-    before the dense pass, which ran 4% slower (bench/RESULTS.md, runs 66-67). The log-sum-exp
+    before the dense pass, which ran 2-4% slower (bench/RESULTS.md, runs 66-68). The log-sum-exp
     is not ``jax.nn.logsumexp``: on the H100 that form ran the whole loss 1.09x slower (runs
     28-29)."""
     eps, vocab = loss.label_smoothing, z.shape[1]
