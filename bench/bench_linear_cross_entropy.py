@@ -89,6 +89,15 @@ def compare(variants: dict[str, Callable[[jax.Array, jax.Array], jax.Array]], hi
     return "\n".join(lines)
 
 
+def report(table: str, out: str | None) -> int:
+    """Print ``table`` and, given ``out``, write it there; the script's exit status."""
+    print(table)
+    if out:
+        with open(out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
 def main() -> int:
     parser = problem_parser(__doc__.splitlines()[0], samples=15)
     parser.add_argument("--chunks", default="2048,4096,8192", help="vocabulary chunks of the chunked implementation")
@@ -106,12 +115,7 @@ def main() -> int:
     for chunk in (int(c) for c in args.token_chunks.split(",")):
         cfg = LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk)
         variants[f"ours, token chunks {chunk}"] = lambda h, w, cfg=cfg: linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
-    table = compare(variants, hidden, weight, args.samples)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
-    return 0
+    return report(compare(variants, hidden, weight, args.samples), args.out)
 
 
 if __name__ == "__main__":

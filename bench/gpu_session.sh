@@ -41,7 +41,7 @@ for step in "$@"; do
         patch -s -o "/tmp/lce_$v.py" kernels/linear_cross_entropy.py < "bench/runs/2026-11-26_lce_$v.diff" || exit 1
         args+=(--variant "${v//_/ }=/tmp/lce_$v.py")
       done
-      (cd bench && timeout 300 python3 probe_lce_label_shift.py "${args[@]}" --samples 9 --out "$OUT/lce_passes.md" 2>&1 | tee "$OUT/lce_passes.log" | tail -n 14) ;;
+      (cd bench && timeout 300 python3 probe_lce_passes.py "${args[@]}" --samples 9 --out "$OUT/lce_passes.md" 2>&1 | tee "$OUT/lce_passes.log" | tail -n 14) ;;
     lce) timeout 160 python3 bench/bench_linear_cross_entropy.py --samples 9 --out "$OUT/lce.md" 2>&1 | tee "$OUT/lce.log" | tail -n 12 ;;
     schedules) MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python3 bench/probe_schedules.py 2>&1 | tee "$OUT/schedules.log" | grep "^|\|^###\|=== variant\|stack frame" | tail -n 60 ;;
     overlap)  # the forward overlap patch, not kept (bench/RESULTS.md, runs 54-56), timed and checked, then taken out again

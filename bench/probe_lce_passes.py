@@ -1,6 +1,6 @@
 """Where does the token-chunked loss spend its passes over the logits? Variants side by side.
 
-    python bench/probe_lce_label_shift.py --variant NAME=FILE ... [--samples 9]
+    python bench/probe_lce_passes.py --variant NAME=FILE ... [--samples 9]
         [--token-chunks 2048,4096] [--out FILE] [--hlo-dir DIR]
 
 Each ``--variant`` is another version of ``kernels/linear_cross_entropy.py`` (the current file
@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import jax
 from jax import lax
-from bench_linear_cross_entropy import PLAIN, compare, plain_loss, problem, problem_parser
+from bench_linear_cross_entropy import PLAIN, compare, plain_loss, problem, problem_parser, report
 
 
 def load_variant(name: str, path: str) -> types.ModuleType:
@@ -93,12 +93,7 @@ def main() -> int:
             text = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(hidden, weight).compile().as_text()
             with open(f"{args.hlo_dir}/{i}.hlo.txt", "w") as f:
                 f.write(f"// {name}\n{text}")
-    table = compare(variants, hidden, weight, args.samples)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
-    return 0
+    return report(compare(variants, hidden, weight, args.samples), args.out)
 
 
 if __name__ == "__main__":
