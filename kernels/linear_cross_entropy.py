@@ -377,8 +377,8 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
 
     # 2: the reduction is part of the call (version 1 returned per-token losses only).
     # 3: chunked_tokens computes its gradient factored; picks timed against version 2 are stale.
-    # 4: chunked_tokens writes probabilities with the label's gradient inside (no transposed
-    # weight), so its time and memory changed: picks timed against version 3 are stale.
+    # 4: chunked_tokens writes the label's gradient into its dense array (no transposed weight),
+    # so its time and memory changed: picks timed against version 3 are stale.
     version = "4"
 
     def __init__(self) -> None:
