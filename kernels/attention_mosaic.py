@@ -168,8 +168,15 @@ def _visit_plan(
 ) -> Int[Array, "4 batch blocks"]:
     """The plan (see :func:`_plan`) of every row block: positions give one plan, segment ids
     (through :func:`segment_block_ranges`, which never builds the block-pair table) another;
-    the blocks visited are those both visit, and a block runs unmasked only if both say so."""
-    plan = jnp.broadcast_to(_plan(*_positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose)), (4, batch, rows // block_r))
+    the blocks visited are those both visit, and a block runs unmasked only if both say so.
+
+    The positional plan depends on static sizes only, so it is computed while tracing and
+    enters the program as a constant: on the device it cost a call a dozen small kernels
+    (about 10 us before the causal forward, 35 us around forward and backward; H100,
+    bench/probe_kernel_times.py)."""
+    with jax.ensure_compile_time_eval():
+        positional = _plan(*_positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose))
+        plan = jnp.broadcast_to(positional, (4, batch, rows // block_r))
     if segment_ids is None:
         return plan
     q_rows, k_rows = (cols, rows) if transpose else (rows, cols)
@@ -440,10 +447,12 @@ def _program_count(items: int, persistent: bool) -> int:
 
 
 def _work_order(plan: jax.Array, heads: int) -> Int[Array, "items"]:
-    """Item ids (see :class:`_Items`), the items with the most planned blocks first."""
-    cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
-    row_tiles = jnp.argsort(-cost, stable=True).astype(jnp.int32)
-    return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
+    """Item ids (see :class:`_Items`), the items with the most planned blocks first; a
+    constant of the program when the plan is one (positions only, see :func:`_visit_plan`)."""
+    with jax.ensure_compile_time_eval():
+        cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
+        row_tiles = jnp.argsort(-cost, stable=True).astype(jnp.int32)
+        return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
 
 
 def _items(plan: jax.Array, heads: int, persistent: bool, interpret: bool) -> tuple[_Items, jax.Array]:

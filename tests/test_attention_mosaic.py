@@ -182,6 +182,24 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, 
     assert ("cp.reduce.async.bulk" in text) == fused
 
 
+@pytest.mark.parametrize("window", [None, (64, 16)])
+def test_positional_plans_and_orders_are_constants(window: tuple[int, int] | None) -> None:
+    """Without segment ids the visiting plans and the items' order depend on sizes only: the
+    program carries them as constants, with no device work (no sort, no reduction) before the
+    kernels; with segment ids both are computed on the device."""
+    q = jax.ShapeDtypeStruct((2, 300, 4, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> jax.Array:
+        return am.mosaic_attention(q, k, v, causal=window is None, window=window, segment_ids=seg).astype(jnp.float32).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    positional, segmented = (lower_for_cuda(grad, q, q, q, s) for s in (None, seg))
+    assert positional.count("@mosaic_gpu") == segmented.count("@mosaic_gpu") == 3
+    assert "stablehlo.sort" not in positional and "stablehlo.reduce" not in positional
+    assert "stablehlo.sort" in segmented and "stablehlo.reduce" in segmented
+
+
 def test_call_sites_share_one_module_per_kernel() -> None:
     """Two layers' attention, differentiated, from different source lines: six kernel launches
     but three kernels (forward, dq, dk/dv). Calls under one label share one traced and lowered
