@@ -180,6 +180,10 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, 
     # Forward, then dq and dk/dv kernels, or one fused kernel adding dq up with TMA reduce-adds.
     assert text.count("@mosaic_gpu") == (2 if fused else 3)
     assert ("cp.reduce.async.bulk" in text) == fused
+    # delta = sum_d out * dO: in the dq kernel where its tiles fit twice with the output's
+    # (head dim 64), else one contraction before the kernels.
+    assert am._dq_tiles(dim, jnp.float16, 128 if dim <= 64 else 64, 2) == ((2, True) if dim <= 64 else (2, False))
+    assert ("stablehlo.dot_general" in text) == (fused or dim > 64)
 
 
 @pytest.mark.parametrize("window", [None, (64, 16)])
