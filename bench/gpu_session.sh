@@ -28,6 +28,8 @@ for step in "$@"; do
     probefused) timeout 300 python3 bench/probe_fused_backward.py 2>&1 | tee "$OUT/probe_fused.log" | grep -v "^W1\|Delay kernel" | tail -n 20 ;;
     probeplan) timeout 200 python3 bench/probe_mosaic_plan.py 2>&1 | tee "$OUT/mosaic_plan.log" | grep -v "^W1\|Delay kernel" | tail -n 24 ;;
     kerneltimes) (cd bench && timeout 300 python3 probe_kernel_times.py --model --out "$OUT/kernel_times.md" 2>&1 | tee "$OUT/kernel_times.log" | grep -v "^W1\|Delay kernel" | tail -n 170) ;;
+    losstimes) (cd bench && timeout 200 python3 probe_kernel_times.py --loss --out "$OUT/loss_kernel_times.md" 2>&1 | tee "$OUT/loss_kernel_times.log" | grep -v "^W1\|Delay kernel" | tail -n 110) ;;
+    staging) (cd bench && timeout 300 python3 probe_forward_staging.py 2>&1 | tee "$OUT/forward_staging.log" | grep -v "^W1\|Delay kernel" | tail -n 20) ;;
     mosaiccosts) timeout 150 python3 bench/probe_mosaic_costs.py 2>&1 | tee "$OUT/mosaic_costs.log" | grep -v "^W1\|Delay kernel" | tail -n 14 ;;
     modelfused) timeout 240 python3 bench/bench_model.py --samples 10 --tune-budget 0 --out "$OUT/model_fused.md" 2>&1 | tee "$OUT/model_fused.log" | tail -n 14 ;;
     modellce) timeout 560 python3 bench/bench_model.py --samples 6 --max-configs 4 --tune-budget 400 --out "$OUT/model_lce.md" 2>&1 | tee "$OUT/model_lce.log" | tail -n 25 ;;

@@ -1,6 +1,6 @@
 """Where an attention call's device time goes: every kernel it launches, from a profiler trace.
 
-    python bench/probe_kernel_times.py [--model | --model-only] [--out FILE.md]
+    python bench/probe_kernel_times.py [--model | --model-only | --loss] [--out FILE.md]
 
 Each case (one jitted call: ours on Mosaic GPU or cuDNN, forward or forward+backward) is traced
 alone with ``jax.profiler`` after warm-up: ``--calls`` calls, each followed by a synchronisation
@@ -12,7 +12,8 @@ between (launch gaps). That splits a call's time into the attention kernels them
 work around them (visiting plans, the tiles' order, padding, casts), which medians of whole
 calls cannot. ``--model`` adds the packed example model's training step with the Mosaic
 attention at every site (its loss on the heuristic path), kernels grouped by name: whether the
-work around the kernels is paid once per step or once per layer.
+work around the kernels is paid once per step or once per layer. ``--loss`` traces the
+linear cross-entropy instead (bench/bench_linear_cross_entropy.py's problem), plain and ours.
 """
 
 from __future__ import annotations
@@ -131,6 +132,24 @@ def packed_model_step() -> Callable[[], Any]:
     return lambda: step(params, batch)
 
 
+def loss_cases() -> dict[str, Callable[[], Any]]:
+    """value_and_grad of the plain loss and of ours on token chunks, [16384, 768] x [768, 32000]."""
+    from bench_linear_cross_entropy import plain_loss, problem
+
+    from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linear_cross_entropy
+
+    hidden, weight, labels = problem(16384, 768, 32000)
+    variants = {"loss, plain JAX (matmul + logsumexp)": plain_loss(labels)}
+    for chunk in (2048, 8192):
+        cfg = LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk)
+        variants[f"loss, ours, token chunks {chunk}"] = lambda h, w, cfg=cfg: linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
+    out = {}
+    for name, fn in variants.items():
+        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+        out[name] = lambda step=step: step(hidden, weight)
+    return out
+
+
 def cases() -> dict[str, Callable[[], Any]]:
     out: dict[str, Callable[[], Any]] = {}
     mosaic, cudnn = AttentionConfig("mosaic"), AttentionConfig("cudnn")
@@ -158,11 +177,15 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--model", action="store_true", help="also the packed example model's training step, kernels grouped by name")
     parser.add_argument("--model-only", action="store_true", help="only the model")
+    parser.add_argument("--loss", action="store_true", help="only the linear cross-entropy: plain and ours on token chunks, kernels grouped")
     args = parser.parse_args()
     lines = [f"jax {jax.__version__}, {jax.devices()[0].device_kind}", ""]
-    for name, fn in ([] if args.model_only else cases().items()):
+    for name, fn in ([] if args.model_only or args.loss else cases().items()):
         lines += report(name, trace_case(fn, args.calls))
         print("\n".join(lines[-8:]), flush=True)
+    for name, fn in (loss_cases().items() if args.loss else []):
+        lines += report_grouped(name, trace_case(fn, args.calls), top=25)
+        print("\n".join(lines[-33:]), flush=True)
     if args.model or args.model_only:
         lines += report_grouped("packed model, training step, Mosaic attention", trace_case(packed_model_step(), 3), top=40)
         print("\n".join(lines[-48:]), flush=True)

@@ -463,6 +463,12 @@ def _items(plan: jax.Array, heads: int, persistent: bool, interpret: bool) -> tu
     return _Items(count, programs, heads, tiles), _work_order(plan, heads)
 
 
+def _fits_exactly(scratch_bytes: int) -> bool:
+    """Whether a kernel's buffers of ``scratch_bytes`` in all, every one of them counted, fit
+    in shared memory with 1 KiB to spare for its barriers and alignment."""
+    return scratch_bytes + 1024 <= _SMEM_LIMIT
+
+
 def _tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
     """Buffers for a program's tile: two (the next item's tile loads during this one) when they
     fit in shared memory beside the ring, else one."""
@@ -470,7 +476,7 @@ def _tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
 
 
 def _consume_items(
-    items: _Items, order_ref: Any, plan_ref: Any, buffers: int, ready: Any, load: Any, process: Any,
+    items: _Items, order_ref: Any, plan_ref: Any, buffers: int, ready: Any, load: Any, process: Any, *, staged_apart: bool = False,
 ) -> None:
     """A consumer warpgroup's walk over its program's items.
 
@@ -483,6 +489,9 @@ def _consume_items(
     it follows the results. Requesting it early instead of after the walk took the wait for a
     tile from about 3000 SM cycles per item to 140 (H100, bench/profile_mosaic.py), at the
     price of waiting for the previous item's results to leave (about 500).
+    With ``staged_apart`` the results have a shared-memory buffer of their own, so the next
+    tile is requested without that wait, and the results' buffer is checked free just before
+    the next write, a whole walk later.
     """
     mine = items.mine()
     wg = lax.axis_index("wg")
@@ -505,9 +514,12 @@ def _consume_items(
 
         _wait_for_tile(ready, buf, wg)
         if buffers > 1:
-            results_left()
+            if not staged_apart:
+                results_left()
             pl.when(i + 1 < mine)(prefetch)
         t1, write = process(visit, buf, t0)
+        if staged_apart:
+            results_left()
         with jax.named_scope("write"):
             write()
         if buffers == 1:
@@ -593,11 +605,15 @@ def _compiler_params() -> Any:
     """Approximate math for ``exp2``; with ``$EJLABEL_MOSAIC_PROFILE_DIR`` set when a kernel is
     traced, each call writes a trace of the kernel's named regions (per warpgroup: ``tile_wait``,
     ``walk``, ``k_wait``, ``out_wait``, ``write``, the producer's ``slot_wait``) to that directory
-    (read by bench/profile_mosaic.py). The regions cost nothing when it is unset."""
+    (read by bench/profile_mosaic.py). The regions cost nothing when it is unset.
+
+    No shared memory is set aside for reductions across warps (Pallas reserves 2 KiB by
+    default): every reduction here runs along the rows of the wgmma layout, whose elements
+    sit in one warp, and a reduction that needed the scratch would fail to lower. The forward
+    at head dim 128 needs those bytes for its results' own buffer (:func:`_forward_call`)."""
     directory = os.environ.get(PROFILE_DIR_VARIABLE)
-    if not directory:
-        return plgpu.CompilerParams(approx_math=True)
-    return plgpu.CompilerParams(approx_math=True, profile_space=512, profile_dir=directory)
+    profile = {"profile_space": 512, "profile_dir": directory} if directory else {}
+    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0, **profile)
 
 
 def _interpret_params() -> Any:
@@ -638,14 +654,22 @@ def _forward_call(
     segmented = segment_ids is not None
     items, order = _items(plan, heads, persistent, shape.interpret)
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    buffers = _tile_buffers(_TILE * row_bytes, stages * 2 * block_k * row_bytes)
+    tile_bytes, ring_bytes = _TILE * row_bytes, stages * 2 * block_k * row_bytes
+    buffers = _tile_buffers(tile_bytes, ring_bytes)
+    # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
+    # and of the ring's key blocks.
+    small_bytes = 4 * (_CONSUMERS * WG_ROWS + (buffers * _CONSUMERS * WG_ROWS + stages * block_k if segmented else 0))
+    staged_apart = buffers == 2 and _fits_exactly(3 * tile_bytes + ring_bytes + small_bytes)
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         if segmented:
             seg_ref, out_ref, lse_ref, scratch, barriers = refs
         else:
             (out_ref, lse_ref, scratch, barriers), seg_ref = refs, None
-        q_smem, k_ring, v_ring, lse_smem, qseg_smem, kseg_ring = scratch
+        q_smem, k_ring, v_ring, *rest = scratch
+        out_smem = rest.pop(0) if staged_apart else None
+        lse_smem = rest.pop(0)
+        qseg_smem, kseg_ring = rest if segmented else (None, None)
         q_ready, k_ready, v_ready, k_used, v_used, kseg_ready, turn = barriers
         wg = lax.axis_index("wg")
 
@@ -721,16 +745,17 @@ def _forward_call(
                 inv = jnp.where(seen, 1.0 / safe_l, 0.0)
 
                 def write() -> None:
-                    my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+                    staging = out_smem.at[wg] if staged_apart else my_q
+                    staging[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
                     # Rows that see nothing get any finite value: every use of it is masked.
                     lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(safe_l) * (1.0 / _LN2), 0.0)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(my_q, out_ref.at[b, pl.ds(row0, WG_ROWS), h])
+                    plgpu.copy_smem_to_gmem(staging, out_ref.at[b, pl.ds(row0, WG_ROWS), h])
                     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, WG_ROWS)])
 
                 return t0 + visit.steps, write
 
-            _consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process)
+            _consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process, staged_apart=staged_apart)
 
         @pl.when(wg == _CONSUMERS)
         def _producer() -> None:
@@ -741,14 +766,17 @@ def _forward_call(
             )
             _produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
 
+    # The 128-byte-swizzled buffers first (each a multiple of 1024 bytes), the small ones last.
     scratch = (
         _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
         _smem_tile((stages, block_k, dim), dtype),
         _smem_tile((stages, block_k, dim), dtype),
         plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.float32),
-        plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.int32),
-        plgpu.SMEM((stages, block_k), jnp.int32),
     )
+    if staged_apart:
+        scratch = scratch[:3] + (_smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),) + scratch[3:]
+    if segmented:
+        scratch += (plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.int32), plgpu.SMEM((stages, block_k), jnp.int32))
     barriers = (
         plgpu.Barrier(num_arrivals=2 if segmented else 1, num_barriers=buffers * _CONSUMERS),
         plgpu.Barrier(num_barriers=stages),
@@ -1261,7 +1289,8 @@ def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int]:
     return block_q, block_k, stages
 
 
-_SMEM_BYTES = 227 * 1024 - 4096  # Hopper's per-block limit, less room for barriers and id rings
+_SMEM_LIMIT = 227 * 1024  # Hopper's per-block limit of shared memory
+_SMEM_BYTES = _SMEM_LIMIT - 4096  # less room for barriers and id rings, where those are not counted
 
 
 def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams, *, fused_backward: bool = False) -> bool:
