@@ -1,7 +1,7 @@
 """The Mosaic forward with its results in a buffer of their own, against results staged in the
 query tile's buffer, side by side in one process, beside cuDNN.
 
-    python bench/probe_forward_staging.py
+    python bench/probe_forward_staging.py [--samples N]
 
 With the results staged in the query tile's buffer, each item waits for the previous item's
 results to leave before it requests the next tile (about 500 SM cycles per item, run 22); with
@@ -12,6 +12,7 @@ so the caches are cleared between the two), then timed interleaved (bench/_timin
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,9 @@ def compiled(impl: str) -> dict[str, Callable[[], Any]]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=9)
+    args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
     steps = compiled("cudnn") | compiled("mosaic, results apart")
     keep = am._fits_exactly
@@ -54,7 +58,7 @@ def main() -> int:
         steps |= compiled("mosaic, results in the query buffer")
     finally:
         am._fits_exactly = keep
-    times = time_interleaved(steps, 9, 4)
+    times = time_interleaved(steps, args.samples, 4)
     print("| case | pass | variant | ms |\n|---|---|---|---:|")
     for name, ms in times.items():
         print(f"| {name} | {ms:.4f} |")

@@ -659,7 +659,10 @@ def _forward_call(
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
     # and of the ring's key blocks.
     small_bytes = 4 * (_CONSUMERS * WG_ROWS + (buffers * _CONSUMERS * WG_ROWS + stages * block_k if segmented else 0))
-    staged_apart = buffers == 2 and _fits_exactly(3 * tile_bytes + ring_bytes + small_bytes)
+    # Results in a buffer of their own (see _consume_items) where they fit, above head dim 64:
+    # there the causal D128 forward ran 0.4-1.7% faster with it, in three interleaved runs on
+    # the H100, and the packed D64 forward 0.5-3.1% slower (bench/RESULTS.md, runs 79-81).
+    staged_apart = dim > 64 and buffers == 2 and _fits_exactly(3 * tile_bytes + ring_bytes + small_bytes)
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         if segmented:
