@@ -18,7 +18,7 @@ the backward), written for what the Triton backend cannot express:
   kernel walks ``[lo, a)`` and ``[c, hi)`` with a mask, then ``[a, c)`` without one (one
   loop each, so the step's code is in the kernel twice, not once per range); blocks outside
   ``[lo, hi)`` are never loaded. With packed documents that skips every block pair of
-  two different documents.
+  two different documents. Without segment ids the plan is a constant of the program.
 
 - **Persistent programs.** At most one program per SM, each walking several tiles (the
   costliest first, dealt in snake order); the ring runs on from one tile to the next, and the
@@ -31,7 +31,9 @@ Kernels (an item is one tile of one head of one batch row):
 - backward, split in two kernels (the simplest split that needs no atomics and no
   per-query-head partials): ``dq`` over query tiles walking key/value blocks, and ``dk, dv``
   over key/value tiles of 128 rows walking, for each query head of its group, the query blocks
-  that see it. The fused alternative (``fused_backward=True``) saves recomputing ``q k^T`` and
+  that see it. Where its tiles fit, the ``dq`` kernel also computes the softmax backward's row
+  term ``delta = sum_d out * dO`` from the tiles it loads and hands it to ``dk, dv`` (see
+  :func:`_dq_call`). The fused alternative (``fused_backward=True``) saves recomputing ``q k^T`` and
   ``dO v^T`` by adding each step's share of ``dq`` to float32 in global memory with TMA
   reduce-adds; it measured slower (see :func:`mosaic_backward`), so the split is the default.
 
