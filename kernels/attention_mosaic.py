@@ -465,10 +465,10 @@ def _items(plan: jax.Array, heads: int, persistent: bool, interpret: bool) -> tu
     return _Items(count, programs, heads, tiles), _work_order(plan, heads)
 
 
-def _fits_exactly(scratch_bytes: int) -> bool:
-    """Whether a kernel's buffers of ``scratch_bytes`` in all, every one of them counted, fit
-    in shared memory with 1 KiB to spare for its barriers and alignment."""
-    return scratch_bytes + 1024 <= _SMEM_LIMIT
+def _fits_exactly(*buffer_bytes: int) -> bool:
+    """Whether a kernel's buffers of these sizes (every one of them) fit in shared memory, each
+    aligned to 1 KiB as Pallas places them, with 1 KiB to spare for the barriers."""
+    return sum(-(-n // 1024) * 1024 for n in buffer_bytes) + 1024 <= _SMEM_LIMIT
 
 
 def _tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
@@ -660,11 +660,11 @@ def _forward_call(
     buffers = _tile_buffers(tile_bytes, ring_bytes)
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
     # and of the ring's key blocks.
-    small_bytes = 4 * (_CONSUMERS * WG_ROWS + (buffers * _CONSUMERS * WG_ROWS + stages * block_k if segmented else 0))
+    small = (4 * _CONSUMERS * WG_ROWS,) + ((4 * buffers * _CONSUMERS * WG_ROWS, 4 * stages * block_k) if segmented else ())
     # Results in a buffer of their own (see _consume_items) where they fit, above head dim 64:
     # there the causal D128 forward ran 0.4-1.7% faster with it, in three interleaved runs on
     # the H100, and the packed D64 forward 0.5-3.1% slower (bench/RESULTS.md, runs 79-81).
-    staged_apart = dim > 64 and buffers == 2 and _fits_exactly(3 * tile_bytes + ring_bytes + small_bytes)
+    staged_apart = dim > 64 and buffers == 2 and _fits_exactly(3 * tile_bytes, ring_bytes, *small)
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         if segmented:
