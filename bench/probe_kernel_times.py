@@ -47,6 +47,7 @@ def device_kernels(trace_file: pathlib.Path) -> list[tuple[float, float, str]]:
     if len(data) > _MAX_TRACE_BYTES:
         raise ValueError(f"trace_file: expected at most {_MAX_TRACE_BYTES} bytes, {trace_file} is larger")
     events = json.loads(data)["traceEvents"]
+
     def named(kind: str) -> dict[Any, str]:
         return {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in events if e.get("ph") == "M" and e.get("name") == kind}
 
@@ -76,6 +77,7 @@ def bursts(kernels: list[tuple[float, float, str]], gap_us: float) -> list[list[
 
 
 def trace_case(fn: Callable[[], Any], calls: int) -> list[list[tuple[float, float, str]]]:
+    """The device kernels of ``calls`` calls of ``fn`` (after two untraced ones), one list per call."""
     for _ in range(2):
         jax.block_until_ready(fn())
     with tempfile.TemporaryDirectory() as log_dir:

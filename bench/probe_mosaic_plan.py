@@ -55,6 +55,7 @@ def case(title: str, batch: int, seq: int, heads: int, kv_heads: int, dim: int, 
     plan_fn, order_fn = jax.jit(plans), jax.jit(orders)
     steps["plans only (rows + cols)"] = lambda: plan_fn(ids)
     steps["plans + orders only"] = lambda: order_fn(ids)
+
     def compiled() -> tuple[Any, Any]:
         """Forward and forward+backward compiled ahead of time, with the order as it is now."""
         fwd, both = jax.jit(attend), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
