@@ -44,6 +44,7 @@ queries sliced off.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -165,6 +166,16 @@ def _plan(some: jax.Array, every: jax.Array) -> Int[Array, "4 batch blocks"]:
     return jnp.stack([lo, hi, a, c]).astype(jnp.int32)
 
 
+_MAX_CONSTANT = 1 << 16  # int32 elements of a plan or an order that may enter a program as a constant
+
+
+def _while_tracing(elements: int) -> Any:
+    """A context computing what it can while tracing, so that it enters the program as a
+    constant, for results of at most :data:`_MAX_CONSTANT` elements; larger ones (a batch of
+    hundreds of long rows) are left to the device rather than swell the program."""
+    return jax.ensure_compile_time_eval() if elements <= _MAX_CONSTANT else contextlib.nullcontext()
+
+
 def _visit_plan(
     rows: int, cols: int, block_r: int, block_c: int, shape: _Shape, segment_ids: jax.Array | None, batch: int, *, transpose: bool
 ) -> Int[Array, "4 batch blocks"]:
@@ -173,11 +184,12 @@ def _visit_plan(
     the blocks visited are those both visit, and a block runs unmasked only if both say so.
 
     The positional plan depends on static sizes only, so it is computed while tracing and
-    enters the program as a constant: on the device it cost a call a dozen small kernels
-    (about 10 us before the causal forward, 35 us around forward and backward; H100,
-    bench/probe_kernel_times.py)."""
-    with jax.ensure_compile_time_eval():
+    enters the program as a constant (see :func:`_while_tracing`): on the device it cost a call
+    a dozen small kernels (about 10 us before the causal forward, 35 us around forward and
+    backward; H100, bench/probe_kernel_times.py)."""
+    with jax.ensure_compile_time_eval():  # [4, 1, row blocks]
         positional = _plan(*_positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose))
+    with _while_tracing(4 * batch * (rows // block_r)):
         plan = jnp.broadcast_to(positional, (4, batch, rows // block_r))
     if segment_ids is None:
         return plan
@@ -450,8 +462,9 @@ def _program_count(items: int, persistent: bool) -> int:
 
 def _work_order(plan: jax.Array, heads: int) -> Int[Array, "items"]:
     """Item ids (see :class:`_Items`), the items with the most planned blocks first; a
-    constant of the program when the plan is one (positions only, see :func:`_visit_plan`)."""
-    with jax.ensure_compile_time_eval():
+    constant of the program when the plan is one (positions only, see :func:`_visit_plan`) and
+    the items few enough (:func:`_while_tracing`)."""
+    with _while_tracing(plan.shape[1] * plan.shape[2] * heads):
         cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
         row_tiles = jnp.argsort(-cost, stable=True).astype(jnp.int32)
         return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)

@@ -202,6 +202,10 @@ def test_positional_plans_and_orders_are_constants(window: tuple[int, int] | Non
     assert positional.count("@mosaic_gpu") == segmented.count("@mosaic_gpu") == 3
     assert "stablehlo.sort" not in positional and "stablehlo.reduce" not in positional
     assert "stablehlo.sort" in segmented and "stablehlo.reduce" in segmented
+    # Past the cap on constants (3 tiles x 4 heads per batch row: one row more than fits), the
+    # order is sorted on the device instead.
+    many = jax.ShapeDtypeStruct((am._MAX_CONSTANT // 12 + 1, 300, 4, 64), jnp.bfloat16)
+    assert "stablehlo.sort" in lower_for_cuda(grad, many, many, many, None)
 
 
 def test_call_sites_share_one_module_per_kernel() -> None:
