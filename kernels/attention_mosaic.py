@@ -824,25 +824,30 @@ def _dq_tiles(dim: int, dtype: Any, block_k: int, stages: int) -> tuple[int, boo
     return _tile_buffers(2 * _TILE * row_bytes, ring_bytes), False
 
 
-def _dq_call(
-    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, out_or_delta: jax.Array,
-    plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_k: int, stages: int, persistent: bool = True,
-) -> tuple[jax.Array, jax.Array | None]:
-    """``(dq [batch, seq_q, heads, dim], delta [batch, heads, seq_q] or None)``: items are
-    128-row query tiles of one head, walking the key/value blocks of the plan; ``p`` is rebuilt
-    from the saved log-sum-exp.
+def _delta(out: jax.Array, do: jax.Array) -> Float[Array, "batch heads seq_q"]:
+    """``delta_i = sum_d out_id * dO_id``, the row term of the softmax backward, in float32."""
+    return jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
 
-    Where :func:`_dq_tiles` says so, ``out_or_delta`` is the forward's output and each item
-    computes its rows' ``delta = sum_d out * dO`` from the tiles it loads anyway, and writes it
-    out for the dk/dv kernel: that replaces a reduction over all of ``out`` and ``dO`` before
-    the kernels (18.6 us a layer at the packed model's shape on the H100, run 71). Else it is
-    ``delta [batch, heads, seq_q]`` and None comes back.
+
+def _dq_call(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, out: jax.Array,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_k: int, stages: int, persistent: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """``(dq [batch, seq_q, heads, dim], delta [batch, heads, seq_q])``: items are 128-row query
+    tiles of one head, walking the key/value blocks of the plan; ``p`` is rebuilt from the saved
+    log-sum-exp; ``delta`` (see :func:`_delta`) goes on to the dk/dv kernel.
+
+    Where :func:`_dq_tiles` says so, each item computes its rows' ``delta`` from its tile of
+    ``out`` (loaded beside ``q`` and ``dO``) and writes it out: that replaces a reduction over
+    all of ``out`` and ``dO`` before the kernel (18.6 us a layer at the packed model's shape on
+    the H100, run 71). Else that reduction runs first and the kernel loads ``delta``.
     """
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     segmented = segment_ids is not None
     items, order = _items(plan, heads, persistent, shape.interpret)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
+    out_or_delta = out if computes_delta else _delta(out, do)
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, in_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         refs = list(refs)
@@ -850,8 +855,8 @@ def _dq_call(
         dq_ref = refs.pop(0)
         delta_out_ref = refs.pop(0) if computes_delta else None
         scratch, barriers = refs
-        q_smem, do_smem, k_ring, v_ring, lse_smem, delta_smem, qseg_smem, kseg_ring, *o_smem = scratch
-        o_smem = o_smem[0] if computes_delta else None
+        q_smem, do_smem, k_ring, v_ring, lse_smem, delta_smem, qseg_smem, kseg_ring, *rest = scratch
+        o_smem = rest[0] if computes_delta else None
         q_ready, k_ready, v_ready, k_used, v_used, kseg_ready = barriers
         wg = lax.axis_index("wg")
 
@@ -964,7 +969,7 @@ def _dq_call(
     operands = (q, k, v, do, lse, out_or_delta, plan, order) + ((segment_ids,) if segmented else ())
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype),) + ((jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),) if computes_delta else ())
     results = _launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
-    return results[0], (results[1] if computes_delta else None)
+    return results[0], (results[1] if computes_delta else out_or_delta)
 
 
 def _dkv_call(
@@ -1405,17 +1410,11 @@ def mosaic_backward(
     out = pad_axis(pad_axis(out, 3, dim), 1, rows)
     lse = pad_axis(lse.astype(jnp.float32), 2, rows)
     fused = fused and block_q == WG_ROWS
-    delta = None
-    if fused or not _dq_tiles(dim, p.q.dtype, block_k, stages)[1]:
-        # delta_i = sum_d out_id * dout_id, the row term of the softmax backward.
-        delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
-    if not fused:  # the dq kernel first: it may compute delta for the dk/dv kernel
+    if fused:
+        delta = _delta(out, do)
+    else:  # the dq kernel first: it may compute delta for the dk/dv kernel
         rows_plan = _visit_plan(rows, cols, _TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
-        dq, own_delta = _dq_call(
-            p.q, p.k, p.v, do, lse, out if delta is None else delta, rows_plan, p.segment_ids, p.shape,
-            block_k=block_k, stages=stages, persistent=persistent,
-        )
-        delta = own_delta if delta is None else delta
+        dq, delta = _dq_call(p.q, p.k, p.v, do, lse, out, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent)
     cols_plan = _visit_plan(cols, rows, _TILE, block_q, p.shape, p.segment_ids, batch, transpose=True)
     dk, dv, fused_dq = _dkv_call(
         p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages, persistent=persistent, fused=fused,
