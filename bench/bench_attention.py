@@ -33,13 +33,14 @@ goes on. The markdown tables come last; with ``$OUT`` set, the rows are also wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
 import os
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -128,6 +129,22 @@ def both_passes(attend: Callable[..., jax.Array]) -> tuple[Callable[..., Any], C
         return jnp.sum(attend(q, k, v).astype(jnp.float32) * probe.astype(jnp.float32))
 
     return forward, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+@contextlib.contextmanager
+def kernel_variant(module: Any, name: str, value: Any) -> Iterator[None]:
+    """Kernels traced inside the block see ``module.name`` set to ``value`` (a probe's variant).
+    jax's caches are cleared on the way in and out: the kernels run under ``jax.jit``, whose
+    cache would otherwise hand back a trace made without the change (or with it, after). What
+    the variant needs is to be compiled inside the block."""
+    keep = getattr(module, name)
+    setattr(module, name, value)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        setattr(module, name, keep)
+        jax.clear_caches()
 
 
 def kernel_attend(cfg: AttentionConfig | None, **kwargs: Any) -> Callable[..., jax.Array]:

@@ -14,9 +14,11 @@ errors are against the plain program run in float32, so the plain row's own is t
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +57,13 @@ def plain_loss(labels: jax.Array) -> Callable[[jax.Array, jax.Array], jax.Array]
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
     return plain
+
+
+def our_loss(labels: jax.Array, cfg: Any, module: Any = None) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """Ours as every script here calls it: the mean loss by ``linear_cross_entropy`` on ``cfg``,
+    no label ignored; ``module``: another version of the kernel module (default the current)."""
+    module = module or importlib.import_module("ejlabel.kernels.linear_cross_entropy")
+    return lambda h, w: module.linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
 
 
 def compare(variants: dict[str, Callable[[jax.Array, jax.Array], jax.Array]], hidden: jax.Array, weight: jax.Array, samples: int) -> str:
@@ -105,16 +114,14 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linear_cross_entropy
+    from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig
 
     hidden, weight, labels = problem(args.tokens, args.d, args.vocab)
     variants = {PLAIN: plain_loss(labels)}
     for chunk in (int(c) for c in args.chunks.split(",")):
-        cfg = LinearCrossEntropyConfig("chunked", chunk)
-        variants[f"ours, chunked {chunk}"] = lambda h, w, cfg=cfg: linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
+        variants[f"ours, chunked {chunk}"] = our_loss(labels, LinearCrossEntropyConfig("chunked", chunk))
     for chunk in (int(c) for c in args.token_chunks.split(",")):
-        cfg = LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk)
-        variants[f"ours, token chunks {chunk}"] = lambda h, w, cfg=cfg: linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
+        variants[f"ours, token chunks {chunk}"] = our_loss(labels, LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk))
     return report(compare(variants, hidden, weight, args.samples), args.out)
 
 

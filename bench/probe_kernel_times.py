@@ -136,15 +136,14 @@ def packed_model_step() -> Callable[[], Any]:
 
 def loss_cases() -> dict[str, Callable[[], Any]]:
     """value_and_grad of the plain loss and of ours on token chunks, [16384, 768] x [768, 32000]."""
-    from bench_linear_cross_entropy import plain_loss, problem
+    from bench_linear_cross_entropy import our_loss, plain_loss, problem
 
-    from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linear_cross_entropy
+    from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig
 
     hidden, weight, labels = problem(16384, 768, 32000)
     variants = {"loss, plain JAX (matmul + logsumexp)": plain_loss(labels)}
     for chunk in (2048, 8192):
-        cfg = LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk)
-        variants[f"loss, ours, token chunks {chunk}"] = lambda h, w, cfg=cfg: linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
+        variants[f"loss, ours, token chunks {chunk}"] = our_loss(labels, LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk))
     out = {}
     for name, fn in variants.items():
         step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))

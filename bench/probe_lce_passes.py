@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import jax
 from jax import lax
-from bench_linear_cross_entropy import PLAIN, compare, plain_loss, problem, problem_parser, report
+from bench_linear_cross_entropy import PLAIN, compare, our_loss, plain_loss, problem, problem_parser, report
 
 
 def load_variant(name: str, path: str) -> types.ModuleType:
@@ -81,10 +81,9 @@ def main() -> int:
         modules[name] = load_variant(name.replace(" ", "_"), path)
     hidden, weight, labels = problem(args.tokens, args.d, args.vocab)
     variants = {PLAIN: plain_loss(labels)}
-    loss = lambda module, cfg: lambda h, w: module.linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
     for chunk in (int(c) for c in args.token_chunks.split(",")):
         for name, module in modules.items():
-            variants[f"{name}, {chunk}"] = loss(module, module.LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk))
+            variants[f"{name}, {chunk}"] = our_loss(labels, module.LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk), module)
         if "label shift" in modules:
             variants[f"label shift, no redo loop, {chunk}"] = without_redo_loop(modules["label shift"], variants[f"label shift, {chunk}"])
     if args.hlo_dir:

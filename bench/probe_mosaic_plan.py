@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from _timing import time_interleaved
-from bench_attention import equal_documents
+from bench_attention import equal_documents, kernel_variant
 from ejlabel.kernels import attention_mosaic as am
 
 
@@ -64,15 +64,8 @@ def case(title: str, batch: int, seq: int, heads: int, kv_heads: int, dim: int, 
     fwd, both = compiled()
     steps["fwd, sorted order"] = lambda: fwd(q, k, v)
     steps["fwd+bwd, sorted order"] = lambda: both(q, k, v)
-    sorted_order = am._work_order
-    am._work_order = natural_order
-    # The kernels run under jax.jit: without clearing its caches the sorted trace would be reused.
-    jax.clear_caches()
-    try:
+    with kernel_variant(am, "_work_order", natural_order):
         fwd_n, both_n = compiled()
-    finally:
-        am._work_order = sorted_order
-        jax.clear_caches()
     steps["fwd, natural order"] = lambda: fwd_n(q, k, v)
     steps["fwd+bwd, natural order"] = lambda: both_n(q, k, v)
     times = time_interleaved(steps, 9, 4)
