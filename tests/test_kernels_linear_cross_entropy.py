@@ -6,6 +6,8 @@ gradient with the loss (three matrix products in all) and a forward alone as one
 from __future__ import annotations
 
 import re
+import subprocess
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +137,19 @@ def test_labels_far_below_the_max(options: dict, dtype):
     assert_close(got, ref, dtype)
     for g, r in zip(grads, ref_grads):
         assert_close(g.astype(jnp.float32), r, dtype)
+
+
+def test_kept_variants_still_apply_to_the_kernel():
+    """The variants measured and not kept live as diffs under bench/runs, and the GPU session's
+    ``lcepasses`` step patches them into the current kernel to time them beside it: each must
+    still apply (they stopped applying once, after edits to the kernel's docstrings)."""
+    root = Path(__file__).resolve().parents[1]
+    step = re.search(r"lcepasses\).*?for v in ([\w ]+); do", (root / "bench" / "gpu_session.sh").read_text(), re.S)
+    assert step, "gpu_session.sh: no lcepasses step naming its variants"
+    for name in step.group(1).split():
+        diff = root / "bench" / "runs" / f"2026-11-26_lce_{name}.diff"
+        check = subprocess.run(["git", "apply", "--check", str(diff)], cwd=root, capture_output=True, text=True)
+        assert check.returncode == 0, (name, check.stderr)
 
 
 def test_chunked_program_never_holds_the_logits():
