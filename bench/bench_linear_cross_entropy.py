@@ -5,7 +5,8 @@ python bench/bench_linear_cross_entropy.py [--tokens 16384 --d 768 --vocab 32000
 Baseline: ``logits = hidden @ weight`` (bf16), then ``logsumexp(logits) - logits[label]`` in
 float32, mean over tokens, forward and backward by ``jax.value_and_grad``. Ours: the
 ``"chunked"`` implementation (vocabulary chunks) and the ``"chunked_tokens"`` one (token
-chunks, the gradient computed with the loss) at several chunk sizes. Each variant is compiled ahead of time;
+chunks, the gradient computed with the loss) at several chunk sizes, with the XLA passes over
+each chunk's logits and with the kernel that reads them once (``"chunked_tokens_triton"``). Each variant is compiled ahead of time;
 times are medians of interleaved samples (a sample = 5 back-to-back steps, synchronised); memory
 is the compiled program's temporary allocation (``memory_analysis().temp_size_in_bytes``);
 errors are against the plain program run in float32, so the plain row's own is the bar.
@@ -110,7 +111,7 @@ def report(table: str, out: str | None) -> int:
 def main() -> int:
     parser = problem_parser(__doc__.splitlines()[0], samples=15)
     parser.add_argument("--chunks", default="2048,4096,8192", help="vocabulary chunks of the chunked implementation")
-    parser.add_argument("--token-chunks", default="2048,4096,8192", help="token chunks of the chunked_tokens implementation")
+    parser.add_argument("--token-chunks", default="2048,4096,8192", help="token chunks of the two token-chunked implementations")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -122,6 +123,8 @@ def main() -> int:
         variants[f"ours, chunked {chunk}"] = our_loss(labels, LinearCrossEntropyConfig("chunked", chunk))
     for chunk in (int(c) for c in args.token_chunks.split(",")):
         variants[f"ours, token chunks {chunk}"] = our_loss(labels, LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk))
+    for chunk in (int(c) for c in args.token_chunks.split(",")):
+        variants[f"ours, token chunks {chunk}, rows kernel"] = our_loss(labels, LinearCrossEntropyConfig("chunked_tokens_triton", chunk_tokens=chunk))
     return report(compare(variants, hidden, weight, args.samples), args.out)
 
 

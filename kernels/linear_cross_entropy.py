@@ -71,10 +71,11 @@ from ejlabel import Invocation, Kernel
 
 from ._checks import check_config, check_floating, check_integer
 from ._pallas import on_gpu, pad_axis
+from ._softmax_rows import softmax_rows
 
 __all__ = ["LinearCrossEntropyConfig", "LinearCrossEntropyKernel", "linear_cross_entropy"]
 
-_IMPLS = ("xla", "chunked", "chunked_tokens")
+_IMPLS = ("xla", "chunked", "chunked_tokens", "chunked_tokens_triton")
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -83,10 +84,11 @@ class LinearCrossEntropyConfig:
     """How to run one fused linear cross-entropy.
 
     Attributes:
-      impl: ``"xla"`` (the plain expression), ``"chunked"`` (online over vocabulary chunks) or
-        ``"chunked_tokens"`` (over token chunks, the gradient computed with the loss).
+      impl: ``"xla"`` (the plain expression), ``"chunked"`` (online over vocabulary chunks),
+        ``"chunked_tokens"`` (over token chunks, the gradient computed with the loss) or
+        ``"chunked_tokens_triton"`` (the same, each chunk's logits read once by a kernel).
       chunk_vocab: vocabulary columns per step of ``"chunked"``.
-      chunk_tokens: tokens per step of ``"chunked_tokens"``.
+      chunk_tokens: tokens per step of the two token-chunked implementations.
     """
 
     impl: str = "xla"
@@ -325,11 +327,21 @@ def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
     return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
+def _kernel_chunk(product: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"], loss: _Loss) -> _Factored:
+    """:class:`_Factored` terms of one chunk from the raw logits product, read once by
+    :func:`softmax_rows`: probabilities with the smoothing term inside, so rows scale by the
+    cotangent alone and nothing is taken from every column."""
+    rows = softmax_rows(product, labels, label_smoothing=loss.label_smoothing, logit_soft_cap=loss.logit_soft_cap)
+    return _Factored(rows.per_token, rows.dense, token_g, None, rows.label)
+
+
 def _tokens_pass(
-    hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss, chunk: int, token_g: jax.Array | None = None
+    hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss, chunk: int, token_g: jax.Array | None = None,
+    rows_kernel: bool = False,
 ) -> _TokenPass:
     """Per-token losses, one chunk of tokens against the whole vocabulary at a time, and with
-    ``token_g [tokens]`` the gradient of ``sum(token_g * loss)`` from the same logits.
+    ``token_g [tokens]`` the gradient of ``sum(token_g * loss)`` from the same logits, its
+    terms from :func:`_factored_chunk` (XLA) or, with ``rows_kernel``, :func:`_kernel_chunk`.
 
     The gradient products take :class:`_Factored` terms: ``d_hidden = r (dense @ w^T) - k
     sum_j w_j`` and ``d_weight^T += dense^T @ (r h) - sum_t k_t h_t``, the label's column inside
@@ -343,13 +355,16 @@ def _tokens_pass(
     safe = jnp.where(loss.counts(labels), labels, 0)
     g = jnp.zeros(labels.shape, jnp.float32) if token_g is None else token_g.astype(jnp.float32)
     xs = (_token_chunks(hidden, chunk), _token_chunks(safe, chunk), _token_chunks(g, chunk))  # g is zero on padded tokens
-    smoothed = bool(loss.label_smoothing) and loss.logit_soft_cap is None
+    smoothed = bool(loss.label_smoothing) and loss.logit_soft_cap is None and not rows_kernel
     weight_sum = jnp.sum(weight.astype(jnp.float32), axis=1) if smoothed and token_g is not None else None
 
     def step(carry: tuple[jax.Array, jax.Array] | None, xs: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, jax.Array] | None, tuple[jax.Array, ...]]:
         h_c, y_c, g_c = xs
-        z = loss.cap((h_c @ weight).astype(jnp.float32))  # the plain program's logits, one chunk
-        f = _factored_chunk(z, y_c, None if carry is None else g_c, loss, hidden.dtype)
+        product = h_c @ weight  # the plain program's logits, one chunk
+        if carry is not None and rows_kernel:
+            f = _kernel_chunk(product, y_c, g_c, loss)
+        else:
+            f = _factored_chunk(loss.cap(product.astype(jnp.float32)), y_c, None if carry is None else g_c, loss, hidden.dtype)
         if carry is None:  # the loss only
             return None, (f.per_token,)
         d_weight_t, smoothing = carry  # smoothing: sum_t k_t h_t, taken from every row at the end
@@ -394,7 +409,7 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
             per_token = _loss_xla(hidden, weight, labels, loss)
         elif cfg.impl == "chunked":
             per_token = _forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)[0]
-        else:
+        else:  # a forward alone is the same program for both token-chunked implementations
             per_token = _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens).per_token
         return loss.reduce(per_token, labels)
 
@@ -414,7 +429,7 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
         if reduction == "none":  # a cotangent per token, known only in the backward
             return _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens).per_token, None
         # A scalar output: the gradient for a unit cotangent now, from the logits at hand.
-        done = _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(1.0, labels))
+        done = _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(1.0, labels), _rows_kernel(cfg))
         return loss.reduce(done.per_token, labels), (done.d_hidden, done.d_weight)
 
     def vjp(
@@ -428,7 +443,7 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
         if cfg.impl == "chunked":
             return _backward_chunked(hidden, weight, labels, residuals, loss.token_cotangent(g, labels), loss, cfg.chunk_vocab)
         if residuals is None:
-            done = _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(g, labels))
+            done = _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(g, labels), _rows_kernel(cfg))
             return done.d_hidden, done.d_weight.astype(weight.dtype)
         d_hidden, d_weight = residuals
         g = jnp.asarray(g, jnp.float32)
@@ -469,6 +484,10 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
             + [LinearCrossEntropyConfig("chunked", chunk_vocab=c) for c in _fitting(vocab_sizes, vocab)]
             + [LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=c) for c in _fitting(token_sizes, tokens)]
         )
+
+
+def _rows_kernel(cfg: LinearCrossEntropyConfig) -> bool:
+    return cfg.impl == "chunked_tokens_triton"
 
 
 def _fitting(sizes: tuple[int, ...], length: int) -> list[int]:

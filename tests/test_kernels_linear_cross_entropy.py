@@ -26,6 +26,8 @@ CONFIGS = {
     # 13 or 37 tokens in chunks of 4: the last chunk is padded.
     "token-chunks": LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=4),
     "one-token-chunk": LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=64),
+    # The rows read by the Triton kernel (interpreted off the GPU).
+    "token-chunks-triton": LinearCrossEntropyConfig("chunked_tokens_triton", chunk_tokens=8),
 }
 
 
@@ -111,14 +113,16 @@ def test_confident_predictions_keep_their_gradient(sharpness: float, options: di
         return [rel_error(g.astype(jnp.float32), r) for g, r in zip(got, ref)]
 
     plain = errors(LinearCrossEntropyConfig("xla"))
-    for cfg in (CONFIGS["chunked"], LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=128)):
+    token_chunks = [LinearCrossEntropyConfig(impl, chunk_tokens=128) for impl in ("chunked_tokens", "chunked_tokens_triton")]
+    for cfg in (CONFIGS["chunked"], *token_chunks):
         for name, ours, bar in zip(("d_hidden", "d_weight"), errors(cfg), plain):
             assert ours < 2 * bar + 2e-3, (cfg, name, ours, bar)
 
 
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1}, {"label_smoothing": 0.1, "logit_soft_cap": 60.0}], ids=["plain", "smoothing", "smoothing,cap"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
-def test_labels_far_below_the_max(options: dict, dtype):
+@pytest.mark.parametrize("impl", ["chunked_tokens", "chunked_tokens_triton"])
+def test_labels_far_below_the_max(options: dict, dtype, impl: str):
     """Losses of tens of nats: token chunks whose rows have labels 45 and more below their max
     (and rows with labels near it, asserted), float32 and fp16 inputs against float32. Rows
     shifted by their label's logit instead of their max (a variant measured and not kept,
@@ -129,7 +133,7 @@ def test_labels_far_below_the_max(options: dict, dtype):
     gap = np.asarray(jnp.max(z, axis=1) - jnp.take_along_axis(z, jnp.where(labels < 0, 0, labels)[:, None], axis=1)[:, 0])
     for chunk in gap.reshape(2, 12):
         assert np.any(chunk > 45) and np.any(chunk < 35), chunk
-    cfg = LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=12)
+    cfg = LinearCrossEntropyConfig(impl, chunk_tokens=12)
     h, w = hidden.astype(dtype), weight.astype(dtype)
     got, grads = jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, labels, cfg=cfg, **options), argnums=(0, 1))(h, w)
     ref, ref_grads = jax.value_and_grad(lambda h, w: reference(h, w, labels, **options), argnums=(0, 1))(h.astype(jnp.float32), w.astype(jnp.float32))
