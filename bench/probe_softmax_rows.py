@@ -4,7 +4,7 @@ the XLA passes it replaces, at the token-chunked loss's chunk shapes.
 python bench/probe_softmax_rows.py [--tokens 2048,4096] [--vocab 32000] [--samples 9]
 
 Per chunk, the logits product ``z = h W`` (bf16 ``[tokens, vocab]``, d 768) and then:
-``kernel, blocks of B, W warps``, ``kernels._softmax_rows.softmax_rows`` (one read of ``z``, the gradient
+``kernel, R rows x B columns, W warps``, ``kernels._softmax_rows.softmax_rows`` (one read of ``z``, the gradient
 factor written over it, in ``z``'s buffer); ``XLA passes``,
 ``kernels.linear_cross_entropy._factored_chunk`` (the row max, then the exponentials, their
 sums and the dense write beside ``z``, then the label's column). ``product only`` times the
@@ -32,7 +32,7 @@ def main() -> int:
     parser.add_argument("--tokens", default="2048,4096")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--samples", type=int, default=9)
-    parser.add_argument("--configs", default="8192:8,4096:4,8192:16", help="kernel block:warps pairs")
+    parser.add_argument("--configs", default="1:8192:8,2:4096:8,2:8192:8,4:4096:8,4:2048:4,2:4096:4", help="kernel rows:block:warps")
     args = parser.parse_args()
     lce = importlib.import_module("ejlabel.kernels.linear_cross_entropy")
     from ejlabel.kernels._softmax_rows import softmax_rows
@@ -53,11 +53,11 @@ def main() -> int:
             return f.dense, f.r, f.per_token
 
         variants = {"product only": jax.jit(lambda h, w: (h @ w, g, g)), "XLA passes": jax.jit(xla)}
-        for block, warps in (map(int, c.split(":")) for c in args.configs.split(",")):
-            def ours(h: jax.Array, w: jax.Array, block: int = block, warps: int = warps) -> tuple[jax.Array, ...]:
-                rows = softmax_rows(h @ w, labels, label_smoothing=0.0, logit_soft_cap=None, block=block, num_warps=warps)
-                return rows.dense, g, rows.per_token
-            variants[f"kernel, blocks of {block}, {warps} warps"] = jax.jit(ours)
+        for rows, block, warps in (map(int, c.split(":")) for c in args.configs.split(",")):
+            def ours(h: jax.Array, w: jax.Array, rows: int = rows, block: int = block, warps: int = warps) -> tuple[jax.Array, ...]:
+                out = softmax_rows(h @ w, labels, label_smoothing=0.0, logit_soft_cap=None, rows=rows, block=block, num_warps=warps)
+                return out.dense, g, out.per_token
+            variants[f"kernel, {rows} rows x {block} columns, {warps} warps"] = jax.jit(ours)
         dense_ref, r_ref, loss_ref = variants["XLA passes"](h, w)
         grad_ref = dense_ref.astype(jnp.float32) * r_ref[:, None]
         times = time_interleaved({name: functools.partial(fn, h, w) for name, fn in variants.items()}, args.samples, per_sample=20)

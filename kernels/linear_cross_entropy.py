@@ -32,8 +32,14 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
   the smoothing term act on ``[chunk, d]`` rows around the two products, and ``d_weight``'s
   label rows take a float32 correction (:func:`_tokens_pass`). With ``reduction="none"`` the
   backward recomputes the chunks instead.
+- ``"chunked_tokens_triton"``: the same chunks, each chunk's logits read once by a kernel
+  (:mod:`kernels._softmax_rows`) that walks a row twice from the L2 cache and writes the
+  gradient's dense array over the logits, probabilities with the smoothing term and the
+  label's column inside: one ``[chunk, vocab]`` array instead of two, half the memory (H100:
+  0.121 of the plain program's at chunks of 4096 tokens), and ``d_hidden`` as precise as the
+  plain program's (bench/RESULTS.md, runs 84-94). Interpreted off the GPU (correct, slow).
 
-No Pallas GPU kernel: the backward's two products reduce over different axes (``d_hidden``
+No Pallas kernel for the products: the backward's two products reduce over different axes (``d_hidden``
 over the vocabulary, ``d_weight`` over the tokens), so a kernel walking (token tile, vocabulary
 block) pairs keeps at most one of them on chip. The other must be summed across programs in
 global memory (at the benchmark's shape, 16384 tokens x 768 x 32000 in 128 x 128 blocks, 128
@@ -43,9 +49,9 @@ in a second kernel (a fourth pass of the matmul, a third more than the plain pro
 three). ``chunked_tokens`` runs the plain program's three passes with one chunk of logits at
 a time and, factored, two passes over them besides the products (H100: 1.27-1.30x the
 plain program at chunks of 8192 tokens, 1.23-1.31x at 4096, 1.18-1.25x at 2048 with 0.119 of
-its memory; bench/RESULTS.md runs 30-39, 57 and 68). A chunk holds two ``[chunk, vocab]``
-arrays, the logits and ``e``: XLA writes ``e`` beside the logits, not over them, and fuses it
-into neither product (three variants tried, runs 35, 36 and 40). One pass over the logits would
+its memory; bench/RESULTS.md runs 30-39, 57 and 68). Written in XLA, a chunk holds two
+``[chunk, vocab]`` arrays, the logits and ``e``: XLA writes ``e`` beside the logits, not over
+them, and fuses it into neither product (three variants tried, runs 35, 36 and 40). One pass over the logits would
 do, shifting each row by its label's logit instead of its max (7-9% faster), but that is exact
 only while the label lies within ~40 nats of the max, and redoing the other rows costs more than
 the pass saves in every form XLA offers, a loop whose count the host reads or a conditional
@@ -394,7 +400,8 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
     # 3: chunked_tokens computes its gradient factored; picks timed against version 2 are stale.
     # 4: chunked_tokens writes the label's gradient into its dense array (no transposed weight),
     # so its time and memory changed: picks timed against version 3 are stale.
-    version = "4"
+    # 5: chunked_tokens_triton joins the candidates: picks made without it are stale.
+    version = "5"
 
     def __init__(self) -> None:
         super().__init__("linear_cross_entropy")
@@ -475,14 +482,16 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
 
     def config_space(self, inv: Invocation[LinearCrossEntropyConfig, jax.Array]) -> list[LinearCrossEntropyConfig]:
         tokens, vocab = inv.args[0].shape[0], inv.args[1].shape[1]
-        # Fastest first, as measured on the H100 (bench/RESULTS.md): a tuner that ranks only the
-        # first few candidates of each implementation ranks the likely winners. One chunk of
-        # every token (16384) ran slower than two (run 32).
+        # Fastest first within each implementation, and the implementations in the order they
+        # ranked on the H100 (bench/RESULTS.md): a tuner that ranks only the first few candidates
+        # of each ranks the likely winners. One chunk of every token (16384) ran slower than two
+        # (run 32). The rows kernel is offered on the GPU only: interpreted, it is correct but slow.
         vocab_sizes, token_sizes = ((8192, 4096, 2048), (8192, 4096, 2048)) if on_gpu() else ((64, 16), (32, 8))
+        token_impls = ("chunked_tokens_triton", "chunked_tokens") if on_gpu() else ("chunked_tokens",)
         return (
-            [LinearCrossEntropyConfig("xla")]
+            [LinearCrossEntropyConfig(impl, chunk_tokens=c) for impl in token_impls for c in _fitting(token_sizes, tokens)]
+            + [LinearCrossEntropyConfig("xla")]
             + [LinearCrossEntropyConfig("chunked", chunk_vocab=c) for c in _fitting(vocab_sizes, vocab)]
-            + [LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=c) for c in _fitting(token_sizes, tokens)]
         )
 
 

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import ejlabel
+from ejlabel.kernels._softmax_rows import softmax_rows
 from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linear_cross_entropy
 
-from kernel_checks import assert_close, rel_error
+from kernel_checks import assert_close, gpu, needs_gpu, rel_error
 
 CONFIGS = {
     "xla": LinearCrossEntropyConfig("xla"),
@@ -156,6 +157,47 @@ def test_kept_variants_still_apply_to_the_kernel():
         assert check.returncode == 0, (name, check.stderr)
 
 
+@pytest.mark.parametrize("rows, block", [(1, 32), (2, 64), (4, 128)])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1}, {"label_smoothing": 0.1, "logit_soft_cap": 5.0}], ids=["plain", "smoothing", "smoothing,cap"])
+def test_rows_kernel_against_the_gradient_of_the_loss(rows: int, block: int, options: dict):
+    """The rows kernel on raw bf16 logits: each token's loss and, per entry, the gradient of the
+    loss with respect to the raw logits (the label's entry also in float32), walking a row of
+    100 columns in blocks of 32 (the last one partial), 64, or 128 (one block, padded)."""
+    eps, cap = options.get("label_smoothing", 0.0), options.get("logit_soft_cap")
+    z = (3.0 * jax.random.normal(jax.random.key(0), (8, 100))).astype(jnp.bfloat16)
+    labels = jax.random.randint(jax.random.key(1), (8,), 0, 100)
+
+    def loss(raw):
+        c = raw if cap is None else cap * jnp.tanh(raw / cap)
+        picked = jnp.take_along_axis(c, labels[:, None], axis=1)[:, 0]
+        return jax.nn.logsumexp(c, axis=1) - picked + eps * (picked - jnp.mean(c, axis=1))
+
+    out = softmax_rows(z, labels, label_smoothing=eps, logit_soft_cap=cap, rows=rows, block=block)
+    raw = z.astype(jnp.float32)
+    grad = jax.grad(lambda raw: jnp.sum(loss(raw)))(raw)
+    np.testing.assert_allclose(out.per_token, loss(raw), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.dense.astype(jnp.float32), grad, rtol=1e-2, atol=1e-3)  # bf16 out
+    np.testing.assert_allclose(out.label, grad[jnp.arange(8), labels], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="^rows:"):
+        softmax_rows(z, labels, label_smoothing=eps, logit_soft_cap=cap, rows=3)
+
+
+@gpu
+@needs_gpu
+def test_gpu_rows_kernel_writes_over_the_logits():
+    """On the GPU the rows kernel's output takes its input's buffer: a token-chunked program
+    holds one ``[chunk, vocab]`` array where the XLA passes hold two (the logits and ``e``)."""
+    hidden, weight, labels = inputs(512, 64, 8192, jnp.bfloat16)
+
+    def temp_bytes(impl: str) -> int:
+        cfg = LinearCrossEntropyConfig(impl, chunk_tokens=64)
+        step = jax.jit(jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, labels, cfg=cfg), argnums=(0, 1)))
+        return step.lower(hidden, weight).compile().memory_analysis().temp_size_in_bytes
+
+    chunk_bytes = 64 * 8192 * 2
+    assert temp_bytes("chunked_tokens_triton") <= temp_bytes("chunked_tokens") - 0.9 * chunk_bytes
+
+
 def test_chunked_program_never_holds_the_logits():
     tokens, d, vocab = 512, 64, 8192
     hidden, weight, labels = inputs(tokens, d, vocab, jnp.float32)
@@ -197,7 +239,7 @@ def test_token_chunks_compute_a_reduced_gradient_with_the_loss(reduction: str, w
 def test_calls_are_labelled_and_tune():
     hidden, weight, labels = inputs(16, 8, 40, jnp.float32)
     lowered = jax.jit(lambda h, w: linear_cross_entropy(h, w, labels, cfg=LinearCrossEntropyConfig("chunked", 16))).lower(hidden, weight)
-    assert any("#linear_cross_entropy@v4:" in lab for lab in ejlabel.find_labels_in_lowered(lowered))
+    assert any("#linear_cross_entropy@v5:" in lab for lab in ejlabel.find_labels_in_lowered(lowered))
     inv = ejlabel.Invocation(
         linear_cross_entropy.__globals__["_LINEAR_CROSS_ENTROPY"], (hidden, weight),
         {"labels": labels, "ignore_index": -100, "label_smoothing": 0.0, "logit_soft_cap": None},
