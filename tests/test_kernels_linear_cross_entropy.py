@@ -18,7 +18,7 @@ import ejlabel
 from ejlabel.kernels._softmax_rows import softmax_rows
 from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linear_cross_entropy
 
-from kernel_checks import assert_close, gpu, needs_gpu, rel_error
+from kernel_checks import ON_GPU, assert_close, gpu, needs_gpu, rel_error
 
 CONFIGS = {
     "xla": LinearCrossEntropyConfig("xla"),
@@ -245,7 +245,8 @@ def test_calls_are_labelled_and_tune():
         {"labels": labels, "ignore_index": -100, "label_smoothing": 0.0, "logit_soft_cap": None},
     )
     result = ejlabel.Autotuner(ejlabel.AutotunePolicy(num_warmup=1, num_iters=3)).tune(inv)
-    assert {c.cfg.impl for c in result.candidates} == {"xla", "chunked", "chunked_tokens"}
+    # The rows kernel is a candidate on the GPU only (interpreted elsewhere: correct but slow).
+    assert {c.cfg.impl for c in result.candidates} == {"xla", "chunked", "chunked_tokens"} | ({"chunked_tokens_triton"} if ON_GPU else set())
     assert all(c.status in ("ok", "pruned") for c in result.candidates)
 
 
