@@ -9,7 +9,7 @@ vocab]`` array its two gradient products read. Written in XLA that is two passes
 its blocks keeps the online max, the sums of exponentials (all, and off the label), the
 label's logit and the sum of logits; a second walk (the row's 64 KB were just read, so from
 the L2 cache) writes the gradient over ``z``: the output aliases ``z``'s buffer, one
-``[chunk, vocab]`` array in all. H100 (bench/RESULTS.md, runs 84-94): 8-13% faster than the
+``[chunk, vocab]`` array in all. H100 (bench/RESULTS.md, runs 84-100): 8-13% faster than the
 XLA passes it replaces, and half their memory.
 
 Per token, with capped logits ``c = cap(z)`` (``cap * tanh(z / cap)`` or ``z``), the cap's
