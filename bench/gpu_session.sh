@@ -46,6 +46,7 @@ for step in "$@"; do
       done
       (cd bench && timeout 300 python3 probe_lce_passes.py "${args[@]}" --samples 9 --out "$OUT/lce_passes.md" 2>&1 | tee "$OUT/lce_passes.log" | tail -n 14) ;;
     lce) timeout 300 python3 bench/bench_linear_cross_entropy.py --samples 9 --chunks 8192 --out "$OUT/lce.md" 2>&1 | tee "$OUT/lce.log" | tail -n 14 ;;
+    logitsgemm) timeout 400 python3 bench/probe_logits_gemm.py 2>&1 | grep -v "^W1\|Delay kernel" | tee "$OUT/logits_gemm.log" | tail -n 25 ;;
     rows) timeout 200 python3 bench/probe_softmax_rows.py 2>&1 | tee "$OUT/softmax_rows.log" | grep -v "^W1\|Delay kernel" | tail -n 16 ;;
     schedules) MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python3 bench/probe_schedules.py 2>&1 | tee "$OUT/schedules.log" | grep "^|\|^###\|=== variant\|stack frame" | tail -n 60 ;;
     overlap)  # the forward overlap patch, not kept (bench/RESULTS.md, runs 54-56), timed and checked, then taken out again

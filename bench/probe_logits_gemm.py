@@ -1,9 +1,12 @@
 """Can a Mosaic GPU matrix product keep up with cuBLAS at the loss's chunk shape?
 
-The token-chunked loss's logits product is ``[2048, 768] x [768, 32000]`` per chunk; a kernel of
-ours that also returns each row's statistics must first be as fast as the library product.
-Times ``jnp.dot`` (cuBLAS) beside the Mosaic GPU matmul that ships with JAX over a small sweep
-of its tilings, and ``ours`` (kernels.logits_product) when it exists.
+The token-chunked loss's logits product is ``[2048, 768] x [768, 32000]`` per chunk; a product
+of ours that also returned each row's max (sparing the loss a pass over the logits) would first
+have to be as fast as the library's. Times ``jnp.dot`` (cuBLAS) beside the Mosaic GPU matmul
+that ships with JAX over a sweep of its tilings (bench/RESULTS.md, run 84: 0.934x at best, so
+no such product was built).
+
+    python bench/probe_logits_gemm.py [--tokens 2048] [--samples 7]
 """
 
 from __future__ import annotations

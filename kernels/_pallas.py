@@ -3,7 +3,9 @@
 Every Pallas kernel here targets the Triton GPU backend. Off the GPU the same ``pallas_call``
 runs with ``interpret=True``, so the kernels' logic (tiling, masking, online softmax) is tested
 on the CPU, just slowly. Kernels pad their operands to whole blocks instead of masking loads:
-it keeps every kernel body free of bounds checks and behaves the same on both backends.
+it keeps every kernel body free of bounds checks and behaves the same on both backends. The
+exception is an operand whose padding would be a copy as large as the kernel's own traffic
+(``_softmax_rows``, over a chunk of logits): that kernel masks its loads and stores.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ def _row_kernel(
     z_ref: Any, labels_ref: Any, dense_ref: Any, per_token_ref: Any, label_ref: Any, *, vocab: int, block: int, eps: float,
     cap: float | None,
 ) -> None:
+    """One program's ``rows`` rows of ``z``, walked twice in blocks of ``block`` columns."""
     rows = z_ref.shape[0]
     label_col = labels_ref[...]  # [rows, 1]
     steps = pl.cdiv(vocab, block)

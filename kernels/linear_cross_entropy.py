@@ -32,17 +32,17 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
   the smoothing term act on ``[chunk, d]`` rows around the two products, and ``d_weight``'s
   label rows take a float32 correction (:func:`_tokens_pass`). With ``reduction="none"`` the
   backward recomputes the chunks instead.
-- ``"chunked_tokens_triton"``: the same chunks, each chunk's logits read once by a kernel
-  (:mod:`kernels._softmax_rows`) that walks a row twice from the L2 cache and writes the
-  gradient's dense array over the logits, probabilities with the smoothing term and the
+- ``"chunked_tokens_triton"``: the same chunks, each chunk's logits read from memory once by
+  a kernel (:mod:`kernels._softmax_rows`; its second walk over a row hits the L2 cache) that
+  writes the gradient's dense array over them, probabilities with the smoothing term and the
   label's column inside: one ``[chunk, vocab]`` array instead of two, half the memory, and
   ``d_hidden`` as precise as the plain program's (H100: 1.23-1.29x the plain program at 0.121
   of its memory with chunks of 4096 tokens, 1.30-1.32x at 8192; bench/RESULTS.md, runs
   84-100). Interpreted off the GPU (correct, slow).
 
-No Pallas kernel for the products: the backward's two products reduce over different axes (``d_hidden``
-over the vocabulary, ``d_weight`` over the tokens), so a kernel walking (token tile, vocabulary
-block) pairs keeps at most one of them on chip. The other must be summed across programs in
+No Pallas kernel for the products: the backward's two products reduce over different axes
+(``d_hidden`` over the vocabulary, ``d_weight`` over the tokens), so a kernel walking (token
+tile, vocabulary block) pairs keeps at most one of them on chip. The other must be summed across programs in
 global memory (at the benchmark's shape, 16384 tokens x 768 x 32000 in 128 x 128 blocks, 128
 float32 partials of ``768 x 128`` per vocabulary block: 12.6 GB of reduce-adds, the kind of
 traffic that made the fused attention backward lose, bench/RESULTS.md runs 18-19) or rebuilt
@@ -52,11 +52,12 @@ a time and, factored, two passes over them besides the products (H100: 1.27-1.30
 plain program at chunks of 8192 tokens, 1.23-1.31x at 4096, 1.18-1.25x at 2048 with 0.119 of
 its memory; bench/RESULTS.md runs 30-39, 57 and 68). Written in XLA, a chunk holds two
 ``[chunk, vocab]`` arrays, the logits and ``e``: XLA writes ``e`` beside the logits, not over
-them, and fuses it into neither product (three variants tried, runs 35, 36 and 40). One pass over the logits would
-do, shifting each row by its label's logit instead of its max (7-9% faster), but that is exact
-only while the label lies within ~40 nats of the max, and redoing the other rows costs more than
-the pass saves in every form XLA offers, a loop whose count the host reads or a conditional
-that copies ``e`` (runs 62-68).
+them, and fuses it into neither product (three variants tried, runs 35, 36 and 40). One XLA
+pass over the logits would do, shifting each row by its label's logit instead of its max (7-9%
+faster), but that is exact only while the label lies within ~40 nats of the max, and redoing
+the other rows costs more than the pass saves in every form XLA offers, a loop whose count the
+host reads or a conditional that copies ``e`` (runs 62-68); the rows kernel keeps the max
+online instead.
 
 Tokens labelled ``ignore_index`` get loss 0 and no gradient. The reduction (``"mean"`` over the
 tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is
