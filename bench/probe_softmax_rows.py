@@ -1,11 +1,11 @@
 """The loss's per-row pass alone: the Triton kernel that reads a chunk's logits once against
 the XLA passes it replaces, at the token-chunked loss's chunk shapes.
 
-python bench/probe_softmax_rows.py [--tokens 2048,4096] [--vocab 32000] [--samples 9]
+python bench/probe_softmax_rows.py [--tokens 2048,4096] [--vocab 32000] [--samples 9] [--configs R:B:W,...]
 
 Per chunk, the logits product ``z = h W`` (bf16 ``[tokens, vocab]``, d 768) and then:
-``kernel, R rows x B columns, W warps``, ``kernels._softmax_rows.softmax_rows`` (one read of ``z``, the gradient
-factor written over it, in ``z``'s buffer); ``XLA passes``,
+``kernel, R rows x B columns, W warps``, ``kernels._softmax_rows.softmax_rows`` (one read of
+``z``, the gradient factor written over it, in ``z``'s buffer); ``XLA passes``,
 ``kernels.linear_cross_entropy._factored_chunk`` (the row max, then the exponentials, their
 sums and the dense write beside ``z``, then the label's column). ``product only`` times the
 product alone; each pass's time is its row's less that one, and GB/s counts one read and one
