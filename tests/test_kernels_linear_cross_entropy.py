@@ -1,7 +1,8 @@
 """Fused linear cross-entropy: every implementation against float32 XLA, values and gradients,
 with ignored tokens, label smoothing, a logit soft cap, odd sizes and bf16 inputs; the chunked
 programs never hold the whole logits array; the token-chunked one computes a reduced loss's
-gradient with the loss (three matrix products in all) and a forward alone as one product."""
+gradient with the loss (three matrix products in all) and a forward alone as one product; the
+rows kernel alone against the gradient of the loss, and on the GPU over the logits' buffer."""
 
 from __future__ import annotations
 
