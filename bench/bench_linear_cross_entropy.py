@@ -7,9 +7,10 @@ float32, mean over tokens, forward and backward by ``jax.value_and_grad``. Ours:
 ``"chunked"`` implementation (vocabulary chunks) and the ``"chunked_tokens"`` one (token
 chunks, the gradient computed with the loss) at several chunk sizes, with the XLA passes over
 each chunk's logits and with the kernel that reads them once (``"chunked_tokens_triton"``).
-Each variant is compiled ahead of time; times are medians of interleaved samples (a sample = 5 back-to-back steps, synchronised); memory
-is the compiled program's temporary allocation (``memory_analysis().temp_size_in_bytes``);
-errors are against the plain program run in float32, so the plain row's own is the bar.
+Each variant is compiled ahead of time; times are medians of interleaved samples (a sample = 5
+back-to-back steps, synchronised); memory is the compiled program's temporary allocation
+(``memory_analysis().temp_size_in_bytes``); errors are against the plain program run in
+float32, so the plain row's own is the bar.
 """
 
 from __future__ import annotations
