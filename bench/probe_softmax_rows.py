@@ -55,7 +55,7 @@ def main() -> int:
         variants = {"product only": jax.jit(lambda h, w: (h @ w, g, g)), "XLA passes": jax.jit(xla)}
         for rows, block, warps in (map(int, c.split(":")) for c in args.configs.split(",")):
             def ours(h: jax.Array, w: jax.Array, rows: int = rows, block: int = block, warps: int = warps) -> tuple[jax.Array, ...]:
-                out = softmax_rows(h @ w, labels, label_smoothing=0.0, logit_soft_cap=None, rows=rows, block=block, num_warps=warps)
+                out = softmax_rows(h @ w, labels, loss, rows=rows, block=block, num_warps=warps)
                 return out.dense, g, out.per_token
             variants[f"kernel, {rows} rows x {block} columns, {warps} warps"] = jax.jit(ours)
         dense_ref, r_ref, loss_ref = variants["XLA passes"](h, w)

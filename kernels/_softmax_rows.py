@@ -40,7 +40,8 @@ tensor cores Mosaic GPU exists to reach.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,20 @@ from jaxtyping import Array, Float, Int
 
 from ._pallas import MASK_VALUE, compiler_params, interpret_mode, next_power_of_2
 
-__all__ = ["RowPass", "softmax_rows"]
+__all__ = ["RowLoss", "RowPass", "softmax_rows"]
+
+
+class RowLoss(Protocol):
+    """What the kernel takes from the loss (``kernels.linear_cross_entropy._Loss``), so that the
+    cap and the per-token formula keep one home; read while tracing, on float32 values."""
+
+    label_smoothing: float
+
+    def cap(self, z: jax.Array) -> jax.Array: ...
+
+    def cap_grad(self, capped: jax.Array) -> jax.Array | float: ...
+
+    def per_token(self, lse: jax.Array, picked: jax.Array, mean_logit: Callable[[], jax.Array]) -> jax.Array: ...
 
 
 class RowPass(NamedTuple):
@@ -61,21 +75,20 @@ class RowPass(NamedTuple):
 
 
 def _row_kernel(
-    z_ref: Any, labels_ref: Any, dense_ref: Any, per_token_ref: Any, label_ref: Any, *, vocab: int, block: int, eps: float,
-    cap: float | None,
+    z_ref: Any, labels_ref: Any, dense_ref: Any, per_token_ref: Any, label_ref: Any, *, vocab: int, block: int, loss: RowLoss,
 ) -> None:
     """One program's ``rows`` rows of ``z``, walked twice in blocks of ``block`` columns."""
     rows = z_ref.shape[0]
     label_col = labels_ref[...]  # [rows, 1]
     steps = pl.cdiv(vocab, block)
-    cap_grad = (lambda x: 1.0) if cap is None else (lambda x: 1.0 - jnp.square(x / cap))
+    eps = loss.label_smoothing
 
     def capped(j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Block ``j`` of the rows: capped float32 logits, the real columns, the label columns."""
         cols = j * block + jnp.arange(block)[None, :]
         real = cols < vocab
         raw = pltriton.load(z_ref.at[:, pl.ds(j * block, block)], mask=real, other=0.0).astype(jnp.float32)
-        return (raw if cap is None else cap * jnp.tanh(raw / cap)), real, cols == label_col
+        return loss.cap(raw), real, cols == label_col
 
     def stats(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         """Online over the blocks: the max, and rescaled to it the sum of exponentials and
@@ -97,26 +110,23 @@ def _row_kernel(
     lse = m + jnp.log(s)
     uniform = eps / vocab
     q_y = others / s  # the probability off the label
-    label = cap_grad(c_y) * (eps * (1.0 - q_y) - (1.0 - eps) * q_y - uniform)
+    label = loss.cap_grad(c_y) * (eps * (1.0 - q_y) - (1.0 - eps) * q_y - uniform)
 
     def write(j: jax.Array, carry: None) -> None:
         c, real, is_label = capped(j)  # a second read of the rows, from L2: the block was just read
-        dense = jnp.where(is_label, label, cap_grad(c) * (jnp.exp(c - lse) - uniform))
+        dense = jnp.where(is_label, label, loss.cap_grad(c) * (jnp.exp(c - lse) - uniform))
         pltriton.store(dense_ref.at[:, pl.ds(j * block, block)], dense.astype(dense_ref.dtype), mask=real)
 
     lax.fori_loop(0, steps, write, None)
-    per_token = lse - c_y
-    if eps:
-        per_token = per_token + eps * (c_y - total / vocab)
-    per_token_ref[...] = per_token
+    per_token_ref[...] = loss.per_token(lse, c_y, lambda: total / vocab)
     label_ref[...] = label
 
 
 def softmax_rows(
-    z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], *, label_smoothing: float, logit_soft_cap: float | None,
-    rows: int = 1, block: int = 8192, num_warps: int = 8,
+    z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], loss: RowLoss, *, rows: int = 1, block: int = 8192, num_warps: int = 8,
 ) -> RowPass:
-    """Each row's loss and gradient factor from raw logits ``z`` (see the module docstring).
+    """Each row's loss and gradient factor from raw logits ``z`` (see the module docstring),
+    with ``loss``'s smoothing, cap and per-token formula.
 
     ``labels`` must lie in ``[0, vocab)`` (the caller maps ignored tokens to a real class and
     gives them a zero cotangent). ``z``'s buffer becomes the result's where nothing else holds
@@ -130,7 +140,7 @@ def softmax_rows(
     width = pl.cdiv(vocab, block) * block
     row = pl.BlockSpec((rows, width), lambda i: (i, 0))
     one = pl.BlockSpec((rows, 1), lambda i: (i, 0))
-    kernel = functools.partial(_row_kernel, vocab=vocab, block=block, eps=float(label_smoothing), cap=logit_soft_cap)
+    kernel = functools.partial(_row_kernel, vocab=vocab, block=block, loss=loss)
     dense, per_token, label = pl.pallas_call(
         kernel,
         grid=(tokens // rows,),

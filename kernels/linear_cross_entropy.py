@@ -339,7 +339,7 @@ def _kernel_chunk(product: Float[Array, "tokens vocab"], labels: Int[Array, "tok
     """:class:`_Factored` terms of one chunk from the raw logits product, read once by
     :func:`softmax_rows`: probabilities with the smoothing term inside, so rows scale by the
     cotangent alone and nothing is taken from every column."""
-    rows = softmax_rows(product, labels, label_smoothing=loss.label_smoothing, logit_soft_cap=loss.logit_soft_cap)
+    rows = softmax_rows(product, labels, loss)
     return _Factored(rows.per_token, rows.dense, token_g, None, rows.label)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import ejlabel
 from ejlabel.kernels._softmax_rows import softmax_rows
-from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linear_cross_entropy
+from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, _Loss, linear_cross_entropy
 
 from kernel_checks import ON_GPU, assert_close, gpu, needs_gpu, rel_error
 
@@ -173,14 +173,15 @@ def test_rows_kernel_against_the_gradient_of_the_loss(rows: int, block: int, opt
         picked = jnp.take_along_axis(c, labels[:, None], axis=1)[:, 0]
         return jax.nn.logsumexp(c, axis=1) - picked + eps * (picked - jnp.mean(c, axis=1))
 
-    out = softmax_rows(z, labels, label_smoothing=eps, logit_soft_cap=cap, rows=rows, block=block)
+    row_loss = _Loss(None, eps, cap)
+    out = softmax_rows(z, labels, row_loss, rows=rows, block=block)
     raw = z.astype(jnp.float32)
     grad = jax.grad(lambda raw: jnp.sum(loss(raw)))(raw)
     np.testing.assert_allclose(out.per_token, loss(raw), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out.dense.astype(jnp.float32), grad, rtol=1e-2, atol=1e-3)  # bf16 out
     np.testing.assert_allclose(out.label, grad[jnp.arange(8), labels], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="^rows:"):
-        softmax_rows(z, labels, label_smoothing=eps, logit_soft_cap=cap, rows=3)
+        softmax_rows(z, labels, row_loss, rows=3)
 
 
 @gpu
