@@ -5,7 +5,7 @@ python bench/probe_softmax_rows.py [--tokens 2048,4096] [--vocab 32000] [--sampl
 
 Per chunk, the logits product ``z = h W`` (bf16 ``[tokens, vocab]``, d 768) and then:
 ``kernel, R rows x B columns, W warps``, ``kernels._softmax_rows.softmax_rows`` (one read of
-``z``, the gradient factor written over it, in ``z``'s buffer); ``XLA passes``,
+``z``, the gradient written over it, in ``z``'s buffer); ``XLA passes``,
 ``kernels.linear_cross_entropy._factored_chunk`` (the row max, then the exponentials, their
 sums and the dense write beside ``z``, then the label's column). ``product only`` times the
 product alone; each pass's time is its row's less that one, and GB/s counts one read and one
@@ -55,8 +55,8 @@ def main() -> int:
         variants = {"product only": jax.jit(lambda h, w: (h @ w, g, g)), "XLA passes": jax.jit(xla)}
         for rows, block, warps in (map(int, c.split(":")) for c in args.configs.split(",")):
             def ours(h: jax.Array, w: jax.Array, rows: int = rows, block: int = block, warps: int = warps) -> tuple[jax.Array, ...]:
-                out = softmax_rows(h @ w, labels, loss, rows=rows, block=block, num_warps=warps)
-                return out.dense, g, out.per_token
+                out = softmax_rows(h @ w, labels, g, loss, rows=rows, block=block, num_warps=warps)
+                return out.dense, jnp.ones_like(g), out.per_token  # g is inside dense
             variants[f"kernel, {rows} rows x {block} columns, {warps} warps"] = jax.jit(ours)
         dense_ref, r_ref, loss_ref = variants["XLA passes"](h, w)
         grad_ref = dense_ref.astype(jnp.float32) * r_ref[:, None]

@@ -1,9 +1,9 @@
-"""One pass over a chunk's logits: each token's loss and the dense factor of its gradient.
+"""One pass over a chunk's logits: each token's loss and the gradient with respect to them.
 
 The token-chunked linear cross-entropy (:mod:`kernels.linear_cross_entropy`) multiplies a
 chunk of hidden states by the whole unembedding, ``z = h W`` (``[chunk, vocab]`` in the input
 dtype, the library's product), and needs from ``z`` each token's loss and the ``[chunk,
-vocab]`` array its two gradient products read. Written in XLA that is two passes over ``z``
+vocab]`` gradient its two products read. Written in XLA that is two passes over ``z``
 (the row max; then the exponentials, their sums and the dense write), a second buffer beside
 ``z`` and a scatter for the label's column. Here a program takes one row: a first walk over
 its blocks keeps the online max, the sums of exponentials (all, and off the label), the
@@ -13,19 +13,19 @@ the L2 cache) writes the gradient over ``z``: the output aliases ``z``'s buffer,
 XLA passes it replaces, and half their memory.
 
 Per token, with capped logits ``c = cap(z)`` (``cap * tanh(z / cap)`` or ``z``), the cap's
-derivative ``cg = 1 - (c / cap)^2``, ``p = softmax(c)``, label ``y`` and smoothing ``eps``::
+derivative ``cg = 1 - (c / cap)^2``, ``p = softmax(c)``, label ``y``, smoothing ``eps`` and
+the cotangent ``g`` of the token's loss::
 
     loss  = lse(c) - c_y + eps * (c_y - mean(c))
-    dense = cg * (p - eps / vocab)                           off the label
-    dense = cg_y * (eps p_y - (1 - eps) q_y - eps / vocab)   at the label, q_y = sum_{j != y} p_j
+    dense = g cg * (p - eps / vocab)                           off the label
+    dense = g cg_y * (eps p_y - (1 - eps) q_y - eps / vocab)   at the label, q_y = sum_{j != y} p_j
 
-so the gradient of ``g * loss`` with respect to ``z`` is ``g * dense``: the products scale
-rows by the cotangent and nothing else. The label's entry is written from ``q_y``, the sum off
-the label, not as ``p_y - 1``: for a confident prediction that difference cancels before its
-rounding (see ``test_confident_predictions_keep_their_gradient``); and as probabilities, not
-unnormalised exponentials, an untrained model's label entry (close to -1) rounds as the plain
-program's does. Its float32 value is returned too, for the float32 correction of
-``d_weight``'s label rows.
+``dense`` is the gradient of ``sum(g * loss)`` with respect to ``z``, rounded once to ``z``'s
+dtype, as the plain program rounds its own: the products take it as they are (``d_hidden =
+dense W^T``, ``d_weight = h^T dense``), nothing scales their rows or corrects their label
+rows. The label's entry is written from ``q_y``, the sum off the label, not as ``p_y - 1``:
+for a confident prediction that difference cancels before its rounding (see
+``test_confident_predictions_keep_their_gradient``).
 
 Written for Pallas's Triton backend, although that backend is deprecated: a row is one
 token's logits (32000 here), reduced whole, which Triton's blocks express directly. Pallas
@@ -69,13 +69,12 @@ class RowLoss(Protocol):
 
 
 class RowPass(NamedTuple):
-    dense: Float[Array, "tokens vocab"]  # in z's dtype, over z's buffer
+    dense: Float[Array, "tokens vocab"]  # the gradient, in z's dtype, over z's buffer
     per_token: Float[Array, "tokens"]  # float32
-    label: Float[Array, "tokens"]  # the label's entry of ``dense`` in float32, before rounding
 
 
 def _row_kernel(
-    z_ref: Any, labels_ref: Any, dense_ref: Any, per_token_ref: Any, label_ref: Any, *, vocab: int, block: int, loss: RowLoss,
+    z_ref: Any, labels_ref: Any, token_g_ref: Any, dense_ref: Any, per_token_ref: Any, *, vocab: int, block: int, loss: RowLoss,
 ) -> None:
     """One program's ``rows`` rows of ``z``, walked twice in blocks of ``block`` columns."""
     rows = z_ref.shape[0]
@@ -110,50 +109,49 @@ def _row_kernel(
     lse = m + jnp.log(s)
     uniform = eps / vocab
     q_y = others / s  # the probability off the label
-    label = loss.cap_grad(c_y) * (eps * (1.0 - q_y) - (1.0 - eps) * q_y - uniform)
+    g = token_g_ref[...]
+    label = g * loss.cap_grad(c_y) * (eps * (1.0 - q_y) - (1.0 - eps) * q_y - uniform)
 
     def write(j: jax.Array, carry: None) -> None:
         c, real, is_label = capped(j)  # a second read of the rows, from L2: the block was just read
-        dense = jnp.where(is_label, label, loss.cap_grad(c) * (jnp.exp(c - lse) - uniform))
+        dense = jnp.where(is_label, label, g * loss.cap_grad(c) * (jnp.exp(c - lse) - uniform))
         pltriton.store(dense_ref.at[:, pl.ds(j * block, block)], dense.astype(dense_ref.dtype), mask=real)
 
     lax.fori_loop(0, steps, write, None)
     per_token_ref[...] = loss.per_token(lse, c_y, lambda: total / vocab)
-    label_ref[...] = label
 
 
 def softmax_rows(
-    z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], loss: RowLoss, *, rows: int = 1, block: int = 8192, num_warps: int = 8,
+    z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"], loss: RowLoss, *,
+    rows: int = 1, block: int = 8192, num_warps: int = 8,
 ) -> RowPass:
-    """Each row's loss and gradient factor from raw logits ``z`` (see the module docstring),
-    with ``loss``'s smoothing, cap and per-token formula.
+    """Each row's loss, and the gradient of ``sum(token_g * loss)``, from raw logits ``z`` (see
+    the module docstring), with ``loss``'s smoothing, cap and per-token formula.
 
     ``labels`` must lie in ``[0, vocab)`` (the caller maps ignored tokens to a real class and
-    gives them a zero cotangent). ``z``'s buffer becomes the result's where nothing else holds
+    gives them a zero ``token_g``). ``z``'s buffer becomes the result's where nothing else holds
     it. ``rows`` per program, ``block`` columns per step, ``num_warps``: the defaults ran
     fastest on the H100 (``bench/probe_softmax_rows.py``; more rows per program ran slower).
     """
     tokens, vocab = z.shape
     if tokens % rows:
         raise ValueError(f"rows: expected a divisor of the {tokens} tokens, got {rows}")
+    if labels.shape != (tokens,) or token_g.shape != (tokens,):
+        raise ValueError(f"labels, token_g: expected [{tokens}] each, got {labels.shape} and {token_g.shape}")
     block = min(block, next_power_of_2(vocab))
     width = pl.cdiv(vocab, block) * block
     row = pl.BlockSpec((rows, width), lambda i: (i, 0))
     one = pl.BlockSpec((rows, 1), lambda i: (i, 0))
     kernel = functools.partial(_row_kernel, vocab=vocab, block=block, loss=loss)
-    dense, per_token, label = pl.pallas_call(
+    dense, per_token = pl.pallas_call(
         kernel,
         grid=(tokens // rows,),
-        in_specs=[row, one],
-        out_specs=[row, one, one],
-        out_shape=[
-            jax.ShapeDtypeStruct(z.shape, z.dtype),
-            jax.ShapeDtypeStruct((tokens, 1), jnp.float32),
-            jax.ShapeDtypeStruct((tokens, 1), jnp.float32),
-        ],
+        in_specs=[row, one, one],
+        out_specs=[row, one],
+        out_shape=[jax.ShapeDtypeStruct(z.shape, z.dtype), jax.ShapeDtypeStruct((tokens, 1), jnp.float32)],
         input_output_aliases={0: 0},
         interpret=interpret_mode(),
         compiler_params=compiler_params(num_warps, num_stages=1),
         name="softmax_rows",
-    )(z, labels.astype(jnp.int32)[:, None])
-    return RowPass(dense, per_token[:, 0], label[:, 0])
+    )(z, labels.astype(jnp.int32)[:, None], token_g.astype(jnp.float32)[:, None])
+    return RowPass(dense, per_token[:, 0])

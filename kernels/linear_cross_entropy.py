@@ -335,21 +335,29 @@ def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
     return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-def _kernel_chunk(product: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"], loss: _Loss) -> _Factored:
-    """:class:`_Factored` terms of one chunk from the raw logits product, read once by
-    :func:`softmax_rows`: probabilities with the smoothing term inside, so rows scale by the
-    cotangent alone and nothing is taken from every column."""
-    rows = softmax_rows(product, labels, loss)
-    return _Factored(rows.per_token, rows.dense, token_g, None, rows.label)
+def _over_token_chunks(
+    step: Callable[[Any, tuple[jax.Array, ...]], tuple[Any, tuple[jax.Array, ...]]], init: Any,
+    hidden: jax.Array, labels: jax.Array, loss: _Loss, chunk: int, token_g: jax.Array | None,
+) -> tuple[Any, jax.Array, jax.Array | None]:
+    """``lax.scan`` of ``step(carry, (h_c, y_c, g_c)) -> (carry, (per_token_c[, d_hidden_c]))``
+    over chunks of ``chunk`` tokens (the last one zero-padded, its cotangent zero; ignored
+    labels mapped to class 0 with a zero cotangent). Returns the carry, the ``[tokens]`` losses
+    (zero where a token does not count) and, when ``step`` gives it, ``d_hidden``."""
+    tokens, d = hidden.shape
+    chunk = min(chunk, tokens)
+    safe = jnp.where(loss.counts(labels), labels, 0)
+    g = jnp.zeros(labels.shape, jnp.float32) if token_g is None else token_g.astype(jnp.float32)
+    carry, outs = lax.scan(step, init, (_token_chunks(hidden, chunk), _token_chunks(safe, chunk), _token_chunks(g, chunk)))
+    per_token = jnp.where(loss.counts(labels), outs[0].reshape(-1)[:tokens], 0.0)
+    return carry, per_token, outs[1].reshape(-1, d)[:tokens] if len(outs) > 1 else None
 
 
 def _tokens_pass(
     hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss, chunk: int, token_g: jax.Array | None = None,
-    rows_kernel: bool = False,
 ) -> _TokenPass:
     """Per-token losses, one chunk of tokens against the whole vocabulary at a time, and with
     ``token_g [tokens]`` the gradient of ``sum(token_g * loss)`` from the same logits, its
-    terms from :func:`_factored_chunk` (XLA) or, with ``rows_kernel``, :func:`_kernel_chunk`.
+    terms from :func:`_factored_chunk`.
 
     The gradient products take :class:`_Factored` terms: ``d_hidden = r (dense @ w^T) - k
     sum_j w_j`` and ``d_weight^T += dense^T @ (r h) - sum_t k_t h_t``, the label's column inside
@@ -358,21 +366,14 @@ def _tokens_pass(
     correction contiguously: the exact ``label r h`` less what the product added from the two
     rounded operands, so the label's term, the largest in a confident or an untrained model's
     gradient, is not rounded twice."""
-    tokens, d = hidden.shape
-    chunk = min(chunk, tokens)
-    safe = jnp.where(loss.counts(labels), labels, 0)
-    g = jnp.zeros(labels.shape, jnp.float32) if token_g is None else token_g.astype(jnp.float32)
-    xs = (_token_chunks(hidden, chunk), _token_chunks(safe, chunk), _token_chunks(g, chunk))  # g is zero on padded tokens
-    smoothed = bool(loss.label_smoothing) and loss.logit_soft_cap is None and not rows_kernel
+    d = hidden.shape[1]
+    smoothed = bool(loss.label_smoothing) and loss.logit_soft_cap is None
     weight_sum = jnp.sum(weight.astype(jnp.float32), axis=1) if smoothed and token_g is not None else None
 
     def step(carry: tuple[jax.Array, jax.Array] | None, xs: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, jax.Array] | None, tuple[jax.Array, ...]]:
         h_c, y_c, g_c = xs
         product = h_c @ weight  # the plain program's logits, one chunk
-        if carry is not None and rows_kernel:
-            f = _kernel_chunk(product, y_c, g_c, loss)
-        else:
-            f = _factored_chunk(loss.cap(product.astype(jnp.float32)), y_c, None if carry is None else g_c, loss, hidden.dtype)
+        f = _factored_chunk(loss.cap(product.astype(jnp.float32)), y_c, None if carry is None else g_c, loss, hidden.dtype)
         if carry is None:  # the loss only
             return None, (f.per_token,)
         d_weight_t, smoothing = carry  # smoothing: sum_t k_t h_t, taken from every row at the end
@@ -387,12 +388,29 @@ def _tokens_pass(
         return (d_weight_t, smoothing), (f.per_token, d_hidden.astype(hidden.dtype))
 
     init = None if token_g is None else (jnp.zeros((weight.shape[1], d), jnp.float32), jnp.zeros((d,), jnp.float32))
-    carry, outs = lax.scan(step, init, xs)
-    per_token = jnp.where(loss.counts(labels), outs[0].reshape(-1)[:tokens], 0.0)
+    carry, per_token, d_hidden = _over_token_chunks(step, init, hidden, labels, loss, chunk, token_g)
     if carry is None:
         return _TokenPass(per_token, None, None)
     d_weight_t, smoothing = carry
-    return _TokenPass(per_token, outs[1].reshape(-1, d)[:tokens], (d_weight_t - smoothing[None, :]).T)
+    return _TokenPass(per_token, d_hidden, (d_weight_t - smoothing[None, :]).T)
+
+
+def _kernel_tokens_pass(
+    hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: _Loss, chunk: int, token_g: jax.Array,
+) -> _TokenPass:
+    """:func:`_tokens_pass` with each chunk's logits read once by :func:`softmax_rows`, which
+    writes over them the gradient itself, ``token_g`` and the smoothing inside, rounded once as
+    the plain program's: the two products are the plain program's own, ``d_hidden = dense @
+    w^T`` and ``d_weight += h^T @ dense`` (float32 across chunks), with nothing around them."""
+
+    def step(d_weight: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        h_c, y_c, g_c = xs
+        rows = softmax_rows(h_c @ weight, y_c, g_c, loss)
+        d_weight = d_weight + jnp.dot(h_c.T, rows.dense, preferred_element_type=jnp.float32)
+        return d_weight, (rows.per_token, rows.dense @ weight.T)
+
+    d_weight, per_token, d_hidden = _over_token_chunks(step, jnp.zeros(weight.shape, jnp.float32), hidden, labels, loss, chunk, token_g)
+    return _TokenPass(per_token, d_hidden, d_weight)
 
 
 class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
@@ -438,7 +456,7 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
         if reduction == "none":  # a cotangent per token, known only in the backward
             return _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens).per_token, None
         # A scalar output: the gradient for a unit cotangent now, from the logits at hand.
-        done = _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(1.0, labels), _rows_kernel(cfg))
+        done = _gradient_pass(cfg)(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(1.0, labels))
         return loss.reduce(done.per_token, labels), (done.d_hidden, done.d_weight)
 
     def vjp(
@@ -452,7 +470,7 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
         if cfg.impl == "chunked":
             return _backward_chunked(hidden, weight, labels, residuals, loss.token_cotangent(g, labels), loss, cfg.chunk_vocab)
         if residuals is None:
-            done = _tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(g, labels), _rows_kernel(cfg))
+            done = _gradient_pass(cfg)(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(g, labels))
             return done.d_hidden, done.d_weight.astype(weight.dtype)
         d_hidden, d_weight = residuals
         g = jnp.asarray(g, jnp.float32)
@@ -497,8 +515,9 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
         )
 
 
-def _rows_kernel(cfg: LinearCrossEntropyConfig) -> bool:
-    return cfg.impl == "chunked_tokens_triton"
+def _gradient_pass(cfg: LinearCrossEntropyConfig) -> Callable[..., _TokenPass]:
+    """The token-chunked pass that computes the loss with its gradient, by implementation."""
+    return _kernel_tokens_pass if cfg.impl == "chunked_tokens_triton" else _tokens_pass
 
 
 def _fitting(sizes: tuple[int, ...], length: int) -> list[int]:

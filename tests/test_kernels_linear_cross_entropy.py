@@ -161,12 +161,14 @@ def test_kept_variants_still_apply_to_the_kernel():
 @pytest.mark.parametrize("rows, block", [(1, 32), (2, 64), (4, 128)])
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1}, {"label_smoothing": 0.1, "logit_soft_cap": 5.0}], ids=["plain", "smoothing", "smoothing,cap"])
 def test_rows_kernel_against_the_gradient_of_the_loss(rows: int, block: int, options: dict):
-    """The rows kernel on raw bf16 logits: each token's loss and, per entry, the gradient of the
-    loss with respect to the raw logits (the label's entry also in float32), walking a row of
-    100 columns in blocks of 32 (the last one partial), 64, or 128 (one block, padded)."""
+    """The rows kernel on raw bf16 logits: each token's loss and, per entry, the gradient of
+    ``sum(g * loss)`` with respect to the raw logits (a cotangent per token, one of them zero),
+    walking a row of 100 columns in blocks of 32 (the last one partial), 64, or 128 (one block,
+    padded)."""
     eps, cap = options.get("label_smoothing", 0.0), options.get("logit_soft_cap")
     z = (3.0 * jax.random.normal(jax.random.key(0), (8, 100))).astype(jnp.bfloat16)
     labels = jax.random.randint(jax.random.key(1), (8,), 0, 100)
+    g = jax.random.uniform(jax.random.key(2), (8,), minval=0.5, maxval=2.0).at[3].set(0.0)
 
     def loss(raw):
         c = raw if cap is None else cap * jnp.tanh(raw / cap)
@@ -174,14 +176,16 @@ def test_rows_kernel_against_the_gradient_of_the_loss(rows: int, block: int, opt
         return jax.nn.logsumexp(c, axis=1) - picked + eps * (picked - jnp.mean(c, axis=1))
 
     row_loss = _Loss(None, eps, cap)
-    out = softmax_rows(z, labels, row_loss, rows=rows, block=block)
+    out = softmax_rows(z, labels, g, row_loss, rows=rows, block=block)
     raw = z.astype(jnp.float32)
-    grad = jax.grad(lambda raw: jnp.sum(loss(raw)))(raw)
+    grad = jax.grad(lambda raw: jnp.sum(g * loss(raw)))(raw)
     np.testing.assert_allclose(out.per_token, loss(raw), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out.dense.astype(jnp.float32), grad, rtol=1e-2, atol=1e-3)  # bf16 out
-    np.testing.assert_allclose(out.label, grad[jnp.arange(8), labels], rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(out.dense[3]) == 0)
     with pytest.raises(ValueError, match="^rows:"):
-        softmax_rows(z, labels, row_loss, rows=3)
+        softmax_rows(z, labels, g, row_loss, rows=3)
+    with pytest.raises(ValueError, match="^labels, token_g:"):
+        softmax_rows(z, labels, g[:4], row_loss)
 
 
 @gpu
