@@ -33,23 +33,14 @@ interleaved run (``bench_linear_cross_entropy.py``'s problem, baseline and table
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 import types
 from collections.abc import Callable
 
 import jax
 from jax import lax
+from _variants import load_variant
 from bench_linear_cross_entropy import PLAIN, compare, our_loss, plain_loss, problem, problem_parser, report
-
-
-def load_variant(name: str, path: str) -> types.ModuleType:
-    """Another version of the kernel module, loaded beside the current one inside ``ejlabel.kernels``."""
-    spec = importlib.util.spec_from_file_location(f"ejlabel.kernels._{name}_linear_cross_entropy", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def without_redo_loop(module: types.ModuleType, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
@@ -78,7 +69,7 @@ def main() -> int:
     modules = {"current": current}
     for spec in args.variant:
         name, _, path = spec.partition("=")
-        modules[name] = load_variant(name.replace(" ", "_"), path)
+        modules[name] = load_variant("_linear_cross_entropy", name.replace(" ", "_"), path)
     hidden, weight, labels = problem(args.tokens, args.d, args.vocab)
     variants = {PLAIN: plain_loss(labels)}
     for chunk in (int(c) for c in args.token_chunks.split(",")):

@@ -34,11 +34,13 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
   backward recomputes the chunks instead.
 - ``"chunked_tokens_triton"``: the same chunks, each chunk's logits read from memory once by
   a kernel (:mod:`kernels._softmax_rows`; its second walk over a row hits the L2 cache) that
-  writes the gradient's dense array over them, probabilities with the smoothing term and the
-  label's column inside: one ``[chunk, vocab]`` array instead of two, half the memory, and
-  ``d_hidden`` as precise as the plain program's (H100: 1.23-1.29x the plain program at 0.121
-  of its memory with chunks of 4096 tokens, 1.30-1.32x at 8192; bench/RESULTS.md, runs
-  84-100). Interpreted off the GPU (correct, slow).
+  writes over them the gradient itself, the cotangent, the smoothing term and the label's
+  column inside, rounded once as the plain program's: one ``[chunk, vocab]`` array instead of
+  two, half the memory, the two gradient products the plain program's own with nothing around
+  them (:func:`_kernel_tokens_pass`), and ``d_hidden`` as precise as the plain program's
+  (H100: 1.33x the plain program at 0.119 of its memory with chunks of 4096 tokens, 1.38x at
+  8192, 1.25x at 2048 with 0.078; bench/RESULTS.md, runs 101-105). Interpreted off the GPU
+  (correct, slow).
 
 No Pallas kernel for the products: the backward's two products reduce over different axes
 (``d_hidden`` over the vocabulary, ``d_weight`` over the tokens), so a kernel walking (token
@@ -421,7 +423,8 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
     # 4: chunked_tokens writes the label's gradient into its dense array (no transposed weight),
     # so its time and memory changed: picks timed against version 3 are stale.
     # 5: chunked_tokens_triton joins the candidates: picks made without it are stale.
-    version = "5"
+    # 6: chunked_tokens_triton's kernel writes the gradient itself (its products changed).
+    version = "6"
 
     def __init__(self) -> None:
         super().__init__("linear_cross_entropy")
