@@ -37,9 +37,10 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
   writes over them the gradient itself, the cotangent, the smoothing term and the label's
   column inside, rounded once as the plain program's: one ``[chunk, vocab]`` array instead of
   two, half the memory, the two gradient products the plain program's own with nothing around
-  them (:func:`_kernel_tokens_pass`), and ``d_hidden`` as precise as the plain program's
-  (H100: 1.33x the plain program at 0.119 of its memory with chunks of 4096 tokens, 1.38x at
-  8192, 1.25x at 2048 with 0.078; bench/RESULTS.md, runs 101-105). Interpreted off the GPU
+  them (:func:`_kernel_tokens_pass`), and ``d_hidden`` as precise as the plain program's; in
+  fp16, entries under its range flush to zero as the plain program's do. H100: 1.32-1.33x the
+  plain program at 0.119 of its memory with chunks of 4096 tokens, 1.37-1.38x at 8192,
+  1.23-1.25x at 2048 with 0.078 (bench/RESULTS.md, runs 101-107). Interpreted off the GPU
   (correct, slow).
 
 No Pallas kernel for the products: the backward's two products reduce over different axes
