@@ -9,9 +9,9 @@ vocab]`` gradient its two products read. Written in XLA that is two passes over 
 its blocks keeps the online max, the sums of exponentials (all, and off the label) and the
 sum of logits (the label's logit is one load); a second walk (the row's 64 KB were just
 read, so from the L2 cache) writes the gradient over ``z``: the output aliases ``z``'s
-buffer, one ``[chunk, vocab]`` array in all. H100 (bench/RESULTS.md, run 105): 18-19% faster than the
-XLA passes it replaces (+244 us over a 4096-token chunk's product against +302), and half
-their memory.
+buffer, one ``[chunk, vocab]`` array in all. H100 (bench/RESULTS.md, run 105): 18-19%
+faster than the XLA passes it replaces (+244 us over a 4096-token chunk's product against
++302), and half their memory.
 
 Per token, with capped logits ``c = cap(z)`` (``cap * tanh(z / cap)`` or ``z``), the cap's
 derivative ``cg = 1 - (c / cap)^2``, ``p = softmax(c)``, label ``y``, smoothing ``eps`` and
@@ -128,8 +128,8 @@ def _row_kernel(
 
 def _exp(x: jax.Array) -> jax.Array:
     """``exp(x)`` as ``exp2(x log2 e)``: on the GPU one approximate instruction where ``exp``
-    calls libdevice's accurate ``expf`` (H200: the kernel 11% faster, run 103);
-    the result is rounded to bf16 or summed in float32, far coarser than the difference."""
+    calls libdevice's accurate ``expf`` (H200: the kernel 11% faster, run 103); the result is
+    rounded to bf16 or summed in float32, far coarser than the difference."""
     return jnp.exp2(x * _LOG2_E)
 
 
