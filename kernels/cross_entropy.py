@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 from ejlabel import Invocation, Kernel
 
 from ._checks import check_config, check_floating, check_integer
-from ._pallas import MASK_VALUE, compiler_params, interpret_mode, on_gpu, pad_to
+from ._pallas import MASK_VALUE, compiler_params, fast_exp, interpret_mode, on_gpu, pad_to
 
 __all__ = ["CrossEntropyConfig", "CrossEntropyKernel", "softmax_cross_entropy"]
 
@@ -96,7 +96,7 @@ def _forward_kernel(logits_ref: Any, labels_ref: Any, loss_ref: Any, lse_ref: An
         x = jnp.where(cols < vocab, logits_ref[:, pl.ds(start, chunk)].astype(jnp.float32), MASK_VALUE)
         new_max = jnp.maximum(running_max, jnp.max(x, axis=1))
         # Rescale the sum so far to the new maximum, so exp never overflows.
-        running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(jnp.exp(x - new_max[:, None]), axis=1)
+        running_sum = running_sum * fast_exp(running_max - new_max) + jnp.sum(fast_exp(x - new_max[:, None]), axis=1)
         picked = picked + jnp.sum(jnp.where(cols == labels[:, None], x, 0.0), axis=1)
         return new_max, running_sum, picked
 
@@ -110,7 +110,7 @@ def _forward_kernel(logits_ref: Any, labels_ref: Any, loss_ref: Any, lse_ref: An
 def _backward_kernel(logits_ref: Any, labels_ref: Any, lse_ref: Any, g_ref: Any, dlogits_ref: Any, *, vocab: int, chunk: int) -> None:
     labels = labels_ref[...]
     cols = pl.program_id(1) * chunk + jnp.arange(chunk)[None, :]
-    probs = jnp.exp(logits_ref[...].astype(jnp.float32) - lse_ref[...][:, None])
+    probs = fast_exp(logits_ref[...].astype(jnp.float32) - lse_ref[...][:, None])
     scale = jnp.where(_ignored(labels, vocab), 0.0, g_ref[...])
     dlogits_ref[...] = ((probs - (cols == labels[:, None])) * scale[:, None]).astype(dlogits_ref.dtype)
 
