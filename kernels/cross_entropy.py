@@ -7,9 +7,10 @@ Implementations, chosen by :class:`CrossEntropyConfig.impl`:
 - ``"pallas"``: each program takes ``block_tokens`` rows and walks the vocabulary in chunks of
   ``chunk_vocab`` columns with an online log-sum-exp (running max and rescaled sum), picking
   the label's logit on the way; a row's logits are read once and the float32 softmax never
-  exists in memory. The backward recomputes the log-sum-exp with the same kernel (cheaper
-  than keeping it alive between passes, and the custom VJP receives only the inputs), then a
-  second kernel writes ``(softmax - onehot) * cotangent`` tile by tile.
+  exists in memory. The forward keeps each token's log-sum-exp (``[tokens]`` floats) for the
+  backward, a second kernel that writes ``(softmax - onehot) * cotangent`` tile by tile: two
+  reads of the logits and one write in all, as XLA's program (H100: 0.87x XLA while the
+  backward recomputed the log-sum-exp, a third read; bench/RESULTS.md runs 109-111).
 
 With ``ignore_index`` set (``-100`` by default), tokens labelled with it, and any label outside
 ``[0, vocab)``, are ignored: their loss is 0 and their logits get no gradient. With
@@ -142,10 +143,10 @@ def _cross_entropy_pallas(
 
 
 def _cross_entropy_pallas_backward(
-    logits: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], g: Float[Array, "tokens"], cfg: CrossEntropyConfig
+    logits: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], lse: Float[Array, "tokens"], g: Float[Array, "tokens"],
+    cfg: CrossEntropyConfig,
 ) -> Float[Array, "tokens vocab"]:
     tokens, vocab = logits.shape
-    _, lse = _cross_entropy_pallas(logits, labels, cfg)
     logits_p, labels_p = _padded(logits, labels, cfg)
     lse_p, g_p = (pad_to(t.astype(jnp.float32), 0, cfg.block_tokens) for t in (lse, g))
     rows = pl.BlockSpec((cfg.block_tokens,), lambda i, j: (i,))
@@ -166,7 +167,8 @@ def _cross_entropy_pallas_backward(
 class CrossEntropyKernel(Kernel[CrossEntropyConfig, jax.Array]):
     """Per-token softmax cross-entropy; see the module docstring."""
 
-    version = "1"
+    # 2: the Pallas backward reads the forward's log-sum-exp instead of recomputing it.
+    version = "2"
 
     def __init__(self) -> None:
         super().__init__("cross_entropy")
@@ -181,13 +183,20 @@ class CrossEntropyKernel(Kernel[CrossEntropyConfig, jax.Array]):
             return _cross_entropy_xla(logits, labels, ignore_index)
         return _cross_entropy_pallas(logits, _pallas_labels(labels, ignore_index), cfg)[0]
 
-    def custom_vjp(
-        self, primals: tuple[Any, ...], cfg: CrossEntropyConfig, kwargs: dict[str, Any], cotangents: tuple[Any, ...]
+    def fwd_with_residuals(
+        self, logits: Float[Array, "tokens vocab"], *, labels: Int[Array, "tokens"], cfg: CrossEntropyConfig,
+        ignore_index: int | None = -100,
+    ) -> tuple[Float[Array, "tokens"], Float[Array, "tokens"]]:
+        # Only the Pallas path gets here, and only under differentiation: the XLA one is
+        # differentiated by JAX, and a forward alone runs `run`.
+        return _cross_entropy_pallas(logits, _pallas_labels(labels, ignore_index), cfg)
+
+    def vjp(
+        self, lse: Float[Array, "tokens"], out: Float[Array, "tokens"], g: Float[Array, "tokens"], logits: Float[Array, "tokens vocab"], *,
+        labels: Int[Array, "tokens"], cfg: CrossEntropyConfig, ignore_index: int | None = -100,
     ) -> tuple[jax.Array]:
-        # Only the Pallas path gets here: the XLA one is differentiated by JAX.
-        (logits,), (g,) = primals, cotangents
-        labels = _pallas_labels(kwargs["labels"], kwargs.get("ignore_index", -100))
-        return (_cross_entropy_pallas_backward(logits, labels, g, cfg),)
+        del out
+        return (_cross_entropy_pallas_backward(logits, _pallas_labels(labels, ignore_index), lse, g, cfg),)
 
     def differentiated_by_jax(self, cfg: CrossEntropyConfig) -> bool:
         return cfg.impl == "xla"

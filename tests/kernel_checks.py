@@ -39,8 +39,9 @@ def assert_close(x: Any, ref: Any, dtype: Any, factor: float = 1.0) -> None:
     assert err < factor * tolerance(dtype), f"relative error {err:.3g} over {factor * tolerance(dtype):.3g}"
 
 
-def assert_labelled(loss: Callable[..., Any], args: tuple[Any, ...], op: str) -> None:
-    """``jit(grad(loss))`` carries the forward label of ``op``, and its backward ops are labelled.
+def assert_labelled(loss: Callable[..., Any], args: tuple[Any, ...], op: str, version: str = "1") -> None:
+    """``jit(grad(loss))`` carries the forward label of ``op`` at ``version``, and its backward ops
+    are labelled.
 
     A path with a custom VJP labels its backward ``<op>.bwd``; a path JAX differentiates itself
     (the XLA paths) carries the forward label onto the transposed ops, which JAX names
@@ -51,11 +52,11 @@ def assert_labelled(loss: Callable[..., Any], args: tuple[Any, ...], op: str) ->
 
     lowered = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args)
     labels = ejlabel.find_labels_in_lowered(lowered)
-    assert any(lab.startswith(f"ejkernel_ops#{op}@v1:") for lab in labels), labels
-    if any(f"{op}.bwd@v1:" in lab for lab in labels):
+    assert any(lab.startswith(f"ejkernel_ops#{op}@v{version}:") for lab in labels), labels
+    if any(f"{op}.bwd@v{version}:" in lab for lab in labels):
         return
     module = parse_hlo(lowered.compiler_ir("hlo").as_hlo_text())
-    transposed = [i for i in module.instructions() if i.name.startswith("transpose") and f"#{op}@v1:" in i.frontend_attributes.get(LABEL_ATTRIBUTE, "")]
+    transposed = [i for i in module.instructions() if i.name.startswith("transpose") and f"#{op}@v{version}:" in i.frontend_attributes.get(LABEL_ATTRIBUTE, "")]
     assert transposed, f"no backward op of {op} is labelled: {labels}"
 
 
