@@ -122,10 +122,9 @@ def main() -> int:
     variants = {PLAIN: plain_loss(labels)}
     for chunk in (int(c) for c in args.chunks.split(",")):
         variants[f"ours, chunked {chunk}"] = our_loss(labels, LinearCrossEntropyConfig("chunked", chunk))
-    for chunk in (int(c) for c in args.token_chunks.split(",")):
-        variants[f"ours, token chunks {chunk}"] = our_loss(labels, LinearCrossEntropyConfig("chunked_tokens", chunk_tokens=chunk))
-    for chunk in (int(c) for c in args.token_chunks.split(",")):
-        variants[f"ours, token chunks {chunk}, rows kernel"] = our_loss(labels, LinearCrossEntropyConfig("chunked_tokens_triton", chunk_tokens=chunk))
+    for impl, suffix in (("chunked_tokens", ""), ("chunked_tokens_triton", ", rows kernel")):
+        for chunk in (int(c) for c in args.token_chunks.split(",")):
+            variants[f"ours, token chunks {chunk}{suffix}"] = our_loss(labels, LinearCrossEntropyConfig(impl, chunk_tokens=chunk))
     return report(compare(variants, hidden, weight, args.samples), args.out)
 
 
