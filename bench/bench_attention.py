@@ -11,7 +11,9 @@ Sections:
   ``flash_attention`` offers it).
 - ``b``: the same shape with segment ids (4 equal documents per row) and varlen
   (``cu_seqlens``: one packed row of 4 sequences of unequal lengths, the same tokens): ours
-  against its own plain causal rate, and cuDNN with the dense mask.
+  against its own plain causal rate, and cuDNN with the dense mask. Also the documents as rows
+  of their own (B16 S1024, each implementation and cuDNN, plain causal): the rate any kernel
+  gets at that length; the segment rows' note gives their rate against it.
 - ``c``: packed documents at the example model's shape, B8 S2048, 12 query heads, 4 key/value
   heads, head dim 64, 4 equal documents per row: what plain JAX offers (cuDNN and XLA with the
   dense block-diagonal causal mask, cuDNN with the document mask beside ``is_causal`` as the
@@ -224,19 +226,30 @@ def section_b(args: argparse.Namespace) -> list[Row]:
     cu_seqlens = jnp.cumsum(jnp.array([0, *lengths], jnp.int32))
     packed_sets = [tuple(t.reshape(1, b * s, *t.shape[2:]) for t in one) for one in sets]
     varlen_flops = sum(4.0 * h * d * n * n / 2 for n in lengths)
+    # The 4 documents of each row as rows of their own: the plain causal rate at the documents' length.
+    doc_sets = [tuple(t.reshape(b * 4, s // 4, *t.shape[2:]) for t in one) for one in sets]
     plain, seg, var = f"causal B{b} S{s} H{h} D{d}", "causal segments x4", f"causal varlen B1 S{b * s}"
+    short = f"causal B{b * 4} S{s // 4} H{h} D{d} (the documents as rows)"
     variants = []
     for impl in ["pallas", *extra_impls()]:
         cfg = AttentionConfig(impl)
         variants += variants_of(plain, impl, kernel_attend(cfg, causal=True), sets, causal_flops)
         variants += variants_of(seg, impl, kernel_attend(cfg, causal=True, segment_ids=segments), sets, causal_flops / 4)
+        variants += variants_of(short, impl, kernel_attend(cfg, causal=True), doc_sets, causal_flops / 4)
         variants += variants_of(var, impl, kernel_attend(cfg, causal=True, cu_seqlens=cu_seqlens), packed_sets, varlen_flops)
     # What the untuned flash_attention runs with segment ids on a GPU: cuDNN with the dense mask.
     variants += variants_of(seg, "cudnn (dense mask)", kernel_attend(AttentionConfig("cudnn"), causal=True, segment_ids=segments), sets, causal_flops / 4)
     variants += variants_of(plain, "cudnn", kernel_attend(AttentionConfig("cudnn"), causal=True), sets, causal_flops)
+    variants += variants_of(short, "cudnn", kernel_attend(AttentionConfig("cudnn"), causal=True), doc_sets, causal_flops / 4)
     rows = run_section("b", variants, args.samples, args.per_sample)
     # Each implementation against its own plain causal rate; cuDNN's mask against cuDNN causal.
     set_ratios(rows, lambda r: find(rows, plain, "cudnn" if r.impl.startswith("cudnn") else r.impl, r.pass_), "own plain causal")
+    # Beside it, the segments against the same implementation's causal rate at the documents'
+    # length: what packing costs over running each document alone.
+    for row in rows:
+        alone = find(rows, short, "cudnn" if row.impl.startswith("cudnn") else row.impl, row.pass_)
+        if row.case == seg and alone is not None and row.tflops and alone.tflops:
+            row.note = f"{row.tflops / alone.tflops:.2f}x own causal at the documents' length"
     return rows
 
 

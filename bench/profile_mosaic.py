@@ -6,8 +6,9 @@ Sets ``$EJLABEL_MOSAIC_PROFILE_DIR`` so the kernels are built with the Mosaic GP
 each warpgroup records its named regions (``tile_wait``, ``walk``, ``k_wait``, ``out_wait``,
 ``write``; the producer's ``slot_wait``) with the SM clock, and every call writes a trace.
 The forward runs twice in one program (the second call's trace is the warm one) at the
-segment goal's shape (B4 S4096 H16 D128, 4 documents per row) and at the packed model's
-(B8 S2048 H12/4 D64, 4 documents). Printed per shape, for the consumer warpgroups: cycles per
+segment goal's shape (B4 S4096 H16 D128, 4 documents per row), at the same documents as rows
+of their own without segment ids (B16 S1024), and at the packed model's shape (B8 S2048
+H12/4 D64, 4 documents). Printed per shape, for the consumer warpgroups: cycles per
 item inside the walk and between walks (the fixed cost of a tile), split into the regions
 found between two walks; the first ``k_wait`` of a walk against the later ones; and the
 producer's waits for free slots. Cycles, not seconds: the clock is the SM's.
@@ -100,15 +101,16 @@ def main() -> None:
     from ejlabel.kernels import attention_mosaic as am
 
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
-    cases = {
-        "4 segments B4 S4096 H16 D128": (4, 4096, 16, 16, 128),
-        "packed B8 S2048 H12/4 D64, 4 documents": (8, 2048, 12, 4, 64),
+    cases = {  # (batch, seq, heads, kv heads, dim, documents per row; 1: no segment ids)
+        "4 segments B4 S4096 H16 D128": (4, 4096, 16, 16, 128, 4),
+        "causal B16 S1024 H16 D128 (the same documents as rows)": (16, 1024, 16, 16, 128, 1),
+        "packed B8 S2048 H12/4 D64, 4 documents": (8, 2048, 12, 4, 64, 4),
     }
-    for title, (batch, seq, heads, kv_heads, dim) in cases.items():
+    for title, (batch, seq, heads, kv_heads, dim, documents) in cases.items():
         keys = jax.random.split(jax.random.key(0), 4)
         q1, q2 = (jax.random.normal(key, (batch, seq, heads, dim), jnp.bfloat16) for key in keys[:2])
         k, v = (jax.random.normal(key, (batch, seq, kv_heads, dim), jnp.bfloat16) for key in keys[2:])
-        ids = equal_documents(batch, seq, 4)
+        ids = equal_documents(batch, seq, documents) if documents > 1 else None
         case_dir = directory / "".join(c if c.isalnum() else "_" for c in title)
         case_dir.mkdir(exist_ok=True)
         os.environ[am.PROFILE_DIR_VARIABLE] = str(case_dir)  # read when the kernels are traced
