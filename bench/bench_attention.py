@@ -13,7 +13,9 @@ Sections:
   (``cu_seqlens``: one packed row of 4 sequences of unequal lengths, the same tokens): ours
   against its own plain causal rate, and cuDNN with the dense mask. Also the documents as rows
   of their own (B16 S1024, each implementation and cuDNN, plain causal): the rate any kernel
-  gets at that length; the segment rows' note gives their rate against it.
+  gets at that length; the segment rows' note gives their rate against it. The Mosaic kernels
+  run with both forward tiles of their tuning space (128-key blocks, the default, and
+  ``mosaic kv64``: 64-key blocks in 3 stages).
 - ``c``: packed documents at the example model's shape, B8 S2048, 12 query heads, 4 key/value
   heads, head dim 64, 4 equal documents per row: what plain JAX offers (cuDNN and XLA with the
   dense block-diagonal causal mask, cuDNN with the document mask beside ``is_causal`` as the
@@ -50,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import time_interleaved
 
-from ejlabel import Invocation
+from ejlabel import FwdParams, Invocation
 from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
 
@@ -231,8 +233,10 @@ def section_b(args: argparse.Namespace) -> list[Row]:
     plain, seg, var = f"causal B{b} S{s} H{h} D{d}", "causal segments x4", f"causal varlen B1 S{b * s}"
     short = f"causal B{b * 4} S{s // 4} H{h} D{d} (the documents as rows)"
     variants = []
-    for impl in ["pallas", *extra_impls()]:
-        cfg = AttentionConfig(impl)
+    impls = {impl: AttentionConfig(impl) for impl in ["pallas", *extra_impls()]}
+    if "mosaic" in impls:  # the other forward tiles of its tuning space: 64-key blocks, 3 stages
+        impls["mosaic kv64"] = AttentionConfig("mosaic", FwdParams(kv_blocksize=64, num_stages=3))
+    for impl, cfg in impls.items():
         variants += variants_of(plain, impl, kernel_attend(cfg, causal=True), sets, causal_flops)
         variants += variants_of(seg, impl, kernel_attend(cfg, causal=True, segment_ids=segments), sets, causal_flops / 4)
         variants += variants_of(short, impl, kernel_attend(cfg, causal=True), doc_sets, causal_flops / 4)

@@ -3,15 +3,16 @@
     python bench/profile_mosaic.py [--out DIR]
 
 Sets ``$EJLABEL_MOSAIC_PROFILE_DIR`` so the kernels are built with the Mosaic GPU profiler:
-each warpgroup records its named regions (``tile_wait``, ``walk``, ``k_wait``, ``out_wait``,
-``write``; the producer's ``slot_wait``) with the SM clock, and every call writes a trace.
-The forward runs twice in one program (the second call's trace is the warm one) at the
-segment goal's shape (B4 S4096 H16 D128, 4 documents per row), at the same documents as rows
-of their own without segment ids (B16 S1024), and at the packed model's shape (B8 S2048
-H12/4 D64, 4 documents). Printed per shape, for the consumer warpgroups: cycles per
-item inside the walk and between walks (the fixed cost of a tile), split into the regions
-found between two walks; the first ``k_wait`` of a walk against the later ones; and the
-producer's waits for free slots. Cycles, not seconds: the clock is the SM's.
+each warpgroup records its named regions (``tile_wait``, ``walk`` and the ``masked`` steps
+inside it, ``k_wait``, ``out_wait``, ``write``; the producer's ``slot_wait``) with the SM
+clock, and the call writes a trace (one per kernel and process: a later call of the same
+kernel finds its file taken). The forward runs at the segment goal's shape (B4 S4096 H16
+D128, 4 documents per row), at the same documents as rows of their own without segment ids
+(B16 S1024), and at the packed model's shape (B8 S2048 H12/4 D64, 4 documents). Printed per
+shape, for the consumer warpgroups: cycles per item inside the walk and between walks (the
+fixed cost of a tile), split into the regions found between two walks; cycles per step of
+the masked and the unmasked steps; the first ``k_wait`` of a walk against the later ones; and
+the producer's waits for free slots. Cycles, not seconds: the clock is the SM's.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def summarize(trace: dict[str, Any]) -> list[str]:
     """Per-item cycle counts of the consumers and the producer's slot waits (see module doc)."""
     by_wg = _regions(trace["traceEvents"])
     walk, between, first_k, later_k, slot = [], [], [], [], []
+    masked_step, unmasked_step, steps = [], [], []
     gap_parts: dict[str, list[float]] = defaultdict(list)
     spans, items = [], 0
     for tid, regions in by_wg.items():
@@ -75,6 +77,15 @@ def summarize(trace: dict[str, Any]) -> list[str]:
             if waits:
                 first_k.append((waits[0][1] - waits[0][0]) * 1e3)
                 later_k += [(we - wb) * 1e3 for wb, we in waits[1:]]
+            # Steps are counted by their k_wait regions: those inside the masked region are its steps.
+            masked = [(mb, me) for name, mb, me in regions if name == "masked" and b <= mb and me <= e]
+            masked_cycles = sum(me - mb for mb, me in masked) * 1e3
+            masked_count = sum(1 for wb, we in waits for mb, me in masked if mb <= wb and we <= me)
+            if masked_count:
+                masked_step.append(masked_cycles / masked_count)
+            if len(waits) > masked_count:
+                unmasked_step.append(((e - b) * 1e3 - masked_cycles) / (len(waits) - masked_count))
+            steps.append(len(waits))
     gaps = max(len(between), 1)
     lines = [
         f"consumer warpgroups {len(spans)}, items {items}, median span {_median(spans):.0f} cycles",
@@ -83,6 +94,10 @@ def summarize(trace: dict[str, Any]) -> list[str]:
     ]
     for name, values in sorted(gap_parts.items()):
         lines.append(f"  of which {name}: {sum(values) / gaps:.0f} cycles per gap (median {_median(values):.0f}, {len(values)} regions)")
+    lines.append(
+        f"steps per item: mean {statistics.fmean(steps) if steps else 0:.2f}; cycles per step: masked median {_median(masked_step):.0f} "
+        f"({len(masked_step)} items), unmasked median {_median(unmasked_step):.0f} ({len(unmasked_step)} items)"
+    )
     lines.append(f"k_wait: first of a walk median {_median(first_k):.0f}, later ones median {_median(later_k):.0f} cycles ({len(later_k)})")
     lines.append(f"producer slot_wait: median {_median(slot):.0f}, total per program {sum(slot) / max(len(spans) // _CONSUMERS, 1):.0f} cycles")
     return lines
@@ -108,20 +123,18 @@ def main() -> None:
     }
     for title, (batch, seq, heads, kv_heads, dim, documents) in cases.items():
         keys = jax.random.split(jax.random.key(0), 4)
-        q1, q2 = (jax.random.normal(key, (batch, seq, heads, dim), jnp.bfloat16) for key in keys[:2])
+        q = jax.random.normal(keys[0], (batch, seq, heads, dim), jnp.bfloat16)
         k, v = (jax.random.normal(key, (batch, seq, kv_heads, dim), jnp.bfloat16) for key in keys[2:])
         ids = equal_documents(batch, seq, documents) if documents > 1 else None
         case_dir = directory / "".join(c if c.isalnum() else "_" for c in title)
         case_dir.mkdir(exist_ok=True)
         os.environ[am.PROFILE_DIR_VARIABLE] = str(case_dir)  # read when the kernels are traced
 
-        def twice(q1: Any, q2: Any, k: Any, v: Any, ids: Any) -> Any:
-            return [am.mosaic_attention(q, k, v, causal=True, segment_ids=ids) for q in (q1, q2)]
-
-        jax.block_until_ready(jax.jit(twice)(q1, q2, k, v, ids))
+        forward = jax.jit(lambda q, k, v, ids: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids))
+        jax.block_until_ready(forward(q, k, v, ids))
         jax.effects_barrier()
         traces = sorted(case_dir.glob("*trace.json"), key=lambda p: int(p.name.rsplit("-", 2)[-2]))
-        print(f"\n### {title}: {len(traces)} traces, the last (warm) one", flush=True)
+        print(f"\n### {title}: {len(traces)} traces, the last one", flush=True)
         if traces:
             print("\n".join(summarize(json.loads(traces[-1].read_text()))), flush=True)
 

@@ -348,7 +348,9 @@ def _walk(visit: _Visit, step: Any, carry: Any, offset: Any = 0) -> Any:
         return lax.fori_loop(start, stop, lambda s, cr: step(visit.block(s), offset + s, cr, masked), carry)
 
     with jax.named_scope("walk"):
-        return run(split, visit.steps, False, run(0, split, True, carry))
+        with jax.named_scope("masked"):
+            carry = run(0, split, True, carry)
+        return run(split, visit.steps, False, carry)
 
 
 def _produce(
@@ -616,11 +618,17 @@ def _mma_into(shape: _Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
 PROFILE_DIR_VARIABLE = "EJLABEL_MOSAIC_PROFILE_DIR"
 
 
+def _profiled() -> bool:
+    """Whether kernels traced now record their named regions (see :func:`_compiler_params`)."""
+    return bool(os.environ.get(PROFILE_DIR_VARIABLE))
+
+
 def _compiler_params() -> Any:
     """Approximate math for ``exp2``; with ``$EJLABEL_MOSAIC_PROFILE_DIR`` set when a kernel is
     traced, each call writes a trace of the kernel's named regions (per warpgroup: ``tile_wait``,
-    ``walk``, ``k_wait``, ``out_wait``, ``write``, the producer's ``slot_wait``) to that directory
-    (read by bench/profile_mosaic.py). The regions cost nothing when it is unset.
+    ``walk`` and the ``masked`` steps inside it, ``k_wait``, ``out_wait``, ``write``, the
+    producer's ``slot_wait``) to that directory (read by bench/profile_mosaic.py). The regions
+    cost nothing when it is unset.
 
     No shared memory is set aside for reductions across warps (Pallas reserves 2 KiB by
     default): every reduction here runs along the rows of the wgmma layout, whose elements
@@ -677,7 +685,9 @@ def _forward_call(
     # Results in a buffer of their own (see _consume_items) where they fit, above head dim 64:
     # there the causal D128 forward ran 0.4-1.7% faster with it, in three interleaved runs on
     # the H100, and the packed D64 forward 0.5-3.1% slower (bench/RESULTS.md, runs 79-81).
-    staged_apart = dim > 64 and buffers == 2 and _fits_exactly(3 * tile_bytes, ring_bytes, *small)
+    # The profiler's buffers take shared memory too: a profiled kernel stages its results in the
+    # query buffer.
+    staged_apart = dim > 64 and buffers == 2 and not _profiled() and _fits_exactly(3 * tile_bytes, ring_bytes, *small)
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         if segmented:
