@@ -14,11 +14,13 @@ the backward), written for what the Triton backend cannot express:
   have separate barriers so the next key block can land while the current ``P V`` runs.
 - **A visiting plan instead of a mask over everything.** Outside the kernel, each tile gets the
   range ``[lo, hi)`` of blocks it must visit (from causal bounds, windows, padded keys and
-  segment ids) and, inside it, the run ``[a, c)`` of blocks that every row sees whole. The
-  kernel walks ``[lo, a)`` and ``[c, hi)`` with a mask, then ``[a, c)`` without one (one
-  loop each, so the step's code is in the kernel twice, not once per range); blocks outside
-  ``[lo, hi)`` are never loaded. With packed documents that skips every block pair of
-  two different documents. Without segment ids the plan is a constant of the program.
+  segment ids), inside it the run ``[a, c)`` of blocks that every row sees whole, and around
+  that the run ``[u_lo, u_hi)`` of blocks that hold the tile's one document only. The kernel
+  walks the blocks that need the segment ids' mask first, then those masked by positions alone
+  (a document's diagonal), then ``[a, c)`` without a mask: one loop per kind of mask, so the
+  step's code is in the kernel once per kind, not once per range. Blocks outside ``[lo, hi)``
+  are never loaded. With packed documents that skips every block pair of two different
+  documents. Without segment ids the plan is a constant of the program.
 
 - **Persistent programs.** At most one program per SM, each walking several tiles (the
   costliest first, dealt in snake order); the ring runs on from one tile to the next, and the
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import inspect
 import math
@@ -151,9 +154,11 @@ def _positional_visibility(rows: int, cols: int, block_r: int, block_c: int, sha
     return some[None], every[None]
 
 
-def _plan(some: jax.Array, every: jax.Array) -> Int[Array, "4 batch blocks"]:
-    """``[4, batch, row blocks]`` int32: ``lo, hi, a, c`` per row block from block-pair tables.
-    Columns ``[lo, hi)`` are visited, ``[a, c)`` of them without a mask (``lo <= a <= c <= hi``)."""
+def _plan(some: jax.Array, every: jax.Array) -> Int[Array, "6 batch blocks"]:
+    """``[6, batch, row blocks]`` int32: ``lo, hi, a, c, u_lo, u_hi`` per row block from
+    block-pair tables under positions alone. Columns ``[lo, hi)`` are visited, ``[a, c)`` of
+    them without a mask; ``[u_lo, u_hi)`` are those that need no segment mask, here all of them
+    (``lo <= u_lo <= a <= c <= u_hi <= hi``)."""
     every = every & some
     n = some.shape[2]
     idx = jnp.arange(n, dtype=jnp.int32)
@@ -163,7 +168,7 @@ def _plan(some: jax.Array, every: jax.Array) -> Int[Array, "4 batch blocks"]:
     a = jnp.min(jnp.where(every, idx, hi[..., None]), axis=2)
     c = jnp.min(jnp.where(~every & (idx >= a[..., None]), idx, hi[..., None]), axis=2)
     c = jnp.clip(c, a, hi)
-    return jnp.stack([lo, hi, a, c]).astype(jnp.int32)
+    return jnp.stack([lo, hi, a, c, lo, hi]).astype(jnp.int32)
 
 
 _MAX_CONSTANT = 1 << 16  # int32 elements of a plan or an order that may enter a program as a constant
@@ -178,19 +183,23 @@ def _while_tracing(elements: int) -> Any:
 
 def _visit_plan(
     rows: int, cols: int, block_r: int, block_c: int, shape: _Shape, segment_ids: jax.Array | None, batch: int, *, transpose: bool
-) -> Int[Array, "4 batch blocks"]:
+) -> Int[Array, "6 batch blocks"]:
     """The plan (see :func:`_plan`) of every row block: positions give one plan, segment ids
     (through :func:`segment_block_ranges`, which never builds the block-pair table) another;
     the blocks visited are those both visit, and a block runs unmasked only if both say so.
+    ``[u_lo, u_hi)`` are the blocks holding the row block's one segment and no other id
+    (:func:`uniform_block_ranges`): there the segment ids mask nothing, and a block that needs
+    a mask gets the positions' alone. On the H100 a diagonal block's step took 6925 cycles with
+    the segment ids' mask and 4168 with the positions' (bench/profile_mosaic.py).
 
     The positional plan depends on static sizes only, so it is computed while tracing and
     enters the program as a constant (see :func:`_while_tracing`): on the device it cost a call
     a dozen small kernels (about 10 us before the causal forward, 35 us around forward and
     backward; H100, bench/probe_kernel_times.py)."""
-    with jax.ensure_compile_time_eval():  # [4, 1, row blocks]
+    with jax.ensure_compile_time_eval():  # [6, 1, row blocks]
         positional = _plan(*_positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose))
     with _while_tracing(4 * batch * (rows // block_r)):
-        plan = jnp.broadcast_to(positional, (4, batch, rows // block_r))
+        plan = jnp.broadcast_to(positional, (6, batch, rows // block_r))
     if segment_ids is None:
         return plan
     q_rows, k_rows = (cols, rows) if transpose else (rows, cols)
@@ -202,11 +211,13 @@ def _visit_plan(
     )
     lo = jnp.maximum(plan[0], seg_lo)
     hi = jnp.maximum(jnp.minimum(plan[1], seg_hi), lo)
-    a = jnp.clip(jnp.maximum(plan[2], first), lo, hi)
-    c = jnp.clip(jnp.minimum(plan[3], last), a, hi)
-    run = a < c  # an empty unmasked run: every visited block gets the mask
-    a, c = jnp.where(run, a, lo), jnp.where(run, c, lo)
-    return jnp.stack([lo, hi, a, c]).astype(jnp.int32)
+    u_lo = jnp.clip(first, lo, hi)
+    u_hi = jnp.clip(last, u_lo, hi)
+    a = jnp.clip(plan[2], u_lo, u_hi)
+    c = jnp.clip(plan[3], a, u_hi)
+    run = a < c  # an empty unmasked run: every visited block gets a mask
+    a, c = jnp.where(run, a, u_lo), jnp.where(run, c, u_lo)
+    return jnp.stack([lo, hi, a, c, u_lo, u_hi]).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,11 +256,20 @@ def _load(shape: _Shape, ref: Any, layout: Any) -> jax.Array:
     return plgpu.load(ref, layout=layout) if _LOAD_INDEX_OPTIONAL else plgpu.load(ref, (), layout=layout)
 
 
+class _Mask(enum.Enum):
+    """The mask a step applies: the planned blocks come in three kinds (see :func:`_visit_plan`)."""
+
+    NONE = "none"  # every pair of the block is visible
+    POSITIONS = "positions"  # causal bounds, window, padded keys
+    SEGMENTS = "segments"  # those and the segment ids
+
+
 def _visibility(
     shape: _Shape, q_start: jax.Array, k_start: jax.Array, rows: int, cols: int,
-    q_seg: jax.Array | None, k_seg: jax.Array | None, *, transpose: bool,
+    segments: tuple[jax.Array, jax.Array] | None, *, transpose: bool,
 ) -> jax.Array | None:
-    """``[rows, cols]`` mask in the wgmma layout: rows are queries (keys with ``transpose``)."""
+    """``[rows, cols]`` mask in the wgmma layout: rows are queries (keys with ``transpose``);
+    ``segments`` are the query and key ids, in the row and column layouts of that matrix."""
     r = _cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 0), plgpu.Layout.WGMMA)
     c = _cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 1), plgpu.Layout.WGMMA)
     q_pos, k_pos = (c + q_start, r + k_start) if transpose else (r + q_start, c + k_start)
@@ -261,7 +281,8 @@ def _visibility(
         conditions.append(k_pos >= q_pos - left)
     if shape.kv_len is not None:
         conditions.append(k_pos < shape.kv_len)
-    if q_seg is not None:
+    if segments is not None:
+        q_seg, k_seg = segments
         q_dim, k_dim = (1, 0) if transpose else (0, 1)
         qs = lax.broadcast_in_dim(q_seg, (rows, cols), [q_dim])
         ks = lax.broadcast_in_dim(k_seg, (rows, cols), [k_dim])
@@ -271,7 +292,7 @@ def _visibility(
 
 class _Visit(NamedTuple):
     """One item as a warpgroup walks it: batch row ``b``, head ``h`` (a key/value head in the
-    dk/dv kernel), ``tile``, and its plan ``lo, hi, a, c`` (see :func:`_plan`)."""
+    dk/dv kernel), ``tile``, and its plan ``lo, hi, a, c, u_lo, u_hi`` (see :func:`_plan`)."""
 
     b: jax.Array
     h: jax.Array
@@ -280,23 +301,33 @@ class _Visit(NamedTuple):
     hi: jax.Array
     a: jax.Array
     c: jax.Array
+    u_lo: jax.Array
+    u_hi: jax.Array
 
     @property
     def steps(self) -> jax.Array:
         return self.hi - self.lo
 
-    @property
-    def masked_steps(self) -> jax.Array:
-        """Blocks visited with a mask: ``[lo, a)`` and ``[c, hi)``."""
-        return (self.a - self.lo) + (self.hi - self.c)
+    def _ranges(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """The visited blocks as ranges, in the order walked: those needing the segment ids'
+        mask (``[lo, u_lo)``, ``[u_hi, hi)``), those masked by positions alone (``[u_lo, a)``,
+        ``[c, u_hi)``), then the unmasked run ``[a, c)``."""
+        return (self.lo, self.u_lo), (self.u_hi, self.hi), (self.u_lo, self.a), (self.c, self.u_hi), (self.a, self.c)
+
+    def steps_until(self, kind: _Mask) -> jax.Array:
+        """Steps up to the end of the blocks of ``kind`` (the kinds come in :meth:`_ranges`' order)."""
+        ranges = {_Mask.SEGMENTS: 2, _Mask.POSITIONS: 4, _Mask.NONE: 5}[kind]
+        return sum(stop - start for start, stop in self._ranges()[:ranges])
 
     def block(self, s: jax.Array) -> jax.Array:
-        """The block of the item's ``s``-th step: the masked blocks first (``[lo, a)``, then
-        ``[c, hi)``), then the unmasked run ``[a, c)``. The producer and the consumers walk this
-        one order, so a ring slot holds the block its consumer expects."""
-        head = self.a - self.lo
-        masked = jnp.where(s < head, self.lo + s, self.c + s - head)
-        return jnp.where(s < self.masked_steps, masked, self.a + s - self.masked_steps)
+        """The block of the item's ``s``-th step, in :meth:`_ranges`' order. The producer and
+        the consumers walk this one order, so a ring slot holds the block its consumer expects."""
+        (start, stop), *later = self._ranges()
+        block, first = start + s, stop - start  # ``first``: the item's step where a range begins
+        for start, stop in later:  # an empty range is overridden by the next
+            block = jnp.where(s >= first, start + s - first, block)
+            first = first + (stop - start)
+        return block
 
     def row0(self, wg: jax.Array) -> jax.Array:
         """The first row of the tile that consumer ``wg`` owns."""
@@ -337,20 +368,25 @@ def _key_value_streams(
     return streams_of
 
 
-def _walk(visit: _Visit, step: Any, carry: Any, offset: Any = 0) -> Any:
-    """``step(j, t, carry, masked)`` over the planned blocks ``j`` in :meth:`_Visit.block`'s
-    order; ``t = offset + s`` at the item's ``s``-th step counts the producer's steps (it picks
-    the ring slot). Two loops, one per value of ``masked``: each is a copy of the step's code
-    in the kernel, so the masked blocks on both sides of the unmasked run share one."""
-    split = visit.masked_steps
+def _walk(visit: _Visit, step: Any, carry: Any, offset: Any = 0, *, segmented: bool) -> Any:
+    """``step(j, t, carry, mask)`` over the planned blocks ``j`` in :meth:`_Visit.block`'s
+    order, ``mask`` the :class:`_Mask` they need; ``t = offset + s`` at the item's ``s``-th step
+    counts the producer's steps (it picks the ring slot). One loop per kind of mask: each is a
+    copy of the step's code in the kernel, so the blocks of one kind on both sides of the
+    unmasked run share one. Without segment ids (``segmented`` False) no block needs theirs."""
+    kinds = ((_Mask.SEGMENTS,) if segmented else ()) + (_Mask.POSITIONS, _Mask.NONE)
 
-    def run(start: jax.Array, stop: jax.Array, masked: bool, carry: Any) -> Any:
-        return lax.fori_loop(start, stop, lambda s, cr: step(visit.block(s), offset + s, cr, masked), carry)
+    def run(start: jax.Array, stop: jax.Array, mask: _Mask, carry: Any) -> Any:
+        return lax.fori_loop(start, stop, lambda s, cr: step(visit.block(s), offset + s, cr, mask), carry)
 
+    start = jnp.int32(0)
     with jax.named_scope("walk"):
-        with jax.named_scope("masked"):
-            carry = run(0, split, True, carry)
-        return run(split, visit.steps, False, carry)
+        for mask in kinds:
+            stop = visit.steps_until(mask)
+            with jax.named_scope("masked") if mask is not _Mask.NONE else contextlib.nullcontext():
+                carry = run(start, stop, mask, carry)
+            start = stop
+    return carry
 
 
 def _produce(
@@ -432,7 +468,7 @@ class _Items:
         item it reads the last one again (harmless): the walks below read each item one item
         ahead, so the reads' latency hides behind the current item's work."""
         b, h, tile = _decode_item(self.at(order_ref, jnp.minimum(i, self.mine() - 1)), self.heads, self.tiles)
-        return _Visit(b, h, tile, *(plan_ref[n, b, tile] for n in range(4)))
+        return _Visit(b, h, tile, *(plan_ref[n, b, tile] for n in range(6)))
 
 
 def _decode_item(item: Any, heads: int, tiles: int) -> tuple[Any, Any, Any]:
@@ -723,21 +759,22 @@ def _forward_call(
                 my_q = q_smem.at[buf, wg]
                 q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
-                def step(j: jax.Array, t: jax.Array, carry: Any, masked: bool) -> Any:
+                def step(j: jax.Array, t: jax.Array, carry: Any, kind: _Mask) -> Any:
                     acc, m, l = carry
                     slot = lax.rem(t, stages)
-                    k_seg = None
+                    segments = None
                     if segmented:
                         plgpu.barrier_wait(kseg_ready.at[slot])
-                        if masked:
-                            k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
+                        if kind is _Mask.SEGMENTS:
+                            segments = (q_seg, _load(shape, kseg_ring.at[slot], _col_layout()))
                     with jax.named_scope("k_wait"):
                         plgpu.barrier_wait(k_ready.at[slot])
 
                     s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
                     plgpu.barrier_arrive(k_used.at[slot])
                     s = s * shape.scale
-                    mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False) if masked else None
+                    masked = kind is not _Mask.NONE
+                    mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False) if masked else None
                     if mask is not None:
                         s = jnp.where(mask, s, MASK_VALUE)
                     m_new = jnp.maximum(m, s.max(axis=1))
@@ -765,7 +802,7 @@ def _forward_call(
                 )
                 if pingpong:
                     pl.when(wg == 1)(meet)
-                acc, m, l = _walk(visit, step, init, offset=t0)
+                acc, m, l = _walk(visit, step, init, offset=t0, segmented=segmented)
                 if pingpong:
                     pl.when(wg == 0)(meet)
                 seen = l > 0.0
@@ -909,20 +946,20 @@ def _dq_call(
                 delta = own_delta(visit, buf) if computes_delta else _load(shape, delta_smem.at[buf, wg], _row_layout())
                 q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
-                def step(j: jax.Array, t: jax.Array, dq: jax.Array, masked: bool) -> jax.Array:
+                def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: _Mask) -> jax.Array:
                     slot = lax.rem(t, stages)
-                    k_seg = None
+                    segments = None
                     if segmented:
                         plgpu.barrier_wait(kseg_ready.at[slot])
-                        if masked:
-                            k_seg = _load(shape, kseg_ring.at[slot], _col_layout())
+                        if kind is _Mask.SEGMENTS:
+                            segments = (q_seg, _load(shape, kseg_ring.at[slot], _col_layout()))
                     plgpu.barrier_wait(k_ready.at[slot])
                     s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
 
                     def probabilities() -> jax.Array:
                         p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-                        if masked:
-                            mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, q_seg, k_seg, transpose=False)
+                        if kind is not _Mask.NONE:
+                            mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False)
                             if mask is not None:
                                 p = jnp.where(mask, p, 0.0)
                         return p
@@ -937,7 +974,7 @@ def _dq_call(
                     return dq
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
-                dq = _walk(visit, step, zeros, offset=t0)
+                dq = _walk(visit, step, zeros, offset=t0, segmented=segmented)
 
                 def write() -> None:
                     my_q[...] = (dq * (shape.scale / _LOG2E)).astype(dtype)
@@ -1064,7 +1101,7 @@ def _dkv_call(
 
                     _pair_share(shape, wg, t, t0, ds_t, ds_smem, k_smem.at[buf], (ds_ready, ds_used), send)
 
-                def step(r: jax.Array, j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
+                def step(r: jax.Array, j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], kind: _Mask) -> tuple[jax.Array, jax.Array]:
                     dk, dv = grads
                     slot = lax.rem(t, stages)
                     for barrier in (lse_ready, delta_ready) + ((qseg_ready,) if segmented else ()):
@@ -1073,9 +1110,9 @@ def _dkv_call(
                     s_t = _mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
                     lse = _load(shape, lse_ring.at[slot], _col_layout())
                     p_t = jnp.exp2(s_t * shape.scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-                    if masked:
-                        q_seg = _load(shape, qseg_ring.at[slot], _col_layout()) if segmented else None
-                        mask = _visibility(shape, j * block_q, row0, WG_ROWS, block_q, q_seg, k_seg, transpose=True)
+                    if kind is not _Mask.NONE:
+                        segments = (_load(shape, qseg_ring.at[slot], _col_layout()), k_seg) if kind is _Mask.SEGMENTS else None
+                        mask = _visibility(shape, j * block_q, row0, WG_ROWS, block_q, segments, transpose=True)
                         if mask is not None:
                             p_t = jnp.where(mask, p_t, 0.0)
                     # dP before the dV product (delta loaded only now): P and dP in float32 die
@@ -1097,7 +1134,7 @@ def _dkv_call(
                 n = visit.steps
                 # A loop, not an unrolled one: every copy of the walk is more code to compile.
                 dk, dv = lax.fori_loop(
-                    0, group, lambda r, grads: _walk(visit, functools.partial(step, r), grads, offset=t0 + r * n), (zeros, zeros),
+                    0, group, lambda r, grads: _walk(visit, functools.partial(step, r), grads, offset=t0 + r * n, segmented=segmented), (zeros, zeros),
                 )
                 if fused:
                     _pair_share_done(wg, t0, group * n, ds_used)

@@ -104,11 +104,15 @@ def test_plan_covers_every_visible_pair_and_skips_masks_only_on_whole_blocks(opt
     batch = 2
     plan = np.asarray(am._visit_plan(seq, seq, block_r, block_c, shape, ids, batch, transpose=transpose))
     visible = dense_visibility(seq, seq, options["causal"], options.get("window"), ids, options.get("kv_len"))
-    visible = np.broadcast_to(visible, (batch, seq, seq))
-    if transpose:
-        visible = visible.transpose(0, 2, 1)  # rows are keys
-    lo, hi, a, c = plan
-    assert np.all((lo <= a) & (a <= c) & (c <= hi))
+    by_position = dense_visibility(seq, seq, options["causal"], options.get("window"), None, options.get("kv_len"))
+    visible, by_position = (np.broadcast_to(x, (batch, seq, seq)) for x in (visible, by_position))
+    if transpose:  # rows are keys
+        visible, by_position = visible.transpose(0, 2, 1), by_position.transpose(0, 2, 1)
+    lo, hi, a, c, u_lo, u_hi = plan
+    assert np.all((lo <= u_lo) & (u_lo <= a) & (a <= c) & (c <= u_hi) & (u_hi <= hi))
+    if ids is None:  # no block needs a segment mask
+        np.testing.assert_array_equal(u_lo, lo)
+        np.testing.assert_array_equal(u_hi, hi)
     for b in range(batch):
         for r in range(seq // block_r):
             rows = visible[b, r * block_r : (r + 1) * block_r]
@@ -117,17 +121,56 @@ def test_plan_covers_every_visible_pair_and_skips_masks_only_on_whole_blocks(opt
             if needed.size:
                 assert lo[b, r] <= needed.min() and needed.max() < hi[b, r], (b, r, needed, lo[b, r], hi[b, r])
             assert per_block[:, a[b, r] : c[b, r]].all(), (b, r, a[b, r], c[b, r])
+            # Where the plan says no segment mask is needed, the positions' mask is the whole mask.
+            columns = slice(u_lo[b, r] * block_c, u_hi[b, r] * block_c)
+            np.testing.assert_array_equal(rows[:, columns], by_position[b, r * block_r : (r + 1) * block_r, columns])
 
 
 def test_plan_skips_blocks_of_other_documents() -> None:
     # Four documents of 256 tokens: a 128-row tile sees only the key blocks of its document.
     ids = jnp.repeat(jnp.arange(1, 5, dtype=jnp.int32), 256)[None]
     shape = am._Shape(1.0, (None, None), None, 1, True)
-    lo, hi, a, c = np.asarray(am._visit_plan(1024, 1024, 128, 128, shape, ids, 1, transpose=False))
+    lo, hi, a, c, u_lo, u_hi = np.asarray(am._visit_plan(1024, 1024, 128, 128, shape, ids, 1, transpose=False))
     np.testing.assert_array_equal(lo[0], [0, 0, 2, 2, 4, 4, 6, 6])
     np.testing.assert_array_equal(hi[0], [2, 2, 4, 4, 6, 6, 8, 8])
     np.testing.assert_array_equal(a, lo)  # documents align with blocks: no mask at all
     np.testing.assert_array_equal(c, hi)
+    np.testing.assert_array_equal(u_lo, lo)
+    np.testing.assert_array_equal(u_hi, hi)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=5, max_size=5))
+def test_walk_order_visits_each_block_once_by_kind(gaps: list[int]) -> None:
+    # lo <= u_lo <= a <= c <= u_hi <= hi from five gaps (any may be 0: empty ranges).
+    lo, u_lo, a, c, u_hi, hi = np.cumsum([3, *gaps])
+    visit = am._Visit(*(jnp.int32(0),) * 3, *(jnp.int32(x) for x in (lo, hi, a, c, u_lo, u_hi)))
+    blocks = [int(visit.block(jnp.int32(s))) for s in range(int(visit.steps))]
+    assert sorted(blocks) == list(range(lo, hi))
+    kinds = {am._Mask.SEGMENTS: [], am._Mask.POSITIONS: [], am._Mask.NONE: []}
+    start = 0
+    for kind in kinds:  # the walk's order of kinds
+        stop = int(visit.steps_until(kind))
+        kinds[kind] = blocks[start:stop]
+        start = stop
+    assert set(kinds[am._Mask.SEGMENTS]) == set(range(lo, u_lo)) | set(range(u_hi, hi))
+    assert set(kinds[am._Mask.POSITIONS]) == set(range(u_lo, a)) | set(range(c, u_hi))
+    assert kinds[am._Mask.NONE] == list(range(a, c))
+
+
+def test_plan_masks_a_documents_diagonal_by_position_only() -> None:
+    # Causal, documents of 256 and 512 tokens, then two that meet inside a block (64 and 192
+    # tokens): a tile's diagonal block inside its document needs the causal mask alone; the
+    # block holding two documents needs the segment ids' mask, for its own tile and the next.
+    ids = jnp.concatenate([jnp.full(256, 1), jnp.full(512, 2), jnp.full(256, 3)]).astype(jnp.int32)
+    ids = ids.at[832:].set(4)[None]
+    shape = am._Shape(1.0, (None, 0), None, 1, True)
+    lo, hi, a, c, u_lo, u_hi = (row[0] for row in np.asarray(am._visit_plan(1024, 1024, 128, 128, shape, ids, 1, transpose=False)))
+    np.testing.assert_array_equal(lo, [0, 0, 2, 2, 2, 2, 6, 6])
+    np.testing.assert_array_equal(hi, [1, 2, 3, 4, 5, 6, 7, 8])
+    np.testing.assert_array_equal(u_hi - u_lo, [1, 2, 1, 2, 3, 4, 0, 1])
+    np.testing.assert_array_equal(u_lo[7], 7)
+    np.testing.assert_array_equal(c - a, [0, 1, 0, 1, 2, 3, 0, 0])  # the diagonal is masked: by position
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,8 +425,10 @@ def test_interpreted_backward(races: Callable[[], bool], fused: bool) -> None:
     ids = jnp.where(position < seq - 11, 1 + (position >= 60) + (position >= 90), 0)[None].astype(jnp.int32)
     shape = am._Shape(0.125, _bounds(True, None), None, 2, True, True)
     for transpose in (False, True):  # dq and forward walk key blocks of 64; dk/dv, query blocks of 64
-        lo, hi, a, c = np.asarray(am._visit_plan(seq, seq, 128, 64, shape, ids, 1, transpose=transpose))[:, 0]
+        lo, hi, a, c, u_lo, u_hi = np.asarray(am._visit_plan(seq, seq, 128, 64, shape, ids, 1, transpose=transpose))[:, 0]
         assert np.any((lo < a) & (a < c) & (c < hi))
+        # Every kind of step runs: blocks masked by the segment ids, by positions alone, neither.
+        assert np.any((lo < u_lo) | (u_hi < hi)) and np.any((u_lo < a) | (c < u_hi)) and np.any(a < c)
     probe = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
     out, grads = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=fused)
