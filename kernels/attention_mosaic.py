@@ -368,21 +368,37 @@ def _key_value_streams(
     return streams_of
 
 
-def _walk(visit: _Visit, step: Any, carry: Any, offset: Any = 0, *, segmented: bool) -> Any:
+# Up to this head dim, blocks masked by positions alone get a loop of their own beside those that
+# need the segment ids' mask (see _mask_loops).
+_POSITIONS_APART_MAX_DIM = 128
+
+
+def _mask_loops(segmented: bool, dim: int) -> tuple[_Mask, ...]:
+    """The masks that get a walk loop of their own (see :func:`_walk`), the strictest first.
+    Without segment ids no block needs theirs. With them, a block masked by positions alone
+    (a document's diagonal) skips loading and comparing the ids in a loop of its own, up to
+    head dim :data:`_POSITIONS_APART_MAX_DIM`; above it such blocks take the segment ids' mask
+    too, so the kernel holds two copies of its step rather than three."""
+    if not segmented:
+        return (_Mask.POSITIONS,)
+    return (_Mask.SEGMENTS, _Mask.POSITIONS) if dim <= _POSITIONS_APART_MAX_DIM else (_Mask.SEGMENTS,)
+
+
+def _walk(visit: _Visit, step: Any, carry: Any, offset: Any = 0, *, masks: tuple[_Mask, ...]) -> Any:
     """``step(j, t, carry, mask)`` over the planned blocks ``j`` in :meth:`_Visit.block`'s
-    order, ``mask`` the :class:`_Mask` they need; ``t = offset + s`` at the item's ``s``-th step
-    counts the producer's steps (it picks the ring slot). One loop per kind of mask: each is a
-    copy of the step's code in the kernel, so the blocks of one kind on both sides of the
-    unmasked run share one. Without segment ids (``segmented`` False) no block needs theirs."""
-    kinds = ((_Mask.SEGMENTS,) if segmented else ()) + (_Mask.POSITIONS, _Mask.NONE)
+    order, ``mask`` the :class:`_Mask` they get; ``t = offset + s`` at the item's ``s``-th step
+    counts the producer's steps (it picks the ring slot). One loop per mask in ``masks`` (see
+    :func:`_mask_loops`; the last takes every masked block left), then the unmasked run: each
+    loop is a copy of the step's code in the kernel, so the blocks of one kind on both sides
+    of the unmasked run share one."""
+    stops = [visit.steps_until(mask) for mask in masks[:-1]] + [visit.steps_until(_Mask.POSITIONS), visit.steps]
 
     def run(start: jax.Array, stop: jax.Array, mask: _Mask, carry: Any) -> Any:
         return lax.fori_loop(start, stop, lambda s, cr: step(visit.block(s), offset + s, cr, mask), carry)
 
     start = jnp.int32(0)
     with jax.named_scope("walk"):
-        for mask in kinds:
-            stop = visit.steps_until(mask)
+        for mask, stop in zip((*masks, _Mask.NONE), stops):
             with jax.named_scope("masked") if mask is not _Mask.NONE else contextlib.nullcontext():
                 carry = run(start, stop, mask, carry)
             start = stop
@@ -802,7 +818,7 @@ def _forward_call(
                 )
                 if pingpong:
                     pl.when(wg == 1)(meet)
-                acc, m, l = _walk(visit, step, init, offset=t0, segmented=segmented)
+                acc, m, l = _walk(visit, step, init, offset=t0, masks=_mask_loops(segmented, dim))
                 if pingpong:
                     pl.when(wg == 0)(meet)
                 seen = l > 0.0
@@ -974,7 +990,7 @@ def _dq_call(
                     return dq
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
-                dq = _walk(visit, step, zeros, offset=t0, segmented=segmented)
+                dq = _walk(visit, step, zeros, offset=t0, masks=_mask_loops(segmented, dim))
 
                 def write() -> None:
                     my_q[...] = (dq * (shape.scale / _LOG2E)).astype(dtype)
@@ -1134,7 +1150,7 @@ def _dkv_call(
                 n = visit.steps
                 # A loop, not an unrolled one: every copy of the walk is more code to compile.
                 dk, dv = lax.fori_loop(
-                    0, group, lambda r, grads: _walk(visit, functools.partial(step, r), grads, offset=t0 + r * n, segmented=segmented), (zeros, zeros),
+                    0, group, lambda r, grads: _walk(visit, functools.partial(step, r), grads, offset=t0 + r * n, masks=_mask_loops(segmented, dim)), (zeros, zeros),
                 )
                 if fused:
                     _pair_share_done(wg, t0, group * n, ds_used)

@@ -158,6 +158,26 @@ def test_walk_order_visits_each_block_once_by_kind(gaps: list[int]) -> None:
     assert kinds[am._Mask.NONE] == list(range(a, c))
 
 
+@pytest.mark.parametrize(
+    "masks", [(am._Mask.SEGMENTS, am._Mask.POSITIONS), (am._Mask.SEGMENTS,), (am._Mask.POSITIONS,)], ids=["apart", "joined", "positions"]
+)
+def test_walk_gives_each_block_its_mask(masks: tuple[Any, ...]) -> None:
+    lo, u_lo, a, c, u_hi, hi = 1, 3, 4, 6, 8, 9  # segments: 1, 2, 8; positions: 3, 6, 7; none: 4, 5
+    visit = am._Visit(*(jnp.int32(0),) * 3, *(jnp.int32(x) for x in (lo, hi, a, c, u_lo, u_hi)))
+    codes = {mask: n for n, mask in enumerate(am._Mask)}
+
+    def step(j: jax.Array, t: jax.Array, got: jax.Array, mask: Any) -> jax.Array:
+        return got.at[j].set(codes[mask])
+
+    got = np.asarray(am._walk(visit, step, jnp.full(10, -1), masks=masks))
+    want = np.full(10, -1)
+    want[[4, 5]] = codes[am._Mask.NONE]
+    positions = am._Mask.POSITIONS if am._Mask.POSITIONS in masks else am._Mask.SEGMENTS
+    want[[3, 6, 7]] = codes[positions]
+    want[[1, 2, 8]] = codes[masks[0]]  # an unsegmented walk's plans have none such: u_lo = lo, u_hi = hi
+    np.testing.assert_array_equal(got, want)
+
+
 def test_plan_masks_a_documents_diagonal_by_position_only() -> None:
     # Causal, documents of 256 and 512 tokens, then two that meet inside a block (64 and 192
     # tokens): a tile's diagonal block inside its document needs the causal mask alone; the
