@@ -17,8 +17,9 @@ the backward), written for what the Triton backend cannot express:
   segment ids), inside it the run ``[a, c)`` of blocks that every row sees whole, and around
   that the run ``[u_lo, u_hi)`` of blocks that hold the tile's one document only. The kernel
   walks the blocks that need the segment ids' mask first, then those masked by positions alone
-  (a document's diagonal), then ``[a, c)`` without a mask: one loop per kind of mask, so the
-  step's code is in the kernel once per kind, not once per range. Blocks outside ``[lo, hi)``
+  (a document's diagonal; up to head dim 64, where the registers allow a third loop), then
+  ``[a, c)`` without a mask: one loop per kind of mask, so the step's code is in the kernel
+  once per kind, not once per range. Blocks outside ``[lo, hi)``
   are never loaded. With packed documents that skips every block pair of two different
   documents. Without segment ids the plan is a constant of the program.
 
@@ -188,9 +189,11 @@ def _visit_plan(
     (through :func:`segment_block_ranges`, which never builds the block-pair table) another;
     the blocks visited are those both visit, and a block runs unmasked only if both say so.
     ``[u_lo, u_hi)`` are the blocks holding the row block's one segment and no other id
-    (:func:`uniform_block_ranges`): there the segment ids mask nothing, and a block that needs
-    a mask gets the positions' alone. On the H100 a diagonal block's step took 6925 cycles with
-    the segment ids' mask and 4168 with the positions' (bench/profile_mosaic.py).
+    (:func:`uniform_block_ranges`): there the segment ids mask nothing, so a block that needs a
+    mask may take the positions' alone (where the kernels give it a loop, see
+    :func:`_mask_loops`). On the H100, head dim 128, a document's diagonal block took 6925
+    cycles with the segment ids' mask, against 4168 for a causal diagonal without segment ids
+    (bench/profile_mosaic.py, bench/RESULTS.md run 113).
 
     The positional plan depends on static sizes only, so it is computed while tracing and
     enters the program as a constant (see :func:`_while_tracing`): on the device it cost a call
@@ -198,7 +201,7 @@ def _visit_plan(
     backward; H100, bench/probe_kernel_times.py)."""
     with jax.ensure_compile_time_eval():  # [6, 1, row blocks]
         positional = _plan(*_positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose))
-    with _while_tracing(4 * batch * (rows // block_r)):
+    with _while_tracing(6 * batch * (rows // block_r)):
         plan = jnp.broadcast_to(positional, (6, batch, rows // block_r))
     if segment_ids is None:
         return plan
