@@ -429,8 +429,8 @@ def races(monkeypatch: pytest.MonkeyPatch) -> Callable[[], bool]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fused", [False, True])
-def test_interpreted_backward(races: Callable[[], bool], fused: bool) -> None:
+@pytest.mark.parametrize(("fused", "diagonal_apart"), [(False, True), (True, True), (False, False)])
+def test_interpreted_backward(races: Callable[[], bool], fused: bool, diagonal_apart: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # Four tiles over three programs (one walks two), a query head group of 2, three documents
     # and padding. Some tiles visit masked blocks on both sides of an unmasked run (asserted
     # below): the producer and the consumers must agree on the order of the walk. Fused: each
@@ -438,7 +438,11 @@ def test_interpreted_backward(races: Callable[[], bool], fused: bool) -> None:
     # ones are summed, so a share written to the wrong block, head or tile shows in dq; the
     # consumers take turns sending shares and read each other's ds and keys. The interpreter's
     # race detector must find no access that the kernels' barriers leave unordered (taking out
-    # one of the turns' waits makes it report the race).
+    # one of the turns' waits makes it report the race). Not ``diagonal_apart``: the blocks
+    # masked by positions alone share the segment ids' loop and branch to their mask, as the
+    # kernels do above head dim 64.
+    if not diagonal_apart:
+        monkeypatch.setattr(am, "_POSITIONS_APART_MAX_DIM", 0)
     seq, dim = 512, 64
     q, k, v = qkv(1, seq, 2, 1, dim, jnp.bfloat16, seed=13)
     position = jnp.arange(seq)
