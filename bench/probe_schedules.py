@@ -12,9 +12,8 @@ lines follow each ``=== variant`` marker.
 Runs 47-48 (bench/RESULTS.md) compared the backward's step orders this way, run 52 two forward
 softmax variants (``bench/runs/2026-11-25_run52_forward_variants.diff``), each through switches
 the kernels no longer have (the chosen orders are the code; the forward variants were not
-kept), run 115 whether the blocks masked by positions alone (a document's diagonal) get a
-walk loop of their own (``_POSITIONS_APART_MAX_DIM``); the variant here: where they share the
-segment ids' loop (head dim 128), whether a step branches to the positions' mask for them.
+kept); the variant here is what the module exposes now: whether the blocks masked by
+positions alone (a document's diagonal) get a walk loop of their own.
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ from ejlabel.kernels import attention_mosaic as am
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
-    # Above head dim 64: a document's diagonal blocks take the segment ids' mask, no branch.
-    "no branch": {"_BRANCH_ON_DOCUMENT": False},
+    # Blocks masked by positions alone walked with the segment ids' mask (two loops, not three).
+    "one masked loop": {"_POSITIONS_APART_MAX_DIM": 0},
     "default again": {},  # the spread of one variant timed twice
 }
 

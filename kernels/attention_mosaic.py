@@ -411,37 +411,6 @@ def _walk(visit: _Visit, step: Any, carry: Any, offset: Any = 0, *, masks: tuple
     return carry
 
 
-# Where the blocks masked by positions alone share the segment ids' loop (above
-# _POSITIONS_APART_MAX_DIM), a step there picks its mask at run time: the ids are loaded and
-# compared only for a block that holds another document.
-_BRANCH_ON_DOCUMENT = True
-
-
-def _step_mask(
-    shape: _Shape, kind: _Mask, masks: tuple[_Mask, ...], visit: _Visit, j: jax.Array, q_start: jax.Array, k_start: jax.Array,
-    size: tuple[int, int], ids: Any, *, transpose: bool,
-) -> jax.Array | None:
-    """The ``size`` mask of a step of ``kind`` in a walk with ``masks`` loops (see
-    :func:`_walk`) at block ``j`` of ``visit``, or None for no mask; ``ids()`` loads the query
-    and key segment ids (see :func:`_visibility`). In a segment loop that also takes the
-    blocks masked by positions alone, those get the positions' mask through a branch."""
-    if kind is _Mask.NONE:
-        return None
-    rows, cols = size
-    by_position = functools.partial(_visibility, shape, q_start, k_start, rows, cols, transpose=transpose)
-    if kind is _Mask.POSITIONS:
-        return by_position(None)
-    if _Mask.POSITIONS in masks or not _BRANCH_ON_DOCUMENT:
-        return by_position(ids())
-
-    def positions_only() -> jax.Array:
-        mask = by_position(None)
-        return _cast(shape, jnp.ones(size, bool), plgpu.Layout.WGMMA) if mask is None else mask
-
-    one_document = (visit.u_lo <= j) & (j < visit.u_hi)
-    return lax.cond(one_document, positions_only, lambda: by_position(ids()))
-
-
 def _produce(
     visit: _Visit, stages: int,
     streams: list[tuple[Any, Any, Any, Any]], *, offset: jax.Array, repeats: int = 1,
@@ -764,7 +733,6 @@ def _forward_call(
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     segmented = segment_ids is not None
-    masks = _mask_loops(segmented, dim)
     items, order = _items(plan, heads, persistent, shape.interpret)
     row_bytes = dim * jnp.dtype(dtype).itemsize
     tile_bytes, ring_bytes = _TILE * row_bytes, stages * 2 * block_k * row_bytes
@@ -816,20 +784,19 @@ def _forward_call(
                 def step(j: jax.Array, t: jax.Array, carry: Any, kind: _Mask) -> Any:
                     acc, m, l = carry
                     slot = lax.rem(t, stages)
-                    ids = None
+                    segments = None
                     if segmented:
                         plgpu.barrier_wait(kseg_ready.at[slot])
                         if kind is _Mask.SEGMENTS:
-                            # Read before the key slot is released below: the ids' slot goes with it.
-                            loaded = (q_seg, _load(shape, kseg_ring.at[slot], _col_layout()))
-                            ids = lambda: loaded
+                            segments = (q_seg, _load(shape, kseg_ring.at[slot], _col_layout()))
                     with jax.named_scope("k_wait"):
                         plgpu.barrier_wait(k_ready.at[slot])
 
                     s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
                     plgpu.barrier_arrive(k_used.at[slot])
                     s = s * shape.scale
-                    mask = _step_mask(shape, kind, masks, visit, j, row0, j * block_k, (WG_ROWS, block_k), ids, transpose=False)
+                    masked = kind is not _Mask.NONE
+                    mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False) if masked else None
                     if mask is not None:
                         s = jnp.where(mask, s, MASK_VALUE)
                     m_new = jnp.maximum(m, s.max(axis=1))
@@ -857,7 +824,7 @@ def _forward_call(
                 )
                 if pingpong:
                     pl.when(wg == 1)(meet)
-                acc, m, l = _walk(visit, step, init, offset=t0, masks=masks)
+                acc, m, l = _walk(visit, step, init, offset=t0, masks=_mask_loops(segmented, dim))
                 if pingpong:
                     pl.when(wg == 0)(meet)
                 seen = l > 0.0
@@ -947,7 +914,6 @@ def _dq_call(
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     segmented = segment_ids is not None
-    masks = _mask_loops(segmented, dim)
     items, order = _items(plan, heads, persistent, shape.interpret)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
     out_or_delta = out if computes_delta else _delta(out, do)
@@ -1004,17 +970,20 @@ def _dq_call(
 
                 def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: _Mask) -> jax.Array:
                     slot = lax.rem(t, stages)
+                    segments = None
                     if segmented:
                         plgpu.barrier_wait(kseg_ready.at[slot])
+                        if kind is _Mask.SEGMENTS:
+                            segments = (q_seg, _load(shape, kseg_ring.at[slot], _col_layout()))
                     plgpu.barrier_wait(k_ready.at[slot])
                     s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
 
                     def probabilities() -> jax.Array:
                         p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-                        ids = lambda: (q_seg, _load(shape, kseg_ring.at[slot], _col_layout()))
-                        mask = _step_mask(shape, kind, masks, visit, j, row0, j * block_k, (WG_ROWS, block_k), ids, transpose=False)
-                        if mask is not None:
-                            p = jnp.where(mask, p, 0.0)
+                        if kind is not _Mask.NONE:
+                            mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False)
+                            if mask is not None:
+                                p = jnp.where(mask, p, 0.0)
                         return p
 
                     plgpu.barrier_wait(v_ready.at[slot])
@@ -1027,7 +996,7 @@ def _dq_call(
                     return dq
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
-                dq = _walk(visit, step, zeros, offset=t0, masks=masks)
+                dq = _walk(visit, step, zeros, offset=t0, masks=_mask_loops(segmented, dim))
 
                 def write() -> None:
                     my_q[...] = (dq * (shape.scale / _LOG2E)).astype(dtype)
@@ -1095,7 +1064,6 @@ def _dkv_call(
     seq_q, heads = q.shape[1], q.shape[2]
     dtype = k.dtype
     segmented = segment_ids is not None
-    masks = _mask_loops(segmented, dim)
     group = shape.group
     items, order = _items(plan, kv_heads, persistent, shape.interpret)
     row_bytes = dim * jnp.dtype(dtype).itemsize
@@ -1164,10 +1132,11 @@ def _dkv_call(
                     s_t = _mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
                     lse = _load(shape, lse_ring.at[slot], _col_layout())
                     p_t = jnp.exp2(s_t * shape.scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-                    ids = lambda: (_load(shape, qseg_ring.at[slot], _col_layout()), k_seg)
-                    mask = _step_mask(shape, kind, masks, visit, j, j * block_q, row0, (WG_ROWS, block_q), ids, transpose=True)
-                    if mask is not None:
-                        p_t = jnp.where(mask, p_t, 0.0)
+                    if kind is not _Mask.NONE:
+                        segments = (_load(shape, qseg_ring.at[slot], _col_layout()), k_seg) if kind is _Mask.SEGMENTS else None
+                        mask = _visibility(shape, j * block_q, row0, WG_ROWS, block_q, segments, transpose=True)
+                        if mask is not None:
+                            p_t = jnp.where(mask, p_t, 0.0)
                     # dP before the dV product (delta loaded only now): P and dP in float32 die
                     # into 16-bit P and dS before dV and dK accumulate. Spills at head dim 128:
                     # 108-128 bytes per thread, 120-188 the other way round (RESULTS.md run 48).
@@ -1187,7 +1156,7 @@ def _dkv_call(
                 n = visit.steps
                 # A loop, not an unrolled one: every copy of the walk is more code to compile.
                 dk, dv = lax.fori_loop(
-                    0, group, lambda r, grads: _walk(visit, functools.partial(step, r), grads, offset=t0 + r * n, masks=masks), (zeros, zeros),
+                    0, group, lambda r, grads: _walk(visit, functools.partial(step, r), grads, offset=t0 + r * n, masks=_mask_loops(segmented, dim)), (zeros, zeros),
                 )
                 if fused:
                     _pair_share_done(wg, t0, group * n, ds_used)

@@ -439,8 +439,7 @@ def test_interpreted_backward(races: Callable[[], bool], fused: bool, diagonal_a
     # consumers take turns sending shares and read each other's ds and keys. The interpreter's
     # race detector must find no access that the kernels' barriers leave unordered (taking out
     # one of the turns' waits makes it report the race). Not ``diagonal_apart``: the blocks
-    # masked by positions alone share the segment ids' loop and branch to their mask, as the
-    # kernels do above head dim 64.
+    # masked by positions alone share the segment ids' loop, as they do above head dim 64.
     if not diagonal_apart:
         monkeypatch.setattr(am, "_POSITIONS_APART_MAX_DIM", 0)
     seq, dim = 512, 64
