@@ -201,8 +201,9 @@ def _visit_plan(
     backward; H100, bench/probe_kernel_times.py)."""
     with jax.ensure_compile_time_eval():  # [6, 1, row blocks]
         positional = _plan(*_positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose))
-    with _while_tracing(6 * batch * (rows // block_r)):
-        plan = jnp.broadcast_to(positional, (6, batch, rows // block_r))
+    plan_shape = (positional.shape[0], batch, rows // block_r)
+    with _while_tracing(math.prod(plan_shape)):
+        plan = jnp.broadcast_to(positional, plan_shape)
     if segment_ids is None:
         return plan
     q_rows, k_rows = (cols, rows) if transpose else (rows, cols)
@@ -490,7 +491,7 @@ class _Items:
         item it reads the last one again (harmless): the walks below read each item one item
         ahead, so the reads' latency hides behind the current item's work."""
         b, h, tile = _decode_item(self.at(order_ref, jnp.minimum(i, self.mine() - 1)), self.heads, self.tiles)
-        return _Visit(b, h, tile, *(plan_ref[n, b, tile] for n in range(6)))
+        return _Visit(b, h, tile, *(plan_ref[n, b, tile] for n in range(plan_ref.shape[0])))
 
 
 def _decode_item(item: Any, heads: int, tiles: int) -> tuple[Any, Any, Any]:
