@@ -246,12 +246,13 @@ def section_b(args: argparse.Namespace) -> list[Row]:
     variants += variants_of(plain, "cudnn", kernel_attend(AttentionConfig("cudnn"), causal=True), sets, causal_flops)
     variants += variants_of(short, "cudnn", kernel_attend(AttentionConfig("cudnn"), causal=True), doc_sets, causal_flops / 4)
     rows = run_section("b", variants, args.samples, args.per_sample)
-    # Each implementation against its own plain causal rate; cuDNN's mask against cuDNN causal.
-    set_ratios(rows, lambda r: find(rows, plain, "cudnn" if r.impl.startswith("cudnn") else r.impl, r.pass_), "own plain causal")
+    own = lambda impl: "cudnn" if impl.startswith("cudnn") else impl  # cuDNN's mask against cuDNN causal
+    # Each implementation against its own plain causal rate.
+    set_ratios(rows, lambda r: find(rows, plain, own(r.impl), r.pass_), "own plain causal")
     # Beside it, the segments against the same implementation's causal rate at the documents'
     # length: what packing costs over running each document alone.
     for row in rows:
-        alone = find(rows, short, "cudnn" if row.impl.startswith("cudnn") else row.impl, row.pass_)
+        alone = find(rows, short, own(row.impl), row.pass_)
         if row.case == seg and alone is not None and row.tflops and alone.tflops:
             row.note = f"{row.tflops / alone.tflops:.2f}x own causal at the documents' length"
     return rows
