@@ -22,7 +22,7 @@ from bench_attention import equal_documents, kernel_variant
 from ejlabel.kernels import attention_mosaic as am
 
 
-def natural_order(plan: jax.Array, heads: int) -> jax.Array:
+def natural_order(plan: jax.Array, heads: int, programs: int, **_: object) -> jax.Array:
     """The items in id order: what the programs take without the sort."""
     return jnp.arange(plan.shape[1] * plan.shape[2] * heads, dtype=jnp.int32)
 
@@ -43,7 +43,8 @@ def case(title: str, batch: int, seq: int, heads: int, kv_heads: int, dim: int, 
 
     def orders(ids: jax.Array) -> Any:
         rows, cols = plans(ids)
-        return am._work_order(rows, heads), am._work_order(cols, kv_heads)
+        programs = am._program_count(batch * rows.shape[2] * heads, persistent=True)
+        return am._work_order(rows, heads, programs), am._work_order(cols, kv_heads, programs)
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return am.mosaic_attention(q, k, v, causal=True, segment_ids=ids)

@@ -5,15 +5,16 @@
 Each variant sets private constants of ``kernels.attention_mosaic`` while its program is traced
 (the kernels' own trace caches are cleared first, so every variant lowers its own kernels) and
 is timed interleaved with the others and cuDNN in one process: causal B4 S4096 H16 D128 bf16,
-the same with 4 documents per row, and the packed model's shape (B8 S2048 H12/4 D64, 4
-documents; cuDNN with the dense mask). With ``MOSAIC_GPU_DUMP_PTXAS=1`` the assembler's spill
+its 4 documents per row as rows of their own (B16 S1024), the same with 4 documents per row,
+and the packed model's shape (B8 S2048 H12/4 D64, 4 documents; cuDNN with the dense mask). With ``MOSAIC_GPU_DUMP_PTXAS=1`` the assembler's spill
 lines follow each ``=== variant`` marker.
 
 Runs 47-48 (bench/RESULTS.md) compared the backward's step orders this way, run 52 two forward
 softmax variants (``bench/runs/2026-11-25_run52_forward_variants.diff``), each through switches
 the kernels no longer have (the chosen orders are the code; the forward variants were not
-kept); the variant here is what the module exposes now: whether the blocks masked by
-positions alone (a document's diagonal) get a walk loop of their own.
+kept), run 115 whether the blocks masked by positions alone get a walk loop of their own
+(``_POSITIONS_APART_MAX_DIM``). The variants here: the items' order in L2 sections
+(``_L2_SECTION_BYTES``) against one section, costliest first over all heads, as before.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from ejlabel.kernels import attention_mosaic as am
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
-    # Blocks masked by positions alone walked with the segment ids' mask (two loops, not three).
-    "one masked loop": {"_POSITIONS_APART_MAX_DIM": 0},
+    # Items costliest first over all heads (one section), as before sections.
+    "no sections": {"_L2_SECTION_BYTES": 0},
+    "64 MiB sections": {"_L2_SECTION_BYTES": 64 << 20},
     "default again": {},  # the spread of one variant timed twice
 }
 
@@ -88,6 +90,11 @@ def main() -> None:
     tables += report("causal B4 S4096 H16 D128 bf16", steps("causal", cudnn, causal, q, k, v, probe), flops, samples=15, per_sample=6)
 
     docs = 4
+    rows = inputs(batch * docs, seq // docs, heads, heads, dim)
+    tables += report(
+        "causal B16 S1024 H16 D128 bf16 (the documents as rows)", steps("rows", cudnn, causal, *rows), flops / docs, samples=15, per_sample=6,
+    )
+
     ids = equal_documents(batch, seq, docs)
     segments = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids)
     tables += report("4 segments B4 S4096 H16 D128 bf16 (visible work)", steps("segments", None, segments, q, k, v, probe), flops / docs, samples=15, per_sample=6)

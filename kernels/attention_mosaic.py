@@ -23,8 +23,9 @@ the backward), written for what the Triton backend cannot express:
   are never loaded. With packed documents that skips every block pair of two different
   documents. Without segment ids the plan is a constant of the program.
 
-- **Persistent programs.** At most one program per SM, each walking several tiles (the
-  costliest first, dealt in snake order); the ring runs on from one tile to the next, and the
+- **Persistent programs.** At most one program per SM, each walking several tiles (dealt in
+  sections whose blocks stay in L2, the costliest first within each, see :func:`_work_order`);
+  the ring runs on from one tile to the next, and the
   next tile loads while the last one's results are written (:class:`_Items`).
 
 Kernels (an item is one tile of one head of one batch row):
@@ -468,9 +469,9 @@ class _Items:
     short documents cannot hide. So ``programs`` (one per SM) each walk several items: the
     producer streams the next item's blocks while the consumers finish the current one, the
     next tile loads while the current results are written, and each item's place and plan are
-    read one item ahead (8.6 us per tile measured with the first two of these). ``order [count]`` lists the items costliest first (by
-    planned blocks); programs take them in snake order (``p``, then ``2P - 1 - p``, ...), so
-    every program gets a similar mix of long and short items.
+    read one item ahead (8.6 us per tile measured with the first two of these). ``order [count]``
+    lists the items (see :func:`_work_order`); programs take them in snake order (``p``, then
+    ``2P - 1 - p``, ...), so every program gets a similar mix of long and short items.
     """
 
     count: int
@@ -521,22 +522,59 @@ def _program_count(items: int, persistent: bool) -> int:
     return min(items, int(sms) if sms else 132)  # 132: the H100 SXM, when lowering elsewhere
 
 
-def _work_order(plan: jax.Array, heads: int) -> Int[Array, "items"]:
-    """Item ids (see :class:`_Items`), the items with the most planned blocks first; a
-    constant of the program when the plan is one (positions only, see :func:`_visit_plan`) and
-    the items few enough (:func:`_while_tracing`)."""
-    with _while_tracing(plan.shape[1] * plan.shape[2] * heads):
-        cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
-        row_tiles = jnp.argsort(-cost, stable=True).astype(jnp.int32)
-        return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
+# Bytes of streamed operands (keys and values; or queries, their gradients and row terms) that
+# the items of one section of the order may share through the H100's 50 MiB of L2 (see
+# _work_order). 0: one section.
+_L2_SECTION_BYTES = 32 << 20
 
 
-def _items(plan: jax.Array, heads: int, persistent: bool, interpret: bool) -> tuple[_Items, jax.Array]:
+def _section_length(programs: int, unit_items: int, unit_bytes: int, count: int) -> int:
+    """Items per section of the work order: about the items of the units that fit in
+    :data:`_L2_SECTION_BYTES`, rounded to whole pairs of rounds (``2 * programs`` items)."""
+    if not unit_bytes or not _L2_SECTION_BYTES:
+        return count
+    units = max(_L2_SECTION_BYTES // unit_bytes, 1)
+    return 2 * programs * max(round(units * unit_items / (2 * programs)), 1)
+
+
+def _work_order(plan: jax.Array, heads: int, programs: int, *, heads_per_unit: int = 1, unit_bytes: int = 0) -> Int[Array, "items"]:
+    """Item ids (see :class:`_Items`): in sections that keep the blocks in flight in L2, each
+    section's items with the most planned blocks first; a constant of the program when the plan
+    is one (positions only, see :func:`_visit_plan`) and the items few enough
+    (:func:`_while_tracing`).
+
+    A unit is ``heads_per_unit`` adjacent heads of one batch row, which stream the same blocks
+    (``unit_bytes`` of them: a key/value head's keys and values, for instance). Costliest first
+    over every head, a round of 132 items held one tile of each of 132 heads at 1024-token
+    documents, so no two programs read the same blocks and the forward waited on HBM: 0.255 ms
+    against 0.208 in sections (H100, B16 S1024 H16 D128, bench/RESULTS.md run 119). Sections
+    cut the items listed unit by unit into runs of whole pairs of rounds, about the units that
+    fit in :data:`_L2_SECTION_BYTES` (:func:`_section_length`); costliest first within a run of
+    two rounds dealt in snake order, every program gets one long and one short item. Sections
+    cut by whole units instead left programs up to 20% apart (causal S4096, run 119).
+    ``unit_bytes=0``: one section, costliest first."""
+    batch, tiles = plan.shape[1:]
+    units, group = heads // heads_per_unit, heads_per_unit
+    count = batch * tiles * heads
+    length = _section_length(programs, tiles * group, unit_bytes, count)
+    with _while_tracing(count):
+        # Unit by unit: (batch row, unit, tile, head in the unit), as item ids.
+        b, unit, tile, within = (jnp.arange(n, dtype=jnp.int32).reshape([-1 if i == axis else 1 for i in range(4)]) for axis, n in enumerate((batch, units, tiles, group)))
+        ids = ((b * tiles + tile) * heads + unit * group + within).reshape(-1)
+        cost = jnp.broadcast_to((plan[1] - plan[0])[:, None, :, None], (batch, units, tiles, group)).reshape(-1)
+        section = jnp.arange(count, dtype=jnp.int32) // length
+        return ids[jnp.lexsort((-cost, section))]
+
+
+def _items(
+    plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, heads_per_unit: int = 1, unit_bytes: int = 0,
+) -> tuple[_Items, jax.Array]:
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
     # The interpreter runs programs one after another: three show the walk across items.
     programs = min(count, 3) if interpret and persistent else _program_count(count, persistent)
-    return _Items(count, programs, heads, tiles), _work_order(plan, heads)
+    order = _work_order(plan, heads, programs, heads_per_unit=heads_per_unit, unit_bytes=unit_bytes)
+    return _Items(count, programs, heads, tiles), order
 
 
 def _fits_exactly(*buffer_bytes: int) -> bool:
@@ -734,8 +772,8 @@ def _forward_call(
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     segmented = segment_ids is not None
-    items, order = _items(plan, heads, persistent, shape.interpret)
     row_bytes = dim * jnp.dtype(dtype).itemsize
+    items, order = _items(plan, heads, persistent, shape.interpret, heads_per_unit=shape.group, unit_bytes=2 * k.shape[1] * row_bytes)
     tile_bytes, ring_bytes = _TILE * row_bytes, stages * 2 * block_k * row_bytes
     buffers = _tile_buffers(tile_bytes, ring_bytes)
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
@@ -915,7 +953,8 @@ def _dq_call(
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     segmented = segment_ids is not None
-    items, order = _items(plan, heads, persistent, shape.interpret)
+    unit_bytes = 2 * k.shape[1] * dim * jnp.dtype(dtype).itemsize  # a key/value head's keys and values
+    items, order = _items(plan, heads, persistent, shape.interpret, heads_per_unit=shape.group, unit_bytes=unit_bytes)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
     out_or_delta = out if computes_delta else _delta(out, do)
 
@@ -1066,8 +1105,9 @@ def _dkv_call(
     dtype = k.dtype
     segmented = segment_ids is not None
     group = shape.group
-    items, order = _items(plan, kv_heads, persistent, shape.interpret)
     row_bytes = dim * jnp.dtype(dtype).itemsize
+    # A unit: the queries, their gradients, log-sum-exps and deltas of a key/value head's group.
+    items, order = _items(plan, kv_heads, persistent, shape.interpret, unit_bytes=group * seq_q * (2 * row_bytes + 8))
     tile_bytes = 2 * _TILE * row_bytes  # key and value rows of one tile
     ring_bytes = stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0)  # with the fused buffers
     if fused and tile_bytes + ring_bytes > _SMEM_BYTES:

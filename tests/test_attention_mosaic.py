@@ -385,15 +385,70 @@ def test_persistent_programs_deal_every_item_once(count: int, programs: int) -> 
 
 
 def test_work_order_puts_the_longest_tiles_first() -> None:
-    # A plan [4, batch 2, tiles 3]: lo and hi give 1, 4, 2 / 3, 0, 2 blocks.
+    # A plan [6, batch 2, tiles 3]: lo and hi give 1, 4, 2 / 3, 0, 2 blocks; one section.
     lo = jnp.array([[0, 0, 1], [0, 0, 0]], jnp.int32)
     hi = jnp.array([[1, 4, 3], [3, 0, 2]], jnp.int32)
-    plan = jnp.stack([lo, hi, lo, lo])
-    order = np.asarray(am._work_order(plan, heads=2))
+    plan = jnp.stack([lo, hi, lo, lo, lo, hi])
+    order = np.asarray(am._work_order(plan, heads=2, programs=5))
     decoded = [am._decode_item(int(item), heads=2, tiles=3) for item in order]
     cost = [int(hi[b, t] - lo[b, t]) for b, _, t in decoded]
     assert cost == sorted(cost, reverse=True)
     assert sorted(decoded) == [(b, h, t) for b in range(2) for h in range(2) for t in range(3)]
+
+
+def snake_loads(costs: list[int], programs: int) -> list[int]:
+    """Each program's planned blocks plus one per item, dealt as the kernels deal them."""
+    loads = [0] * programs
+    for p in range(programs):
+        for i in range(int(am._snake_count(p, len(costs), programs))):
+            loads[p] += costs[int(am._snake_position(i, p, programs))] + 1
+    return loads
+
+
+@given(
+    batch=st.integers(1, 3), tiles=st.integers(1, 6), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
+    programs=st.integers(1, 7), units_per_section=st.integers(1, 4), seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40, deadline=None)
+def test_work_order_deals_sections_of_shared_heads(
+    batch: int, tiles: int, kv_heads: int, group: int, programs: int, units_per_section: int, seed: int,
+) -> None:
+    # Listed unit by unit (a batch row's key/value head and its query heads), cut into sections
+    # of whole pairs of rounds; inside a section the items with the most planned blocks first.
+    rng = np.random.default_rng(seed)
+    lo = rng.integers(0, 3, (batch, tiles)).astype(np.int32)
+    hi = lo + rng.integers(0, 4, (batch, tiles)).astype(np.int32)
+    plan = jnp.stack([jnp.asarray(x) for x in (lo, hi, lo, lo, lo, hi)])
+    heads, unit_bytes = kv_heads * group, 1000
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(am, "_L2_SECTION_BYTES", units_per_section * unit_bytes + unit_bytes // 2)
+        order = np.asarray(am._work_order(plan, heads, programs, heads_per_unit=group, unit_bytes=unit_bytes))
+    decoded = [am._decode_item(int(item), heads=heads, tiles=tiles) for item in order]
+    assert sorted(decoded) == [(b, h, t) for b in range(batch) for h in range(heads) for t in range(tiles)]
+    length = 2 * programs * max(round(units_per_section * tiles * group / (2 * programs)), 1)
+    listed = [((b * kv_heads + h // group) * tiles + t) * group + h % group for b, h, t in decoded]
+    keys = [(position // length, -int(hi[b, t] - lo[b, t]), position) for position, (b, h, t) in zip(listed, decoded)]
+    assert keys == sorted(keys)
+
+
+def test_work_order_keeps_programs_balanced_and_heads_few() -> None:
+    # Causal tiles (tile t plans t + 1 blocks) of 64 heads: one section, costliest first, balances
+    # the 132 programs but runs every head at once; sections of 8 heads stay balanced too.
+    tiles, heads, programs = 32, 16, 132
+    hi = jnp.broadcast_to(jnp.arange(1, tiles + 1, dtype=jnp.int32), (4, tiles))
+    plan = jnp.stack([jnp.zeros_like(hi), hi] + [jnp.zeros_like(hi)] * 4)
+    for section_heads in (None, 8):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(am, "_L2_SECTION_BYTES", (section_heads or 0) * 1000)
+            order = np.asarray(am._work_order(plan, heads, programs, unit_bytes=1000))
+        decoded = [am._decode_item(int(item), heads=heads, tiles=tiles) for item in order]
+        loads = snake_loads([t + 1 for _, _, t in decoded], programs)
+        assert max(loads) <= 1.03 * (sum(loads) / programs)
+        heads_per_round = max(len({(b, h) for b, h, _ in decoded[i : i + programs]}) for i in range(0, len(decoded), programs))
+        if section_heads is None:
+            assert heads_per_round == 64
+        else:  # a section's length is rounded to whole rounds: it may reach into a unit more
+            assert heads_per_round <= section_heads + 2
 
 
 @pytest.mark.slow
