@@ -528,12 +528,21 @@ def _program_count(items: int, persistent: bool) -> int:
 _L2_SECTION_BYTES = 32 << 20
 
 
+# At most this many programs per unit at once (see _section_length).
+_PROGRAMS_PER_UNIT = 8
+
+
 def _section_length(programs: int, unit_items: int, unit_bytes: int, count: int) -> int:
     """Items per section of the work order: about the items of the units that fit in
-    :data:`_L2_SECTION_BYTES`, rounded to whole pairs of rounds (``2 * programs`` items)."""
+    :data:`_L2_SECTION_BYTES`, rounded to whole pairs of rounds (``2 * programs`` items).
+
+    A section holds at least ``programs / _PROGRAMS_PER_UNIT`` units: more programs reading the
+    same blocks at once slowed the kernels down (H100, run 122: varlen B1 S16384 H16 D128 with
+    sections of 4 heads, 33 programs to a head, forward 10% and forward+backward 22% slower
+    than one section; causal S4096 with 16 heads, 8 programs to a head, forward 1-7%)."""
     if not unit_bytes or not _L2_SECTION_BYTES:
         return count
-    units = max(_L2_SECTION_BYTES // unit_bytes, 1)
+    units = max(_L2_SECTION_BYTES // unit_bytes, -(-programs // _PROGRAMS_PER_UNIT), 1)
     return 2 * programs * max(round(units * unit_items / (2 * programs)), 1)
 
 
@@ -546,8 +555,8 @@ def _work_order(plan: jax.Array, heads: int, programs: int, *, heads_per_unit: i
     A unit is ``heads_per_unit`` adjacent heads of one batch row, which stream the same blocks
     (``unit_bytes`` of them: a key/value head's keys and values, for instance). Costliest first
     over every head, a round of 132 items held one tile of each of 132 heads at 1024-token
-    documents, so no two programs read the same blocks and the forward waited on HBM: 0.255 ms
-    against 0.208 in sections (H100, B16 S1024 H16 D128, bench/RESULTS.md run 119). Sections
+    documents, so no two programs read the same blocks and the forward waited on HBM: 0.266 ms
+    against 0.177 in sections (H100, B16 S1024 H16 D128, bench/RESULTS.md run 121). Sections
     cut the items listed unit by unit into runs of whole pairs of rounds, about the units that
     fit in :data:`_L2_SECTION_BYTES` (:func:`_section_length`); costliest first within a run of
     two rounds dealt in snake order, every program gets one long and one short item. Sections
@@ -567,12 +576,18 @@ def _work_order(plan: jax.Array, heads: int, programs: int, *, heads_per_unit: i
 
 
 def _items(
-    plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, heads_per_unit: int = 1, unit_bytes: int = 0,
+    plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, segmented: bool, heads_per_unit: int = 1, unit_bytes: int = 0,
 ) -> tuple[_Items, jax.Array]:
+    """The items of a kernel with ``plan`` (see :func:`_work_order` for the rest)."""
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
     # The interpreter runs programs one after another: three show the walk across items.
     programs = min(count, 3) if interpret and persistent else _program_count(count, persistent)
+    if not segmented and batch * heads // heads_per_unit <= programs // 2:
+        # Every unit plans the same blocks: costliest first, each round already holds two
+        # tiles of every unit, and sections only cost balance (causal S4096, forward 1-7%
+        # slower in sections, bench/RESULTS.md runs 120-121).
+        unit_bytes = 0
     order = _work_order(plan, heads, programs, heads_per_unit=heads_per_unit, unit_bytes=unit_bytes)
     return _Items(count, programs, heads, tiles), order
 
@@ -773,7 +788,7 @@ def _forward_call(
     dtype = q.dtype
     segmented = segment_ids is not None
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    items, order = _items(plan, heads, persistent, shape.interpret, heads_per_unit=shape.group, unit_bytes=2 * k.shape[1] * row_bytes)
+    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, heads_per_unit=shape.group, unit_bytes=2 * k.shape[1] * row_bytes)
     tile_bytes, ring_bytes = _TILE * row_bytes, stages * 2 * block_k * row_bytes
     buffers = _tile_buffers(tile_bytes, ring_bytes)
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
@@ -954,7 +969,7 @@ def _dq_call(
     dtype = q.dtype
     segmented = segment_ids is not None
     unit_bytes = 2 * k.shape[1] * dim * jnp.dtype(dtype).itemsize  # a key/value head's keys and values
-    items, order = _items(plan, heads, persistent, shape.interpret, heads_per_unit=shape.group, unit_bytes=unit_bytes)
+    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, heads_per_unit=shape.group, unit_bytes=unit_bytes)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
     out_or_delta = out if computes_delta else _delta(out, do)
 
@@ -1107,7 +1122,7 @@ def _dkv_call(
     group = shape.group
     row_bytes = dim * jnp.dtype(dtype).itemsize
     # A unit: the queries, their gradients, log-sum-exps and deltas of a key/value head's group.
-    items, order = _items(plan, kv_heads, persistent, shape.interpret, unit_bytes=group * seq_q * (2 * row_bytes + 8))
+    items, order = _items(plan, kv_heads, persistent, shape.interpret, segmented=segmented, unit_bytes=group * seq_q * (2 * row_bytes + 8))
     tile_bytes = 2 * _TILE * row_bytes  # key and value rows of one tile
     ring_bytes = stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0)  # with the fused buffers
     if fused and tile_bytes + ring_bytes > _SMEM_BYTES:

@@ -433,11 +433,11 @@ def test_work_order_deals_sections_of_shared_heads(
 
 def test_work_order_keeps_programs_balanced_and_heads_few() -> None:
     # Causal tiles (tile t plans t + 1 blocks) of 64 heads: one section, costliest first, balances
-    # the 132 programs but runs every head at once; sections of 8 heads stay balanced too.
+    # the 132 programs but runs every head at once; sections of 24 heads stay balanced too.
     tiles, heads, programs = 32, 16, 132
     hi = jnp.broadcast_to(jnp.arange(1, tiles + 1, dtype=jnp.int32), (4, tiles))
     plan = jnp.stack([jnp.zeros_like(hi), hi] + [jnp.zeros_like(hi)] * 4)
-    for section_heads in (None, 8):
+    for section_heads in (None, 24):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(am, "_L2_SECTION_BYTES", (section_heads or 0) * 1000)
             order = np.asarray(am._work_order(plan, heads, programs, unit_bytes=1000))
@@ -449,6 +449,31 @@ def test_work_order_keeps_programs_balanced_and_heads_few() -> None:
             assert heads_per_round == 64
         else:  # a section's length is rounded to whole rounds: it may reach into a unit more
             assert heads_per_round <= section_heads + 2
+
+
+def test_items_in_sections_only_where_units_outnumber_half_the_programs() -> None:
+    # Without segment ids, 64 heads on 132 programs already run two tiles of each head per
+    # round costliest first: one section. With segment ids, or 256 heads, sections of 17 heads.
+    def causal_plan(batch: int) -> jax.Array:
+        hi = jnp.broadcast_to(jnp.arange(1, 33, dtype=jnp.int32), (batch, 32))
+        return jnp.stack([jnp.zeros_like(hi), hi] + [jnp.zeros_like(hi)] * 4)
+
+    def first_round_heads(batch: int, segmented: bool, unit_bytes: int = 2 << 20) -> tuple[np.ndarray, int]:
+        items, order = am._items(causal_plan(batch), 16, True, False, segmented=segmented, unit_bytes=unit_bytes)
+        assert items.programs == 132
+        heads = {am._decode_item(int(item), heads=16, tiles=32)[:2] for item in order[:132]}
+        return np.asarray(order), len(heads)
+
+    costliest_first = np.asarray(am._work_order(causal_plan(4), 16, 132))
+    order, heads = first_round_heads(4, segmented=False)
+    assert np.array_equal(order, costliest_first) and heads == 64
+    order, heads = first_round_heads(4, segmented=True)
+    assert heads <= 17
+    order, heads = first_round_heads(16, segmented=False)
+    assert heads <= 17
+    # Four 8 MiB heads fit the L2 budget, but a section holds 132 / 8 heads at least: here all.
+    order, _ = first_round_heads(1, segmented=True, unit_bytes=8 << 20)
+    assert np.array_equal(order, np.asarray(am._work_order(causal_plan(1), 16, 132)))
 
 
 @pytest.mark.slow
