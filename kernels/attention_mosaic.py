@@ -528,68 +528,54 @@ def _program_count(items: int, persistent: bool) -> int:
 _L2_SECTION_BYTES = 32 << 20
 
 
-# At most this many programs per unit at once (see _section_length).
-_PROGRAMS_PER_UNIT = 8
-
-
-def _section_length(programs: int, unit_items: int, unit_bytes: int, count: int) -> int:
-    """Items per section of the work order: about the items of the units that fit in
-    :data:`_L2_SECTION_BYTES`, rounded to whole pairs of rounds (``2 * programs`` items).
-
-    A section holds at least ``programs / _PROGRAMS_PER_UNIT`` units: more programs reading the
-    same blocks at once slowed the kernels down (H100, run 122: varlen B1 S16384 H16 D128 with
-    sections of 4 heads, 33 programs to a head, forward 10% and forward+backward 22% slower
-    than one section; causal S4096 with 16 heads, 8 programs to a head, forward 1-7%)."""
-    if not unit_bytes or not _L2_SECTION_BYTES:
+def _section_length(programs: int, row_items: int, row_bytes: int, count: int) -> int:
+    """Items per section of the work order: the items of the batch rows whose streamed bytes
+    fit in :data:`_L2_SECTION_BYTES` (one row at least), rounded to whole pairs of rounds
+    (``2 * programs`` items)."""
+    if not row_bytes or not _L2_SECTION_BYTES:
         return count
-    units = max(_L2_SECTION_BYTES // unit_bytes, -(-programs // _PROGRAMS_PER_UNIT), 1)
-    return 2 * programs * max(round(units * unit_items / (2 * programs)), 1)
+    rows = max(_L2_SECTION_BYTES // row_bytes, 1)
+    return 2 * programs * max(round(rows * row_items / (2 * programs)), 1)
 
 
-def _work_order(plan: jax.Array, heads: int, programs: int, *, heads_per_unit: int = 1, unit_bytes: int = 0) -> Int[Array, "items"]:
+def _work_order(plan: jax.Array, heads: int, programs: int, *, row_bytes: int = 0) -> Int[Array, "items"]:
     """Item ids (see :class:`_Items`): in sections that keep the blocks in flight in L2, each
     section's items with the most planned blocks first; a constant of the program when the plan
     is one (positions only, see :func:`_visit_plan`) and the items few enough
     (:func:`_while_tracing`).
 
-    A unit is ``heads_per_unit`` adjacent heads of one batch row, which stream the same blocks
-    (``unit_bytes`` of them: a key/value head's keys and values, for instance). Costliest first
-    over every head, a round of 132 items held one tile of each of 132 heads at 1024-token
-    documents, so no two programs read the same blocks and the forward waited on HBM: 0.266 ms
-    against 0.177 in sections (H100, B16 S1024 H16 D128, bench/RESULTS.md run 121). Sections
-    cut the items listed unit by unit into runs of whole pairs of rounds, about the units that
-    fit in :data:`_L2_SECTION_BYTES` (:func:`_section_length`); costliest first within a run of
-    two rounds dealt in snake order, every program gets one long and one short item. Sections
-    cut by whole units instead left programs up to 20% apart (causal S4096, run 119).
-    ``unit_bytes=0``: one section, costliest first."""
+    ``row_bytes``: what the items of one batch row stream (its keys and values, for instance).
+    Costliest first over every row, a round of 132 items held one tile of each of 132 heads at
+    1024-token documents, so no two programs read the same blocks and the forward waited on HBM
+    (0.266 ms against 0.177 in sections, H100, B16 S1024 H16 D128, bench/RESULTS.md run 121).
+    Sections cut the items in id order (batch row, tile, head) into runs of whole pairs of
+    rounds, about the rows that fit in :data:`_L2_SECTION_BYTES` (:func:`_section_length`);
+    costliest first within a run of two rounds dealt in snake order, every program gets one
+    long and one short item (sections of whole heads instead left programs up to 20% apart,
+    causal S4096, run 119). Ties keep id order, the heads of one tile together: their rows
+    are one stretch of memory (with heads apart, the packed model's forward ran 0.125 ms
+    against 0.091, run 123). ``row_bytes=0``: one section."""
     batch, tiles = plan.shape[1:]
-    units, group = heads // heads_per_unit, heads_per_unit
     count = batch * tiles * heads
-    length = _section_length(programs, tiles * group, unit_bytes, count)
+    length = _section_length(programs, tiles * heads, row_bytes, count)
     with _while_tracing(count):
-        # Unit by unit: (batch row, unit, tile, head in the unit), as item ids.
-        b, unit, tile, within = (jnp.arange(n, dtype=jnp.int32).reshape([-1 if i == axis else 1 for i in range(4)]) for axis, n in enumerate((batch, units, tiles, group)))
-        ids = ((b * tiles + tile) * heads + unit * group + within).reshape(-1)
-        cost = jnp.broadcast_to((plan[1] - plan[0])[:, None, :, None], (batch, units, tiles, group)).reshape(-1)
+        cost = jnp.broadcast_to((plan[1] - plan[0])[:, :, None], (batch, tiles, heads)).reshape(-1)
         section = jnp.arange(count, dtype=jnp.int32) // length
-        return ids[jnp.lexsort((-cost, section))]
+        return jnp.lexsort((-cost, section)).astype(jnp.int32)
 
 
-def _items(
-    plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, segmented: bool, heads_per_unit: int = 1, unit_bytes: int = 0,
-) -> tuple[_Items, jax.Array]:
+def _items(plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, segmented: bool, row_bytes: int = 0) -> tuple[_Items, jax.Array]:
     """The items of a kernel with ``plan`` (see :func:`_work_order` for the rest)."""
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
     # The interpreter runs programs one after another: three show the walk across items.
     programs = min(count, 3) if interpret and persistent else _program_count(count, persistent)
-    if not segmented and batch * heads // heads_per_unit <= programs // 2:
-        # Every unit plans the same blocks: costliest first, each round already holds two
-        # tiles of every unit, and sections only cost balance (causal S4096, forward 1-7%
-        # slower in sections, bench/RESULTS.md runs 120-121).
-        unit_bytes = 0
-    order = _work_order(plan, heads, programs, heads_per_unit=heads_per_unit, unit_bytes=unit_bytes)
-    return _Items(count, programs, heads, tiles), order
+    if not segmented and batch * heads <= programs // 2:
+        # Every head plans the same blocks: costliest first, each round already holds two tiles
+        # of every head, and sections only cost balance (causal S4096: the forward 1-7% slower
+        # in sections, bench/RESULTS.md runs 120-121).
+        row_bytes = 0
+    return _Items(count, programs, heads, tiles), _work_order(plan, heads, programs, row_bytes=row_bytes)
 
 
 def _fits_exactly(*buffer_bytes: int) -> bool:
@@ -788,7 +774,7 @@ def _forward_call(
     dtype = q.dtype
     segmented = segment_ids is not None
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, heads_per_unit=shape.group, unit_bytes=2 * k.shape[1] * row_bytes)
+    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, row_bytes=2 * k.shape[1] * k.shape[2] * row_bytes)
     tile_bytes, ring_bytes = _TILE * row_bytes, stages * 2 * block_k * row_bytes
     buffers = _tile_buffers(tile_bytes, ring_bytes)
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
@@ -968,8 +954,8 @@ def _dq_call(
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     segmented = segment_ids is not None
-    unit_bytes = 2 * k.shape[1] * dim * jnp.dtype(dtype).itemsize  # a key/value head's keys and values
-    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, heads_per_unit=shape.group, unit_bytes=unit_bytes)
+    kv_bytes = 2 * k.shape[1] * k.shape[2] * dim * jnp.dtype(dtype).itemsize  # a batch row's keys and values
+    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, row_bytes=kv_bytes)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
     out_or_delta = out if computes_delta else _delta(out, do)
 
@@ -1121,8 +1107,8 @@ def _dkv_call(
     segmented = segment_ids is not None
     group = shape.group
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    # A unit: the queries, their gradients, log-sum-exps and deltas of a key/value head's group.
-    items, order = _items(plan, kv_heads, persistent, shape.interpret, segmented=segmented, unit_bytes=group * seq_q * (2 * row_bytes + 8))
+    # A batch row's queries, their gradients, log-sum-exps and deltas.
+    items, order = _items(plan, kv_heads, persistent, shape.interpret, segmented=segmented, row_bytes=heads * seq_q * (2 * row_bytes + 8))
     tile_bytes = 2 * _TILE * row_bytes  # key and value rows of one tile
     ring_bytes = stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0)  # with the fused buffers
     if fused and tile_bytes + ring_bytes > _SMEM_BYTES:

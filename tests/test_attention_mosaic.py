@@ -406,74 +406,69 @@ def snake_loads(costs: list[int], programs: int) -> list[int]:
 
 
 @given(
-    batch=st.integers(1, 3), tiles=st.integers(1, 6), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
-    programs=st.integers(1, 7), units_per_section=st.integers(1, 4), seed=st.integers(0, 2**16),
+    batch=st.integers(1, 4), tiles=st.integers(1, 6), heads=st.integers(1, 4), programs=st.integers(1, 7),
+    rows_per_section=st.integers(1, 3), seed=st.integers(0, 2**16),
 )
 @settings(max_examples=40, deadline=None)
-def test_work_order_deals_sections_of_shared_heads(
-    batch: int, tiles: int, kv_heads: int, group: int, programs: int, units_per_section: int, seed: int,
-) -> None:
-    # Listed unit by unit (a batch row's key/value head and its query heads), cut into sections
-    # of whole pairs of rounds; inside a section the items with the most planned blocks first.
+def test_work_order_deals_sections_of_rows(batch: int, tiles: int, heads: int, programs: int, rows_per_section: int, seed: int) -> None:
+    # Items in id order (batch row, tile, head), cut into sections of about rows_per_section
+    # rows in whole pairs of rounds; inside a section the most planned blocks first, ties in
+    # id order.
     rng = np.random.default_rng(seed)
     lo = rng.integers(0, 3, (batch, tiles)).astype(np.int32)
     hi = lo + rng.integers(0, 4, (batch, tiles)).astype(np.int32)
     plan = jnp.stack([jnp.asarray(x) for x in (lo, hi, lo, lo, lo, hi)])
-    heads, unit_bytes = kv_heads * group, 1000
+    row_bytes = 1000
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(am, "_L2_SECTION_BYTES", units_per_section * unit_bytes + unit_bytes // 2)
-        order = np.asarray(am._work_order(plan, heads, programs, heads_per_unit=group, unit_bytes=unit_bytes))
+        patch.setattr(am, "_L2_SECTION_BYTES", rows_per_section * row_bytes + row_bytes // 2)
+        order = np.asarray(am._work_order(plan, heads, programs, row_bytes=row_bytes))
     decoded = [am._decode_item(int(item), heads=heads, tiles=tiles) for item in order]
     assert sorted(decoded) == [(b, h, t) for b in range(batch) for h in range(heads) for t in range(tiles)]
-    length = 2 * programs * max(round(units_per_section * tiles * group / (2 * programs)), 1)
-    listed = [((b * kv_heads + h // group) * tiles + t) * group + h % group for b, h, t in decoded]
-    keys = [(position // length, -int(hi[b, t] - lo[b, t]), position) for position, (b, h, t) in zip(listed, decoded)]
+    length = 2 * programs * max(round(rows_per_section * tiles * heads / (2 * programs)), 1)
+    keys = [(int(item) // length, -int(hi[b, t] - lo[b, t]), int(item)) for item, (b, h, t) in zip(order, decoded)]
     assert keys == sorted(keys)
 
 
 def test_work_order_keeps_programs_balanced_and_heads_few() -> None:
-    # Causal tiles (tile t plans t + 1 blocks) of 64 heads: one section, costliest first, balances
-    # the 132 programs but runs every head at once; sections of 24 heads stay balanced too.
-    tiles, heads, programs = 32, 16, 132
-    hi = jnp.broadcast_to(jnp.arange(1, tiles + 1, dtype=jnp.int32), (4, tiles))
+    # Causal tiles (tile t plans t + 1 blocks), 16 heads in each of 8 rows: one section,
+    # costliest first, balances the 132 programs but runs every head at once; sections of two
+    # rows stay balanced too, with two rows' heads in a round.
+    batch, tiles, heads, programs = 8, 32, 16, 132
+    hi = jnp.broadcast_to(jnp.arange(1, tiles + 1, dtype=jnp.int32), (batch, tiles))
     plan = jnp.stack([jnp.zeros_like(hi), hi] + [jnp.zeros_like(hi)] * 4)
-    for section_heads in (None, 24):
+    for section_rows in (None, 2):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(am, "_L2_SECTION_BYTES", (section_heads or 0) * 1000)
-            order = np.asarray(am._work_order(plan, heads, programs, unit_bytes=1000))
+            patch.setattr(am, "_L2_SECTION_BYTES", (section_rows or 0) * 1000)
+            order = np.asarray(am._work_order(plan, heads, programs, row_bytes=1000))
         decoded = [am._decode_item(int(item), heads=heads, tiles=tiles) for item in order]
         loads = snake_loads([t + 1 for _, _, t in decoded], programs)
         assert max(loads) <= 1.03 * (sum(loads) / programs)
         heads_per_round = max(len({(b, h) for b, h, _ in decoded[i : i + programs]}) for i in range(0, len(decoded), programs))
-        if section_heads is None:
-            assert heads_per_round == 64
-        else:  # a section's length is rounded to whole rounds: it may reach into a unit more
-            assert heads_per_round <= section_heads + 2
+        if section_rows is None:
+            assert heads_per_round == batch * heads
+        else:  # a section's length is rounded to whole rounds: it may reach into a row more
+            assert heads_per_round <= (section_rows + 1) * heads
 
 
-def test_items_in_sections_only_where_units_outnumber_half_the_programs() -> None:
+def test_items_in_sections_only_where_heads_outnumber_half_the_programs() -> None:
     # Without segment ids, 64 heads on 132 programs already run two tiles of each head per
-    # round costliest first: one section. With segment ids, or 256 heads, sections of 17 heads.
+    # round costliest first: one section. With segment ids, or 256 heads, sections of one row
+    # (16 heads of 2 MiB).
     def causal_plan(batch: int) -> jax.Array:
         hi = jnp.broadcast_to(jnp.arange(1, 33, dtype=jnp.int32), (batch, 32))
         return jnp.stack([jnp.zeros_like(hi), hi] + [jnp.zeros_like(hi)] * 4)
 
-    def first_round_heads(batch: int, segmented: bool, unit_bytes: int = 2 << 20) -> tuple[np.ndarray, int]:
-        items, order = am._items(causal_plan(batch), 16, True, False, segmented=segmented, unit_bytes=unit_bytes)
+    def first_round_heads(batch: int, segmented: bool) -> tuple[np.ndarray, int]:
+        items, order = am._items(causal_plan(batch), 16, True, False, segmented=segmented, row_bytes=32 << 20)
         assert items.programs == 132
         heads = {am._decode_item(int(item), heads=16, tiles=32)[:2] for item in order[:132]}
         return np.asarray(order), len(heads)
 
-    costliest_first = np.asarray(am._work_order(causal_plan(4), 16, 132))
     order, heads = first_round_heads(4, segmented=False)
-    assert np.array_equal(order, costliest_first) and heads == 64
-    order, heads = first_round_heads(4, segmented=True)
-    assert heads <= 17
-    order, heads = first_round_heads(16, segmented=False)
-    assert heads <= 17
-    # Four 8 MiB heads fit the L2 budget, but a section holds 132 / 8 heads at least: here all.
-    order, _ = first_round_heads(1, segmented=True, unit_bytes=8 << 20)
-    assert np.array_equal(order, np.asarray(am._work_order(causal_plan(1), 16, 132)))
+    assert np.array_equal(order, np.asarray(am._work_order(causal_plan(4), 16, 132))) and heads == 64
+    for batch, segmented in ((4, True), (16, False)):
+        order, heads = first_round_heads(batch, segmented)
+        assert heads <= 32  # a row, and the next where a section reaches into it
 
 
 @pytest.mark.slow
