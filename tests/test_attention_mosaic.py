@@ -412,7 +412,7 @@ def snake_loads(costs: list[int], programs: int) -> list[int]:
 @settings(max_examples=40, deadline=None)
 def test_work_order_deals_sections_of_rows(batch: int, tiles: int, heads: int, programs: int, rows_per_section: int, seed: int) -> None:
     # Items in id order (batch row, tile, head), cut into sections of about rows_per_section
-    # rows in about whole pairs of rounds (whole row tiles); inside a section the most planned
+    # rows in whole pairs of rounds (at row tiles' starts); inside a section the most planned
     # blocks first, ties in id order.
     rng = np.random.default_rng(seed)
     lo = rng.integers(0, 3, (batch, tiles)).astype(np.int32)
@@ -425,8 +425,8 @@ def test_work_order_deals_sections_of_rows(batch: int, tiles: int, heads: int, p
     decoded = [am._decode_item(int(item), heads=heads, tiles=tiles) for item in order]
     assert sorted(decoded) == [(b, h, t) for b in range(batch) for h in range(heads) for t in range(tiles)]
     length = 2 * programs * max(round(rows_per_section * tiles * heads / (2 * programs)), 1)
-    section_tiles = max(round(length / heads), 1)  # sections of whole row tiles
-    keys = [((b * tiles + t) // section_tiles, -int(hi[b, t] - lo[b, t]), int(item)) for item, (b, h, t) in zip(order, decoded)]
+    # A row tile (every head of one tile of one row) goes to the section of its first item.
+    keys = [((b * tiles + t) * heads // length, -int(hi[b, t] - lo[b, t]), int(item)) for item, (b, h, t) in zip(order, decoded)]
     assert keys == sorted(keys)
 
 
