@@ -550,12 +550,10 @@ def _work_order(plan: jax.Array, heads: int, programs: int, *, row_bytes: int = 
     (0.266 ms against 0.177 in sections, H100, B16 S1024 H16 D128, bench/RESULTS.md run 121).
     Sections cut the items in id order (batch row, tile, head) into runs of whole pairs of
     rounds (at row tiles' starts), about the rows that fit in :data:`_L2_SECTION_BYTES`
-    (:func:`_section_length`);
-    costliest first within a run of two rounds dealt in snake order, every program gets one
-    long and one short item (sections of whole heads instead left programs up to 20% apart,
-    causal S4096, run 119). Ties keep id order, the heads of one tile together: their rows
-    are one stretch of memory (with heads apart, the packed model's forward ran 0.125 ms
-    against 0.091, run 123). ``row_bytes=0``: one section."""
+    (:func:`_section_length`); costliest first within a run of two rounds dealt in snake
+    order, every program gets one long and one short item (sections of whole heads instead
+    left programs up to 20% apart, causal S4096, run 119). Ties keep id order, as before
+    sections: the heads of one tile together. ``row_bytes=0``: one section."""
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
     length = _section_length(programs, tiles * heads, row_bytes, count)
@@ -564,8 +562,8 @@ def _work_order(plan: jax.Array, heads: int, programs: int, *, row_bytes: int = 
         # The sort runs over row tiles (every head of one tile of one row; on the device each
         # sorted element costs time before the kernel starts), each in the section of its first
         # item: sections of whole row tiles would drift from whole pairs of rounds, and the
-        # balance with them (dk/dv at B16 S1024 H16 D128: 1.03 ms forward and backward against
-        # 0.90, run 127).
+        # balance with them (B16 S1024 H16 D128 forward and backward: 1.03 ms against 0.90 with
+        # sections cut at items, runs 127 and 125; the dk/dv kernel's items moved).
         section = jnp.arange(batch * tiles, dtype=jnp.int32) * heads // length
         # One key: section first, then the most blocks (costs lie in [0, most)).
         most = jnp.max(cost, initial=0) + 1
