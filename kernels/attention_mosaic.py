@@ -25,8 +25,8 @@ the backward), written for what the Triton backend cannot express:
 
 - **Persistent programs.** At most one program per SM, each walking several tiles (dealt in
   sections whose blocks stay in L2, the costliest first within each, see :func:`_work_order`);
-  the ring runs on from one tile to the next, and the
-  next tile loads while the last one's results are written (:class:`_Items`).
+  the ring runs on from one tile to the next, and the next tile loads while the last one's
+  results are written (:class:`_Items`).
 
 Kernels (an item is one tile of one head of one batch row):
 
@@ -528,23 +528,23 @@ def _program_count(items: int, persistent: bool) -> int:
 _L2_SECTION_BYTES = 32 << 20
 
 
-def _section_length(programs: int, row_items: int, row_bytes: int, count: int) -> int:
+def _section_length(programs: int, row_items: int, batch_row_bytes: int, count: int) -> int:
     """Items per section of the work order: the items of the batch rows whose streamed bytes
     fit in :data:`_L2_SECTION_BYTES` (one row at least), rounded to whole pairs of rounds
     (``2 * programs`` items)."""
-    if not row_bytes or not _L2_SECTION_BYTES:
+    if not batch_row_bytes or not _L2_SECTION_BYTES:
         return count
-    rows = max(_L2_SECTION_BYTES // row_bytes, 1)
+    rows = max(_L2_SECTION_BYTES // batch_row_bytes, 1)
     return 2 * programs * max(round(rows * row_items / (2 * programs)), 1)
 
 
-def _work_order(plan: jax.Array, heads: int, programs: int, *, row_bytes: int = 0) -> Int[Array, "items"]:
+def _work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: int = 0) -> Int[Array, "items"]:
     """Item ids (see :class:`_Items`): in sections that keep the blocks in flight in L2, each
     section's items with the most planned blocks first; a constant of the program when the plan
     is one (positions only, see :func:`_visit_plan`) and the items few enough
     (:func:`_while_tracing`).
 
-    ``row_bytes``: what the items of one batch row stream (its keys and values, for instance).
+    ``batch_row_bytes``: what the items of one batch row stream (its keys and values, say).
     Costliest first over every row, a round of 132 items held one tile of each of 132 heads at
     1024-token documents, so no two programs read the same blocks and the forward waited on HBM
     (0.266 ms against 0.177 in sections, H100, B16 S1024 H16 D128, bench/RESULTS.md run 121).
@@ -553,10 +553,10 @@ def _work_order(plan: jax.Array, heads: int, programs: int, *, row_bytes: int = 
     (:func:`_section_length`); costliest first within a run of two rounds dealt in snake
     order, every program gets one long and one short item (sections of whole heads instead
     left programs up to 20% apart, causal S4096, run 119). Ties keep id order, as before
-    sections: the heads of one tile together. ``row_bytes=0``: one section."""
+    sections: the heads of one tile together. ``batch_row_bytes=0``: one section."""
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
-    length = _section_length(programs, tiles * heads, row_bytes, count)
+    length = _section_length(programs, tiles * heads, batch_row_bytes, count)
     with _while_tracing(count):
         cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
         # The sort runs over row tiles (every head of one tile of one row; on the device each
@@ -571,7 +571,9 @@ def _work_order(plan: jax.Array, heads: int, programs: int, *, row_bytes: int = 
         return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
 
 
-def _items(plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, segmented: bool, row_bytes: int = 0) -> tuple[_Items, jax.Array]:
+def _items(
+    plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, segmented: bool, batch_row_bytes: int = 0,
+) -> tuple[_Items, jax.Array]:
     """The items of a kernel with ``plan`` (see :func:`_work_order` for the rest)."""
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
@@ -581,8 +583,8 @@ def _items(plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, se
         # Every head plans the same blocks: costliest first, each round already holds two tiles
         # of every head, and sections only cost balance (causal S4096: the forward 1-7% slower
         # in sections, bench/RESULTS.md runs 120-121).
-        row_bytes = 0
-    return _Items(count, programs, heads, tiles), _work_order(plan, heads, programs, row_bytes=row_bytes)
+        batch_row_bytes = 0
+    return _Items(count, programs, heads, tiles), _work_order(plan, heads, programs, batch_row_bytes=batch_row_bytes)
 
 
 def _fits_exactly(*buffer_bytes: int) -> bool:
@@ -781,7 +783,7 @@ def _forward_call(
     dtype = q.dtype
     segmented = segment_ids is not None
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, row_bytes=2 * k.shape[1] * k.shape[2] * row_bytes)
+    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, batch_row_bytes=2 * k.shape[1] * k.shape[2] * row_bytes)
     tile_bytes, ring_bytes = _TILE * row_bytes, stages * 2 * block_k * row_bytes
     buffers = _tile_buffers(tile_bytes, ring_bytes)
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
@@ -962,7 +964,7 @@ def _dq_call(
     dtype = q.dtype
     segmented = segment_ids is not None
     kv_bytes = 2 * k.shape[1] * k.shape[2] * dim * jnp.dtype(dtype).itemsize  # a batch row's keys and values
-    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, row_bytes=kv_bytes)
+    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, batch_row_bytes=kv_bytes)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
     out_or_delta = out if computes_delta else _delta(out, do)
 
@@ -1115,7 +1117,7 @@ def _dkv_call(
     group = shape.group
     row_bytes = dim * jnp.dtype(dtype).itemsize
     # A batch row's queries, their gradients, log-sum-exps and deltas.
-    items, order = _items(plan, kv_heads, persistent, shape.interpret, segmented=segmented, row_bytes=heads * seq_q * (2 * row_bytes + 8))
+    items, order = _items(plan, kv_heads, persistent, shape.interpret, segmented=segmented, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8))
     tile_bytes = 2 * _TILE * row_bytes  # key and value rows of one tile
     ring_bytes = stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0)  # with the fused buffers
     if fused and tile_bytes + ring_bytes > _SMEM_BYTES:

@@ -421,7 +421,7 @@ def test_work_order_deals_sections_of_rows(batch: int, tiles: int, heads: int, p
     row_bytes = 1000
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(am, "_L2_SECTION_BYTES", rows_per_section * row_bytes + row_bytes // 2)
-        order = np.asarray(am._work_order(plan, heads, programs, row_bytes=row_bytes))
+        order = np.asarray(am._work_order(plan, heads, programs, batch_row_bytes=row_bytes))
     decoded = [am._decode_item(int(item), heads=heads, tiles=tiles) for item in order]
     assert sorted(decoded) == [(b, h, t) for b in range(batch) for h in range(heads) for t in range(tiles)]
     length = 2 * programs * max(round(rows_per_section * tiles * heads / (2 * programs)), 1)
@@ -440,7 +440,7 @@ def test_work_order_keeps_programs_balanced_and_heads_few() -> None:
     for section_rows in (None, 2):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(am, "_L2_SECTION_BYTES", (section_rows or 0) * 1000)
-            order = np.asarray(am._work_order(plan, heads, programs, row_bytes=1000))
+            order = np.asarray(am._work_order(plan, heads, programs, batch_row_bytes=1000))
         decoded = [am._decode_item(int(item), heads=heads, tiles=tiles) for item in order]
         loads = snake_loads([t + 1 for _, _, t in decoded], programs)
         assert max(loads) <= 1.03 * (sum(loads) / programs)
@@ -460,7 +460,7 @@ def test_items_in_sections_only_where_heads_outnumber_half_the_programs() -> Non
         return jnp.stack([jnp.zeros_like(hi), hi] + [jnp.zeros_like(hi)] * 4)
 
     def first_round_heads(batch: int, segmented: bool) -> tuple[np.ndarray, int]:
-        items, order = am._items(causal_plan(batch), 16, True, False, segmented=segmented, row_bytes=32 << 20)
+        items, order = am._items(causal_plan(batch), 16, True, False, segmented=segmented, batch_row_bytes=32 << 20)
         assert items.programs == 132
         heads = {am._decode_item(int(item), heads=16, tiles=32)[:2] for item in order[:132]}
         return np.asarray(order), len(heads)
