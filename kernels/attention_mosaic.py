@@ -572,17 +572,18 @@ def _work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: 
 
 
 def _items(
-    plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, segmented: bool, batch_row_bytes: int = 0,
+    plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, segmented: bool, kv_heads: int, batch_row_bytes: int = 0,
 ) -> tuple[_Items, jax.Array]:
-    """The items of a kernel with ``plan`` (see :func:`_work_order` for the rest)."""
+    """The items of a kernel with ``plan`` over ``heads`` heads, which read the blocks of
+    ``kv_heads`` key/value heads (see :func:`_work_order` for the rest)."""
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
     # The interpreter runs programs one after another: three show the walk across items.
     programs = min(count, 3) if interpret and persistent else _program_count(count, persistent)
-    if not segmented and batch * heads <= programs // 2:
+    if not segmented and batch * kv_heads <= programs // 2:
         # Every head plans the same blocks: costliest first, each round already holds two tiles
-        # of every head, and sections only cost balance (causal S4096: the forward 1-7% slower
-        # in sections, bench/RESULTS.md runs 120-121).
+        # of every key/value head, and sections only cost balance (causal S4096: the forward
+        # 1-7% slower in sections, bench/RESULTS.md runs 120-121).
         batch_row_bytes = 0
     return _Items(count, programs, heads, tiles), _work_order(plan, heads, programs, batch_row_bytes=batch_row_bytes)
 
@@ -783,7 +784,9 @@ def _forward_call(
     dtype = q.dtype
     segmented = segment_ids is not None
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, batch_row_bytes=2 * k.shape[1] * k.shape[2] * row_bytes)
+    items, order = _items(
+        plan, heads, persistent, shape.interpret, segmented=segmented, kv_heads=k.shape[2], batch_row_bytes=2 * k.shape[1] * k.shape[2] * row_bytes,
+    )
     tile_bytes, ring_bytes = _TILE * row_bytes, stages * 2 * block_k * row_bytes
     buffers = _tile_buffers(tile_bytes, ring_bytes)
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
@@ -964,7 +967,7 @@ def _dq_call(
     dtype = q.dtype
     segmented = segment_ids is not None
     kv_bytes = 2 * k.shape[1] * k.shape[2] * dim * jnp.dtype(dtype).itemsize  # a batch row's keys and values
-    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, batch_row_bytes=kv_bytes)
+    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, kv_heads=k.shape[2], batch_row_bytes=kv_bytes)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
     out_or_delta = out if computes_delta else _delta(out, do)
 
@@ -1117,7 +1120,9 @@ def _dkv_call(
     group = shape.group
     row_bytes = dim * jnp.dtype(dtype).itemsize
     # A batch row's queries, their gradients, log-sum-exps and deltas.
-    items, order = _items(plan, kv_heads, persistent, shape.interpret, segmented=segmented, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8))
+    items, order = _items(
+        plan, kv_heads, persistent, shape.interpret, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8),
+    )
     tile_bytes = 2 * _TILE * row_bytes  # key and value rows of one tile
     ring_bytes = stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0)  # with the fused buffers
     if fused and tile_bytes + ring_bytes > _SMEM_BYTES:

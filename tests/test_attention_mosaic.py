@@ -452,15 +452,15 @@ def test_work_order_keeps_programs_balanced_and_heads_few() -> None:
 
 
 def test_items_in_sections_only_where_heads_outnumber_half_the_programs() -> None:
-    # Without segment ids, 64 heads on 132 programs already run two tiles of each head per
+    # Without segment ids, 64 key/value heads on 132 programs already run two tiles of each per
     # round costliest first: one section. With segment ids, or 256 heads, sections of one row
     # (16 heads of 2 MiB).
     def causal_plan(batch: int) -> jax.Array:
         hi = jnp.broadcast_to(jnp.arange(1, 33, dtype=jnp.int32), (batch, 32))
         return jnp.stack([jnp.zeros_like(hi), hi] + [jnp.zeros_like(hi)] * 4)
 
-    def first_round_heads(batch: int, segmented: bool) -> tuple[np.ndarray, int]:
-        items, order = am._items(causal_plan(batch), 16, True, False, segmented=segmented, batch_row_bytes=32 << 20)
+    def first_round_heads(batch: int, segmented: bool, kv_heads: int = 16) -> tuple[np.ndarray, int]:
+        items, order = am._items(causal_plan(batch), 16, True, False, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=32 << 20)
         assert items.programs == 132
         heads = {am._decode_item(int(item), heads=16, tiles=32)[:2] for item in order[:132]}
         return np.asarray(order), len(heads)
@@ -470,6 +470,9 @@ def test_items_in_sections_only_where_heads_outnumber_half_the_programs() -> Non
     for batch, segmented in ((4, True), (16, False)):
         order, heads = first_round_heads(batch, segmented)
         assert heads <= 32  # a row, and the next where a section reaches into it
+    # 16 rows of 16 query heads, 4 key/value heads: each round already holds 2 tiles of each.
+    order, _ = first_round_heads(16, segmented=False, kv_heads=4)
+    assert np.array_equal(order, np.asarray(am._work_order(causal_plan(16), 16, 132)))
 
 
 @pytest.mark.slow
