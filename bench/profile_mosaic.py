@@ -12,7 +12,9 @@ D128, 4 documents per row), at the same documents as rows of their own without s
 shape, for the consumer warpgroups: cycles per item inside the walk and between walks (the
 fixed cost of a tile), split into the regions found between two walks; cycles per step of
 the masked and the unmasked steps; the first ``k_wait`` of a walk against the later ones; and
-the producer's waits for free slots. Cycles, not seconds: the clock is the SM's.
+the producer's waits for free slots. Cycles, not seconds: the clock is the SM's. The events
+of a warpgroup must fit the profiler's 512 slots in shared memory: long walks (causal S4096)
+overflow them and stop the kernel, so the cases are short (run 120).
 """
 
 from __future__ import annotations

@@ -736,7 +736,9 @@ def _compiler_params() -> Any:
     traced, each call writes a trace of the kernel's named regions (per warpgroup: ``tile_wait``,
     ``walk`` and the ``masked`` steps inside it, ``k_wait``, ``out_wait``, ``write``, the
     producer's ``slot_wait``) to that directory (read by bench/profile_mosaic.py). The regions
-    cost nothing when it is unset.
+    cost nothing when it is unset. The events sit in shared memory, 512 a warpgroup, and more
+    are undefined behaviour: profile short walks only (causal S4096, 32 steps a tile and about
+    15 tiles a program, stopped on an illegal address, bench/RESULTS.md run 120).
 
     No shared memory is set aside for reductions across warps (Pallas reserves 2 KiB by
     default): every reduction here runs along the rows of the wgmma layout, whose elements
