@@ -588,6 +588,13 @@ def _items(
     return _Items(count, programs, heads, tiles), _work_order(plan, heads, programs, batch_row_bytes=batch_row_bytes)
 
 
+def _key_value_items(plan: jax.Array, heads: int, persistent: bool, shape: _Shape, segmented: bool, k: jax.Array) -> tuple[_Items, jax.Array]:
+    """:func:`_items` of the kernels that walk key/value blocks (forward and dq): a batch row
+    streams its keys and values, ``k`` of ``[batch, seq_kv, kv_heads, dim]`` and as many values."""
+    streamed = 2 * math.prod(k.shape[1:]) * jnp.dtype(k.dtype).itemsize
+    return _items(plan, heads, persistent, shape.interpret, segmented=segmented, kv_heads=k.shape[2], batch_row_bytes=streamed)
+
+
 def _fits_exactly(*buffer_bytes: int) -> bool:
     """Whether a kernel's buffers of these sizes (every one of them) fit in shared memory, each
     aligned to 1 KiB as Pallas places them, with 1 KiB to spare for the barriers."""
@@ -786,9 +793,7 @@ def _forward_call(
     dtype = q.dtype
     segmented = segment_ids is not None
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    items, order = _items(
-        plan, heads, persistent, shape.interpret, segmented=segmented, kv_heads=k.shape[2], batch_row_bytes=2 * k.shape[1] * k.shape[2] * row_bytes,
-    )
+    items, order = _key_value_items(plan, heads, persistent, shape, segmented, k)
     tile_bytes, ring_bytes = _TILE * row_bytes, stages * 2 * block_k * row_bytes
     buffers = _tile_buffers(tile_bytes, ring_bytes)
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
@@ -968,8 +973,7 @@ def _dq_call(
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     segmented = segment_ids is not None
-    kv_bytes = 2 * k.shape[1] * k.shape[2] * dim * jnp.dtype(dtype).itemsize  # a batch row's keys and values
-    items, order = _items(plan, heads, persistent, shape.interpret, segmented=segmented, kv_heads=k.shape[2], batch_row_bytes=kv_bytes)
+    items, order = _key_value_items(plan, heads, persistent, shape, segmented, k)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
     out_or_delta = out if computes_delta else _delta(out, do)
 
