@@ -384,11 +384,24 @@ def test_persistent_programs_deal_every_item_once(count: int, programs: int) -> 
     assert max(counts) - min(counts) <= 1
 
 
+def costed_plan(lo: Any, hi: Any) -> jax.Array:
+    """A ``[6, batch, tiles]`` plan whose items visit ``hi - lo`` blocks, every one masked (the
+    work order reads only ``lo`` and ``hi``)."""
+    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    return jnp.stack([lo, hi, lo, lo, lo, hi])
+
+
+def causal_costs(batch: int, tiles: int) -> jax.Array:
+    """The plan of causal tiles: tile ``t`` visits ``t + 1`` blocks."""
+    hi = jnp.broadcast_to(jnp.arange(1, tiles + 1, dtype=jnp.int32), (batch, tiles))
+    return costed_plan(jnp.zeros_like(hi), hi)
+
+
 def test_work_order_puts_the_longest_tiles_first() -> None:
     # A plan [6, batch 2, tiles 3]: lo and hi give 1, 4, 2 / 3, 0, 2 blocks; one section.
     lo = jnp.array([[0, 0, 1], [0, 0, 0]], jnp.int32)
     hi = jnp.array([[1, 4, 3], [3, 0, 2]], jnp.int32)
-    plan = jnp.stack([lo, hi, lo, lo, lo, hi])
+    plan = costed_plan(lo, hi)
     order = np.asarray(am._work_order(plan, heads=2, programs=5))
     decoded = [am._decode_item(int(item), heads=2, tiles=3) for item in order]
     cost = [int(hi[b, t] - lo[b, t]) for b, _, t in decoded]
@@ -417,7 +430,7 @@ def test_work_order_deals_sections_of_rows(batch: int, tiles: int, heads: int, p
     rng = np.random.default_rng(seed)
     lo = rng.integers(0, 3, (batch, tiles)).astype(np.int32)
     hi = lo + rng.integers(0, 4, (batch, tiles)).astype(np.int32)
-    plan = jnp.stack([jnp.asarray(x) for x in (lo, hi, lo, lo, lo, hi)])
+    plan = costed_plan(lo, hi)
     row_bytes = 1000
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(am, "_L2_SECTION_BYTES", rows_per_section * row_bytes + row_bytes // 2)
@@ -435,8 +448,7 @@ def test_work_order_keeps_programs_balanced_and_heads_few() -> None:
     # costliest first, balances the 132 programs but runs every head at once; sections of two
     # rows stay balanced too, with two rows' heads in a round.
     batch, tiles, heads, programs = 8, 32, 16, 132
-    hi = jnp.broadcast_to(jnp.arange(1, tiles + 1, dtype=jnp.int32), (batch, tiles))
-    plan = jnp.stack([jnp.zeros_like(hi), hi] + [jnp.zeros_like(hi)] * 4)
+    plan = causal_costs(batch, tiles)
     for section_rows in (None, 2):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(am, "_L2_SECTION_BYTES", (section_rows or 0) * 1000)
@@ -455,24 +467,20 @@ def test_items_in_sections_only_where_heads_outnumber_half_the_programs() -> Non
     # Without segment ids, 64 key/value heads on 132 programs already run two tiles of each per
     # round costliest first: one section. With segment ids, or 256 heads, sections of one row
     # (16 heads of 2 MiB).
-    def causal_plan(batch: int) -> jax.Array:
-        hi = jnp.broadcast_to(jnp.arange(1, 33, dtype=jnp.int32), (batch, 32))
-        return jnp.stack([jnp.zeros_like(hi), hi] + [jnp.zeros_like(hi)] * 4)
-
     def first_round_heads(batch: int, segmented: bool, kv_heads: int = 16) -> tuple[np.ndarray, int]:
-        items, order = am._items(causal_plan(batch), 16, True, False, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=32 << 20)
+        items, order = am._items(causal_costs(batch, 32), 16, True, False, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=32 << 20)
         assert items.programs == 132
         heads = {am._decode_item(int(item), heads=16, tiles=32)[:2] for item in order[:132]}
         return np.asarray(order), len(heads)
 
     order, heads = first_round_heads(4, segmented=False)
-    assert np.array_equal(order, np.asarray(am._work_order(causal_plan(4), 16, 132))) and heads == 64
+    assert np.array_equal(order, np.asarray(am._work_order(causal_costs(4, 32), 16, 132))) and heads == 64
     for batch, segmented in ((4, True), (16, False)):
         order, heads = first_round_heads(batch, segmented)
         assert heads <= 32  # a row, and the next where a section reaches into it
     # 16 rows of 16 query heads, 4 key/value heads: each round already holds 2 tiles of each.
     order, _ = first_round_heads(16, segmented=False, kv_heads=4)
-    assert np.array_equal(order, np.asarray(am._work_order(causal_plan(16), 16, 132)))
+    assert np.array_equal(order, np.asarray(am._work_order(causal_costs(16, 32), 16, 132)))
 
 
 @pytest.mark.slow
