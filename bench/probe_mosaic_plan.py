@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from _timing import time_interleaved
 from bench_attention import equal_documents, kernel_variant
 from ejlabel.kernels import attention_mosaic as am
+from ejlabel.kernels import _mosaic_plan as mplan
+from ejlabel.kernels import _mosaic_work as mwork
 
 
 def natural_order(plan: jax.Array, heads: int, programs: int, **_: object) -> jax.Array:
@@ -34,17 +36,17 @@ def case(title: str, batch: int, seq: int, heads: int, kv_heads: int, dim: int, 
     v = jax.random.normal(keys[2], (batch, seq, kv_heads, dim), jnp.bfloat16)
     probe = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
     ids = equal_documents(batch, seq, docs)
-    shape = am._Shape(dim**-0.5 * am._LOG2E, (None, 0), None, heads // kv_heads, True)
+    shape = mplan.Shape(dim**-0.5 * am._LOG2E, (None, 0), None, heads // kv_heads, True)
 
     def plans(ids: jax.Array) -> Any:
-        rows = am._visit_plan(seq, seq, am._TILE, 128, shape, ids, batch, transpose=False)
-        cols = am._visit_plan(seq, seq, am._TILE, 64, shape, ids, batch, transpose=True)
+        rows = mplan.visit_plan(seq, seq, mplan.TILE, 128, shape, ids, batch, transpose=False)
+        cols = mplan.visit_plan(seq, seq, mplan.TILE, 64, shape, ids, batch, transpose=True)
         return rows, cols
 
     def orders(ids: jax.Array) -> Any:
         rows, cols = plans(ids)
-        programs = am._program_count(batch * rows.shape[2] * heads, persistent=True)
-        return am._work_order(rows, heads, programs), am._work_order(cols, kv_heads, programs)
+        programs = mwork.program_count(batch * rows.shape[2] * heads, persistent=True)
+        return mwork.work_order(rows, heads, programs), mwork.work_order(cols, kv_heads, programs)
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return am.mosaic_attention(q, k, v, causal=True, segment_ids=ids)

@@ -2,7 +2,7 @@
 
     MOSAIC_GPU_DUMP_PTXAS=1 python bench/probe_schedules.py
 
-Each variant sets private constants of ``kernels.attention_mosaic`` while its program is traced
+Each variant sets constants of the Mosaic attention's modules while its program is traced
 (the kernels' own trace caches are cleared first, so every variant lowers its own kernels) and
 is timed interleaved with the others and cuDNN in one process: causal B4 S4096 H16 D128 bf16,
 its 4 documents per row as rows of their own (B16 S1024), the same with 4 documents per row,
@@ -13,8 +13,10 @@ Runs 47-48 (bench/RESULTS.md) compared the backward's step orders this way, run 
 softmax variants (``bench/runs/2026-11-25_run52_forward_variants.diff``), each through switches
 the kernels no longer have (the chosen orders are the code; the forward variants were not
 kept), run 115 whether the blocks masked by positions alone get a walk loop of their own
-(``_POSITIONS_APART_MAX_DIM``). The variants here: the items' order in L2 sections
-(``_L2_SECTION_BYTES``) against one section, costliest first over all heads, as before.
+(``POSITIONS_APART_MAX_DIM``), run 130 which two loops the walk has above head dim 64 with
+segment ids (``bench/runs/2026-11-26_run130_unmasked_run_with_positions.diff``). The variants
+here: the items' order in L2 sections (``L2_SECTION_BYTES``) against one section, costliest
+first over all heads, as before.
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ import jax
 import jax.numpy as jnp
 from bench_attention import dense_mask, equal_documents
 from quick_mosaic import inputs, report
+from ejlabel.kernels import _mosaic_plan, _mosaic_work
 from ejlabel.kernels import attention_mosaic as am
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     # Items costliest first over every row (one section), the order before sections.
-    "no sections": {"_L2_SECTION_BYTES": 0},
+    "no sections": {"L2_SECTION_BYTES": 0},
     "default again": {},  # the spread of one variant timed twice
-    "no sections again": {"_L2_SECTION_BYTES": 0},
+    "no sections again": {"L2_SECTION_BYTES": 0},
 }
 
 
@@ -43,23 +46,27 @@ def _clear_kernel_traces() -> None:
         inspect.getclosurevars(entry).nonlocals["jitted"].clear_cache()
 
 
+_MODULES = (am, _mosaic_plan, _mosaic_work)
+
+
 def under(settings: dict[str, Any], label: str, fn: Any) -> Any:
-    """``fn`` traced with ``settings`` applied to the kernel module (a marker names it on stderr)."""
+    """``fn`` traced with ``settings`` applied to the modules that define them (a marker names it on stderr)."""
 
     def traced(*args: Any) -> Any:
         print(f"=== variant {label}", flush=True)
-        missing = sorted(set(settings) - set(vars(am)))
+        homes = {name: module for module in _MODULES for name in settings if name in vars(module)}
+        missing = sorted(set(settings) - set(homes))
         if missing:
-            raise AttributeError(f"settings: kernels.attention_mosaic has no {missing}")
-        saved = {name: getattr(am, name) for name in settings}
+            raise AttributeError(f"settings: the Mosaic attention's modules have no {missing}")
+        saved = {name: getattr(homes[name], name) for name in settings}
         _clear_kernel_traces()
         for name, value in settings.items():
-            setattr(am, name, value)
+            setattr(homes[name], name, value)
         try:
             return fn(*args)
         finally:
             for name, value in saved.items():
-                setattr(am, name, value)
+                setattr(homes[name], name, value)
 
     return traced
 

@@ -21,12 +21,13 @@ the backward), written for what the Triton backend cannot express:
   ``[a, c)`` without a mask: one loop per kind of mask, so the step's code is in the kernel
   once per kind, not once per range. Blocks outside ``[lo, hi)``
   are never loaded. With packed documents that skips every block pair of two different
-  documents. Without segment ids the plan is a constant of the program.
+  documents. Without segment ids the plan is a constant of the program. The plans, the kinds of
+  mask and the walk live in :mod:`._mosaic_plan`.
 
 - **Persistent programs.** At most one program per SM, each walking several tiles (dealt in
-  sections whose blocks stay in L2, the costliest first within each, see :func:`_work_order`);
+  sections whose blocks stay in L2, the costliest first within each, see :mod:`._mosaic_work`);
   the ring runs on from one tile to the next, and the next tile loads while the last one's
-  results are written (:class:`_Items`).
+  results are written (:class:`Items`).
 
 Kernels (an item is one tile of one head of one batch row):
 
@@ -48,14 +49,12 @@ queries sliced off.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import enum
 import functools
 import inspect
 import math
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +65,9 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import BwdParams, FwdParams
 
-from ._attention_blocks import segment_block_ranges, uniform_block_ranges
 from ._mosaic_modules import share_modules_across_call_sites
+from ._mosaic_plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, Window, mask_loops, visit_plan, walk
+from ._mosaic_work import Items, deal_items
 from ._pallas import MASK_VALUE, pad_axis, pad_to
 
 try:  # The Mosaic GPU backend may be missing from a JAX build; the module still imports.
@@ -92,12 +92,8 @@ __all__ = [
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-WG_ROWS = 64  # rows of a tile one consumer warpgroup owns: the M of one wgmma
-_CONSUMERS = 2
-_TILE = WG_ROWS * _CONSUMERS  # rows per program
 _DIM_MULTIPLE = 64  # 128-byte swizzle of 16-bit elements
 _MAX_DIM = 256
-Window = tuple[int | None, int | None]
 
 
 def mosaic_available() -> bool:
@@ -122,110 +118,6 @@ def mosaic_supports(dtype: Any, dim: int, *, backward: bool = True) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Visiting plans
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shape:
-    """Static facts of one call, after padding."""
-
-    scale: float  # softmax scale times log2(e)
-    bounds: Window
-    kv_len: int | None  # the true key length when keys are padded and there are no segment ids
-    group: int  # query heads per key/value head
-    segmented: bool
-    interpret: bool = False  # run in the Mosaic GPU interpreter (CPU tests)
-
-
-def _positional_visibility(rows: int, cols: int, block_r: int, block_c: int, shape: _Shape, *, transpose: bool) -> tuple[jax.Array, jax.Array]:
-    """``(any, all) [1, rows/block_r, cols/block_c]`` over block pairs under positions alone
-    (causal bounds, window, padded keys): whether some, and whether every, (query, key) pair of
-    the two blocks is visible. With ``transpose`` the row blocks are key blocks."""
-    r = jnp.arange(rows // block_r, dtype=jnp.int32)[:, None]
-    c = jnp.arange(cols // block_c, dtype=jnp.int32)[None, :]
-    q_first, q_last = (c * block_c, c * block_c + block_c - 1) if transpose else (r * block_r, r * block_r + block_r - 1)
-    k_first, k_last = (r * block_r, r * block_r + block_r - 1) if transpose else (c * block_c, c * block_c + block_c - 1)
-    some = every = jnp.ones((r.shape[0], c.shape[1]), bool)
-    left, right = shape.bounds
-    if right is not None:  # key <= query + right
-        some, every = some & (k_first <= q_last + right), every & (k_last <= q_first + right)
-    if left is not None:  # key >= query - left
-        some, every = some & (k_last >= q_first - left), every & (k_first >= q_last - left)
-    if shape.kv_len is not None:
-        some, every = some & (k_first < shape.kv_len), every & (k_last < shape.kv_len)
-    return some[None], every[None]
-
-
-def _plan(some: jax.Array, every: jax.Array) -> Int[Array, "6 batch blocks"]:
-    """``[6, batch, row blocks]`` int32: ``lo, hi, a, c, u_lo, u_hi`` per row block from
-    block-pair tables under positions alone. Columns ``[lo, hi)`` are visited, ``[a, c)`` of
-    them without a mask; ``[u_lo, u_hi)`` are those that need no segment mask, here all of them
-    (``lo <= u_lo <= a <= c <= u_hi <= hi``)."""
-    every = every & some
-    n = some.shape[2]
-    idx = jnp.arange(n, dtype=jnp.int32)
-    lo = jnp.min(jnp.where(some, idx, n), axis=2)
-    hi = jnp.max(jnp.where(some, idx + 1, 0), axis=2)
-    lo = jnp.minimum(lo, hi)  # nothing visible: lo = hi = 0
-    a = jnp.min(jnp.where(every, idx, hi[..., None]), axis=2)
-    c = jnp.min(jnp.where(~every & (idx >= a[..., None]), idx, hi[..., None]), axis=2)
-    c = jnp.clip(c, a, hi)
-    return jnp.stack([lo, hi, a, c, lo, hi]).astype(jnp.int32)
-
-
-_MAX_CONSTANT = 1 << 16  # int32 elements of a plan or an order that may enter a program as a constant
-
-
-def _while_tracing(elements: int) -> Any:
-    """A context computing what it can while tracing, so that it enters the program as a
-    constant, for results of at most :data:`_MAX_CONSTANT` elements; larger ones (a batch of
-    hundreds of long rows) are left to the device rather than swell the program."""
-    return jax.ensure_compile_time_eval() if elements <= _MAX_CONSTANT else contextlib.nullcontext()
-
-
-def _visit_plan(
-    rows: int, cols: int, block_r: int, block_c: int, shape: _Shape, segment_ids: jax.Array | None, batch: int, *, transpose: bool
-) -> Int[Array, "6 batch blocks"]:
-    """The plan (see :func:`_plan`) of every row block: positions give one plan, segment ids
-    (through :func:`segment_block_ranges`, which never builds the block-pair table) another;
-    the blocks visited are those both visit, and a block runs unmasked only if both say so.
-    ``[u_lo, u_hi)`` are the blocks holding the row block's one segment and no other id
-    (:func:`uniform_block_ranges`): there the segment ids mask nothing, so a block that needs a
-    mask may take the positions' alone (where the kernels give it a loop, see
-    :func:`_mask_loops`). On the H100, head dim 128, a document's diagonal block took 6925
-    cycles with the segment ids' mask, against 4168 for a causal diagonal without segment ids
-    (bench/profile_mosaic.py, bench/RESULTS.md run 113).
-
-    The positional plan depends on static sizes only, so it is computed while tracing and
-    enters the program as a constant (see :func:`_while_tracing`): on the device it cost a call
-    a dozen small kernels (about 10 us before the causal forward, 35 us around forward and
-    backward; H100, bench/probe_kernel_times.py)."""
-    with jax.ensure_compile_time_eval():  # [6, 1, row blocks]
-        positional = _plan(*_positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose))
-    plan_shape = (positional.shape[0], batch, rows // block_r)
-    with _while_tracing(math.prod(plan_shape)):
-        plan = jnp.broadcast_to(positional, plan_shape)
-    if segment_ids is None:
-        return plan
-    q_rows, k_rows = (cols, rows) if transpose else (rows, cols)
-    block_q, block_k = (block_c, block_r) if transpose else (block_r, block_c)
-    ranges = segment_block_ranges(segment_ids[:, :q_rows], segment_ids[:, :k_rows], block_q, block_k)
-    runs = uniform_block_ranges(ranges)
-    seg_lo, seg_hi, first, last = (
-        (ranges.q_lo, ranges.q_hi, runs.q_first, runs.q_last) if transpose else (ranges.kv_lo, ranges.kv_hi, runs.kv_first, runs.kv_last)
-    )
-    lo = jnp.maximum(plan[0], seg_lo)
-    hi = jnp.maximum(jnp.minimum(plan[1], seg_hi), lo)
-    u_lo = jnp.clip(first, lo, hi)
-    u_hi = jnp.clip(last, u_lo, hi)
-    a = jnp.clip(plan[2], u_lo, u_hi)
-    c = jnp.clip(plan[3], a, u_hi)
-    run = a < c  # an empty unmasked run: every visited block gets a mask
-    a, c = jnp.where(run, a, u_lo), jnp.where(run, c, u_lo)
-    return jnp.stack([lo, hi, a, c, u_lo, u_hi]).astype(jnp.int32)
-
-
-# --------------------------------------------------------------------------------------------
 # Shared kernel pieces
 
 
@@ -243,7 +135,7 @@ def _col_layout() -> Any:
     return plgpu.Layout.WGMMA.reduce(0)
 
 
-def _cast(shape: _Shape, x: jax.Array, layout: Any) -> jax.Array:
+def _cast(shape: Shape, x: jax.Array, layout: Any) -> jax.Array:
     """``x`` in a register layout; the interpreter has no layouts, so there it is ``x``."""
     return x if shape.interpret else plgpu.layout_cast(x, layout)
 
@@ -254,23 +146,15 @@ _LOAD_INDEX = None if plgpu is None else inspect.signature(plgpu.load).parameter
 _LOAD_INDEX_OPTIONAL = _LOAD_INDEX is None or _LOAD_INDEX.default is not inspect.Parameter.empty
 
 
-def _load(shape: _Shape, ref: Any, layout: Any) -> jax.Array:
+def _load(shape: Shape, ref: Any, layout: Any) -> jax.Array:
     """A whole shared-memory ref, loaded into ``layout``."""
     if shape.interpret:
         return ref[...]
     return plgpu.load(ref, layout=layout) if _LOAD_INDEX_OPTIONAL else plgpu.load(ref, (), layout=layout)
 
 
-class _Mask(enum.Enum):
-    """The mask a step applies: the planned blocks come in three kinds (see :func:`_visit_plan`)."""
-
-    NONE = "none"  # every pair of the block is visible
-    POSITIONS = "positions"  # causal bounds, window, padded keys
-    SEGMENTS = "segments"  # those and the segment ids
-
-
 def _visibility(
-    shape: _Shape, q_start: jax.Array, k_start: jax.Array, rows: int, cols: int,
+    shape: Shape, q_start: jax.Array, k_start: jax.Array, rows: int, cols: int,
     segments: tuple[jax.Array, jax.Array] | None, *, transpose: bool,
 ) -> jax.Array | None:
     """``[rows, cols]`` mask in the wgmma layout: rows are queries (keys with ``transpose``);
@@ -295,53 +179,9 @@ def _visibility(
     return functools.reduce(jnp.logical_and, conditions) if conditions else None
 
 
-class _Visit(NamedTuple):
-    """One item as a warpgroup walks it: batch row ``b``, head ``h`` (a key/value head in the
-    dk/dv kernel), ``tile``, and its plan ``lo, hi, a, c, u_lo, u_hi`` (see :func:`_plan`)."""
-
-    b: jax.Array
-    h: jax.Array
-    tile: jax.Array
-    lo: jax.Array
-    hi: jax.Array
-    a: jax.Array
-    c: jax.Array
-    u_lo: jax.Array
-    u_hi: jax.Array
-
-    @property
-    def steps(self) -> jax.Array:
-        return self.hi - self.lo
-
-    def _ranges(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
-        """The visited blocks as ranges, in the order walked: those needing the segment ids'
-        mask (``[lo, u_lo)``, ``[u_hi, hi)``), those masked by positions alone (``[u_lo, a)``,
-        ``[c, u_hi)``), then the unmasked run ``[a, c)``."""
-        return (self.lo, self.u_lo), (self.u_hi, self.hi), (self.u_lo, self.a), (self.c, self.u_hi), (self.a, self.c)
-
-    def steps_until(self, kind: _Mask) -> jax.Array:
-        """Steps up to the end of the blocks of ``kind`` (the kinds come in :meth:`_ranges`' order)."""
-        ranges = {_Mask.SEGMENTS: 2, _Mask.POSITIONS: 4, _Mask.NONE: 5}[kind]
-        return sum(stop - start for start, stop in self._ranges()[:ranges])
-
-    def block(self, s: jax.Array) -> jax.Array:
-        """The block of the item's ``s``-th step, in :meth:`_ranges`' order. The producer and
-        the consumers walk this one order, so a ring slot holds the block its consumer expects."""
-        (start, stop), *later = self._ranges()
-        block, first = start + s, stop - start  # ``first``: the item's step where a range begins
-        for start, stop in later:  # an empty range is overridden by the next
-            block = jnp.where(s >= first, start + s - first, block)
-            first = first + (stop - start)
-        return block
-
-    def row0(self, wg: jax.Array) -> jax.Array:
-        """The first row of the tile that consumer ``wg`` owns."""
-        return self.tile * _TILE + wg * WG_ROWS
-
-
 def _tile_ready(barriers: Any, buf: jax.Array, wg: jax.Array) -> Any:
     """The barrier of consumer ``wg``'s tile in buffer ``buf`` (``buffers x consumers`` of them)."""
-    return barriers.at[buf * _CONSUMERS + wg]
+    return barriers.at[buf * CONSUMERS + wg]
 
 
 def _wait_for_tile(barriers: Any, buf: jax.Array, wg: jax.Array) -> None:
@@ -373,48 +213,8 @@ def _key_value_streams(
     return streams_of
 
 
-# Up to this head dim, blocks masked by positions alone get a loop of their own beside those that
-# need the segment ids' mask (see _mask_loops). The third copy of a step costs registers: at head
-# dim 128 the kernels spilled with it (forward 68 bytes per thread, dq 20, dk/dv 180 against 0,
-# 0, 116 without) and ran 2-3% slower (4 documents of 1024 tokens); at 64 the packed model's
-# shape ran 5-10% faster with it (H100, bench/RESULTS.md run 115).
-_POSITIONS_APART_MAX_DIM = 64
-
-
-def _mask_loops(segmented: bool, dim: int) -> tuple[_Mask, ...]:
-    """The masks that get a walk loop of their own (see :func:`_walk`), the strictest first.
-    Without segment ids no block needs theirs. With them, a block masked by positions alone
-    (a document's diagonal) skips loading and comparing the ids in a loop of its own, up to
-    head dim :data:`_POSITIONS_APART_MAX_DIM`; above it such blocks take the segment ids' mask
-    too, so the kernel holds two copies of its step rather than three."""
-    if not segmented:
-        return (_Mask.POSITIONS,)
-    return (_Mask.SEGMENTS, _Mask.POSITIONS) if dim <= _POSITIONS_APART_MAX_DIM else (_Mask.SEGMENTS,)
-
-
-def _walk(visit: _Visit, step: Any, carry: Any, offset: Any = 0, *, masks: tuple[_Mask, ...]) -> Any:
-    """``step(j, t, carry, mask)`` over the planned blocks ``j`` in :meth:`_Visit.block`'s
-    order, ``mask`` the :class:`_Mask` they get; ``t = offset + s`` at the item's ``s``-th step
-    counts the producer's steps (it picks the ring slot). One loop per mask in ``masks`` (see
-    :func:`_mask_loops`; the last takes every masked block left), then the unmasked run: each
-    loop is a copy of the step's code in the kernel, so the blocks of one kind on both sides
-    of the unmasked run share one."""
-    stops = [visit.steps_until(mask) for mask in masks[:-1]] + [visit.steps_until(_Mask.POSITIONS), visit.steps]
-
-    def run(start: jax.Array, stop: jax.Array, mask: _Mask, carry: Any) -> Any:
-        return lax.fori_loop(start, stop, lambda s, cr: step(visit.block(s), offset + s, cr, mask), carry)
-
-    start = jnp.int32(0)
-    with jax.named_scope("walk"):
-        for mask, stop in zip((*masks, _Mask.NONE), stops):
-            with jax.named_scope("masked") if mask is not _Mask.NONE else contextlib.nullcontext():
-                carry = run(start, stop, mask, carry)
-            start = stop
-    return carry
-
-
 def _produce(
-    visit: _Visit, stages: int,
+    visit: Visit, stages: int,
     streams: list[tuple[Any, Any, Any, Any]], *, offset: jax.Array, repeats: int = 1,
 ) -> jax.Array:
     """The producer warpgroup's part of one item: for every planned block, TMA each stream's
@@ -456,143 +256,11 @@ def _drain(consumed: list[Any], stages: int, steps: jax.Array) -> None:
     lax.fori_loop(jnp.maximum(steps - stages, 0), steps, body, None)
 
 
-# --------------------------------------------------------------------------------------------
-# Persistent programs
-
-
-@dataclasses.dataclass(frozen=True)
-class _Items:
-    """A kernel's work as items (one tile of one head of one batch row) dealt to persistent programs.
-
-    With one program per tile, a tile cost a fixed 11.7 us on the H100 (start, its tile's
-    load, filling the ring, writing out: bench/RESULTS.md), about seven blocks' work, which
-    short documents cannot hide. So ``programs`` (one per SM) each walk several items: the
-    producer streams the next item's blocks while the consumers finish the current one, the
-    next tile loads while the current results are written, and each item's place and plan are
-    read one item ahead (8.6 us per tile measured with the first two of these). ``order [count]``
-    lists the items (see :func:`_work_order`); programs take them in snake order (``p``, then
-    ``2P - 1 - p``, ...), so every program gets a similar mix of long and short items.
-    """
-
-    count: int
-    programs: int
-    heads: int
-    tiles: int
-
-    def at(self, order_ref: Any, i: jax.Array | int) -> jax.Array:
-        """The id of this program's ``i``-th item."""
-        return order_ref[_snake_position(i, lax.axis_index("programs"), self.programs)]
-
-    def mine(self) -> jax.Array:
-        """How many items this program walks."""
-        return _snake_count(lax.axis_index("programs"), self.count, self.programs)
-
-    def visit(self, order_ref: Any, plan_ref: Any, i: jax.Array | int) -> _Visit:
-        """This program's ``i``-th item and its plan, read from global memory. Past the last
-        item it reads the last one again (harmless): the walks below read each item one item
-        ahead, so the reads' latency hides behind the current item's work."""
-        b, h, tile = _decode_item(self.at(order_ref, jnp.minimum(i, self.mine() - 1)), self.heads, self.tiles)
-        return _Visit(b, h, tile, *(plan_ref[n, b, tile] for n in range(plan_ref.shape[0])))
-
-
-def _decode_item(item: Any, heads: int, tiles: int) -> tuple[Any, Any, Any]:
-    """``(batch row, head, tile)`` of an item id ``(b * tiles + tile) * heads + h``."""
-    row_tile, h = item // heads, item % heads
-    return row_tile // tiles, h, row_tile % tiles
-
-
-def _snake_position(i: Any, program: Any, programs: int) -> Any:
-    """Where program ``program``'s ``i``-th item is in the order: rounds of ``programs`` items,
-    dealt forwards in even rounds and backwards in odd ones."""
-    return i * programs + jnp.where(i % 2 == 0, program, programs - 1 - program)
-
-
-def _snake_count(program: Any, count: int, programs: int) -> Any:
-    """How many of ``count`` items program ``program`` gets (only the last round can be short)."""
-    rounds = -(-count // programs)
-    return jnp.int32(rounds - 1) + (_snake_position(rounds - 1, program, programs) < count).astype(jnp.int32)
-
-
-def _program_count(items: int, persistent: bool) -> int:
-    """Programs to launch: one per item, or with ``persistent`` at most one per SM."""
-    if not persistent:
-        return items
-    device = jax.devices()[0]
-    sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return min(items, int(sms) if sms else 132)  # 132: the H100 SXM, when lowering elsewhere
-
-
-# Bytes of streamed operands (keys and values; or queries, their gradients and row terms) that
-# the items of one section of the order may share through the H100's 50 MiB of L2 (see
-# _work_order). 0: one section.
-_L2_SECTION_BYTES = 32 << 20
-
-
-def _section_length(programs: int, row_items: int, batch_row_bytes: int, count: int) -> int:
-    """Items per section of the work order: the items of the batch rows whose streamed bytes
-    fit in :data:`_L2_SECTION_BYTES` (one row at least), rounded to whole pairs of rounds
-    (``2 * programs`` items)."""
-    if not batch_row_bytes or not _L2_SECTION_BYTES:
-        return count
-    rows = max(_L2_SECTION_BYTES // batch_row_bytes, 1)
-    return 2 * programs * max(round(rows * row_items / (2 * programs)), 1)
-
-
-def _work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: int = 0) -> Int[Array, "items"]:
-    """Item ids (see :class:`_Items`): in sections that keep the blocks in flight in L2, each
-    section's items with the most planned blocks first; a constant of the program when the plan
-    is one (positions only, see :func:`_visit_plan`) and the items few enough
-    (:func:`_while_tracing`).
-
-    ``batch_row_bytes``: what the items of one batch row stream (its keys and values, say).
-    Costliest first over every row, a round of 132 items held one tile of each of 132 heads at
-    1024-token documents, so no two programs read the same blocks and the forward waited on HBM
-    (0.266 ms against 0.177 in sections, H100, B16 S1024 H16 D128, bench/RESULTS.md run 121).
-    Sections cut the items in id order (batch row, tile, head) into runs of whole pairs of
-    rounds (at row tiles' starts), about the rows that fit in :data:`_L2_SECTION_BYTES`
-    (:func:`_section_length`); costliest first within a run of two rounds dealt in snake
-    order, every program gets one long and one short item (sections of whole heads instead
-    left programs up to 20% apart, causal S4096, run 119). Ties keep id order, as before
-    sections: the heads of one tile together. ``batch_row_bytes=0``: one section."""
-    batch, tiles = plan.shape[1:]
-    count = batch * tiles * heads
-    length = _section_length(programs, tiles * heads, batch_row_bytes, count)
-    with _while_tracing(count):
-        cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
-        # The sort runs over row tiles (every head of one tile of one row; on the device each
-        # sorted element costs time before the kernel starts), each in the section of its first
-        # item: sections of whole row tiles would drift from whole pairs of rounds, and the
-        # balance with them (B16 S1024 H16 D128 forward and backward: 1.03 ms against 0.90 with
-        # sections cut at items, runs 127 and 125; the dk/dv kernel's items moved).
-        section = jnp.arange(batch * tiles, dtype=jnp.int32) * heads // length
-        # One key: section first, then the most blocks (costs lie in [0, most)).
-        most = jnp.max(cost, initial=0) + 1
-        row_tiles = jnp.argsort(section * most - cost, stable=True).astype(jnp.int32)
-        return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
-
-
-def _items(
-    plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, segmented: bool, kv_heads: int, batch_row_bytes: int = 0,
-) -> tuple[_Items, jax.Array]:
-    """The items of a kernel with ``plan`` over ``heads`` heads, which read the blocks of
-    ``kv_heads`` key/value heads (see :func:`_work_order` for the rest)."""
-    batch, tiles = plan.shape[1:]
-    count = batch * tiles * heads
-    # The interpreter runs programs one after another: three show the walk across items.
-    programs = min(count, 3) if interpret and persistent else _program_count(count, persistent)
-    if not segmented and batch * kv_heads <= programs // 2:
-        # Every head plans the same blocks: costliest first, each round already holds two tiles
-        # of every key/value head, and sections only cost balance (causal S4096: the forward
-        # 1-7% slower in sections, bench/RESULTS.md runs 120-121).
-        batch_row_bytes = 0
-    return _Items(count, programs, heads, tiles), _work_order(plan, heads, programs, batch_row_bytes=batch_row_bytes)
-
-
-def _key_value_items(plan: jax.Array, heads: int, persistent: bool, shape: _Shape, segmented: bool, k: jax.Array) -> tuple[_Items, jax.Array]:
-    """:func:`_items` of the kernels that walk key/value blocks (forward and dq): a batch row
+def _key_value_items(plan: jax.Array, heads: int, persistent: bool, shape: Shape, segmented: bool, k: jax.Array) -> tuple[Items, jax.Array]:
+    """:func:`deal_items` of the kernels that walk key/value blocks (forward and dq): a batch row
     streams its keys and values, ``k`` of ``[batch, seq_kv, kv_heads, dim]`` and as many values."""
     streamed = 2 * math.prod(k.shape[1:]) * jnp.dtype(k.dtype).itemsize
-    return _items(plan, heads, persistent, shape.interpret, segmented=segmented, kv_heads=k.shape[2], batch_row_bytes=streamed)
+    return deal_items(plan, heads, persistent, shape.interpret, segmented=segmented, kv_heads=k.shape[2], batch_row_bytes=streamed)
 
 
 def _fits_exactly(*buffer_bytes: int) -> bool:
@@ -608,7 +276,7 @@ def _tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
 
 
 def _consume_items(
-    items: _Items, order_ref: Any, plan_ref: Any, buffers: int, ready: Any, load: Any, process: Any, *, staged_apart: bool = False,
+    items: Items, order_ref: Any, plan_ref: Any, buffers: int, ready: Any, load: Any, process: Any, *, staged_apart: bool = False,
 ) -> None:
     """A consumer warpgroup's walk over its program's items.
 
@@ -637,7 +305,7 @@ def _consume_items(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        t0, visit = carry[0], _Visit(*carry[1:])
+        t0, visit = carry[0], Visit(*carry[1:])
         upcoming = items.visit(order_ref, plan_ref, i + 1)
         buf = lax.rem(i, buffers)
 
@@ -664,13 +332,13 @@ def _consume_items(
 
 
 def _produce_items(
-    items: _Items, order_ref: Any, plan_ref: Any, stages: int, streams_of: Any, consumed: list[Any], repeats: int = 1,
+    items: Items, order_ref: Any, plan_ref: Any, stages: int, streams_of: Any, consumed: list[Any], repeats: int = 1,
 ) -> None:
     """The producer warpgroup's walk: ``streams_of(b, h)`` gives an item's streams (see
     :func:`_produce`), ``consumed`` the barriers the consumers free ring slots on."""
 
     def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        t0, visit = carry[0], _Visit(*carry[1:])
+        t0, visit = carry[0], Visit(*carry[1:])
         upcoming = items.visit(order_ref, plan_ref, i + 1)
         t1 = t0 + _produce(visit, stages, streams_of(visit.b, visit.h), offset=t0, repeats=repeats)
         return (t1, *upcoming)
@@ -683,7 +351,7 @@ def _operand(x: Any) -> jax.Array:
     return x if isinstance(x, jax.Array) else x[...]
 
 
-def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, between: Any = None) -> jax.Array | tuple[jax.Array, Any]:
+def _mma_new(shape: Shape, a: Any, b: Any, *, transpose_b: bool, between: Any = None) -> jax.Array | tuple[jax.Array, Any]:
     """``a @ b`` (``b^T`` with ``transpose_b``) into a fresh float32 accumulator: ``a`` in
     shared memory or registers, ``b`` in shared memory, the product with wgmma. ``between()``,
     if given, runs after the wgmma is issued and before its result is awaited (CUDA-core work
@@ -692,7 +360,7 @@ def _mma_new(shape: _Shape, a: Any, b: Any, *, transpose_b: bool, between: Any =
 
 
 def _mma_sum(
-    shape: _Shape, products: list[tuple[Any, Any]], *, transpose_b: bool, transpose_a: bool = False, between: Any = None,
+    shape: Shape, products: list[tuple[Any, Any]], *, transpose_b: bool, transpose_a: bool = False, between: Any = None,
 ) -> jax.Array | tuple[jax.Array, Any]:
     """The sum of ``a @ b`` over ``products`` in one fresh float32 accumulator, one wgmma each
     (operands as in :func:`_mma_new`; ``a^T`` with ``transpose_a``, then from shared memory).
@@ -719,7 +387,7 @@ def _mma_sum(
     return acc if extra is None else (acc, extra)
 
 
-def _mma_into(shape: _Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
+def _mma_into(shape: Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
     """``acc + a @ b``, the wgmma accumulating in ``acc``'s registers (``run_state``)."""
     if shape.interpret:
         return acc + lax.dot_general(_operand(a), b[...], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -779,11 +447,11 @@ _PRODUCER_REGISTERS = 24
 
 def _forward_call(
     q: jax.Array, k: jax.Array, v: jax.Array, plan: jax.Array, segment_ids: jax.Array | None,
-    shape: _Shape, *, block_k: int, stages: int, pingpong: bool = False, persistent: bool = True,
+    shape: Shape, *, block_k: int, stages: int, pingpong: bool = False, persistent: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out [batch, seq_q, heads, dim], lse [batch, heads, seq_q])`` on padded operands.
 
-    Items are query tiles of one head (see :class:`_Items`). ``pingpong``: the two consumers
+    Items are query tiles of one head (see :class:`Items`). ``pingpong``: the two consumers
     meet at a two-arrival barrier twice per step (after issuing ``q k^T``, and after the
     softmax), offset by half a step, so one's softmax runs while the other's matrix products
     use the tensor cores. Both walk the same blocks, so their meetings pair up; per item,
@@ -794,11 +462,11 @@ def _forward_call(
     segmented = segment_ids is not None
     row_bytes = dim * jnp.dtype(dtype).itemsize
     items, order = _key_value_items(plan, heads, persistent, shape, segmented, k)
-    tile_bytes, ring_bytes = _TILE * row_bytes, stages * 2 * block_k * row_bytes
+    tile_bytes, ring_bytes = TILE * row_bytes, stages * 2 * block_k * row_bytes
     buffers = _tile_buffers(tile_bytes, ring_bytes)
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
     # and of the ring's key blocks.
-    small = (4 * _CONSUMERS * WG_ROWS,) + ((4 * buffers * _CONSUMERS * WG_ROWS, 4 * stages * block_k) if segmented else ())
+    small = (4 * CONSUMERS * WG_ROWS,) + ((4 * buffers * CONSUMERS * WG_ROWS, 4 * stages * block_k) if segmented else ())
     # Results in a buffer of their own (see _consume_items) where they fit, above head dim 64:
     # there the causal D128 forward ran 0.4-1.7% faster with it, in three interleaved runs on
     # the H100, and the packed D64 forward 0.5-3.1% slower (bench/RESULTS.md, runs 79-81).
@@ -818,7 +486,7 @@ def _forward_call(
         q_ready, k_ready, v_ready, k_used, v_used, kseg_ready, turn = barriers
         wg = lax.axis_index("wg")
 
-        @pl.when(wg < _CONSUMERS)
+        @pl.when(wg < CONSUMERS)
         def _consumer() -> None:
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
@@ -826,7 +494,7 @@ def _forward_call(
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(turn)
 
-            def load(visit: _Visit, buf: jax.Array) -> None:
+            def load(visit: Visit, buf: jax.Array) -> None:
                 b, h = visit.b, visit.h
                 rows = pl.ds(visit.row0(wg), WG_ROWS)
                 ready = _tile_ready(q_ready, buf, wg)
@@ -834,19 +502,19 @@ def _forward_call(
                 if segmented:
                     plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
 
-            def process(visit: _Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+            def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
                 b, h = visit.b, visit.h
                 row0 = visit.row0(wg)
                 my_q = q_smem.at[buf, wg]
                 q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
-                def step(j: jax.Array, t: jax.Array, carry: Any, kind: _Mask) -> Any:
+                def step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
                     acc, m, l = carry
                     slot = lax.rem(t, stages)
                     segments = None
                     if segmented:
                         plgpu.barrier_wait(kseg_ready.at[slot])
-                        if kind is _Mask.SEGMENTS:
+                        if kind is Mask.SEGMENTS:
                             segments = (q_seg, _load(shape, kseg_ring.at[slot], _col_layout()))
                     with jax.named_scope("k_wait"):
                         plgpu.barrier_wait(k_ready.at[slot])
@@ -854,7 +522,7 @@ def _forward_call(
                     s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
                     plgpu.barrier_arrive(k_used.at[slot])
                     s = s * shape.scale
-                    masked = kind is not _Mask.NONE
+                    masked = kind is not Mask.NONE
                     mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False) if masked else None
                     if mask is not None:
                         s = jnp.where(mask, s, MASK_VALUE)
@@ -883,7 +551,7 @@ def _forward_call(
                 )
                 if pingpong:
                     pl.when(wg == 1)(meet)
-                acc, m, l = _walk(visit, step, init, offset=t0, masks=_mask_loops(segmented, dim))
+                acc, m, l = walk(visit, step, init, offset=t0, masks=mask_loops(segmented, dim))
                 if pingpong:
                     pl.when(wg == 0)(meet)
                 seen = l > 0.0
@@ -903,7 +571,7 @@ def _forward_call(
 
             _consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process, staged_apart=staged_apart)
 
-        @pl.when(wg == _CONSUMERS)
+        @pl.when(wg == CONSUMERS)
         def _producer() -> None:
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
@@ -914,23 +582,23 @@ def _forward_call(
 
     # The 128-byte-swizzled buffers first (each a multiple of 1024 bytes), the small ones last.
     scratch = (
-        _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
         _smem_tile((stages, block_k, dim), dtype),
         _smem_tile((stages, block_k, dim), dtype),
-        plgpu.SMEM((_CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
     )
     if staged_apart:
-        scratch = scratch[:3] + (_smem_tile((_CONSUMERS, WG_ROWS, dim), dtype),) + scratch[3:]
+        scratch = scratch[:3] + (_smem_tile((CONSUMERS, WG_ROWS, dim), dtype),) + scratch[3:]
     if segmented:
-        scratch += (plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.int32), plgpu.SMEM((stages, block_k), jnp.int32))
+        scratch += (plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32), plgpu.SMEM((stages, block_k), jnp.int32))
     barriers = (
-        plgpu.Barrier(num_arrivals=2 if segmented else 1, num_barriers=buffers * _CONSUMERS),
+        plgpu.Barrier(num_arrivals=2 if segmented else 1, num_barriers=buffers * CONSUMERS),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS),
+        plgpu.Barrier(num_arrivals=CONSUMERS),
     )
     operands = (q, k, v, plan, order) + ((segment_ids,) if segmented else ())
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32))
@@ -947,9 +615,9 @@ def _dq_tiles(dim: int, dtype: Any, block_k: int, stages: int) -> tuple[int, boo
     still fit twice beside the ring (see :func:`_dq_call`); else ``delta`` comes in."""
     row_bytes = dim * jnp.dtype(dtype).itemsize
     ring_bytes = stages * 2 * block_k * row_bytes
-    if _tile_buffers(3 * _TILE * row_bytes, ring_bytes) == 2:
+    if _tile_buffers(3 * TILE * row_bytes, ring_bytes) == 2:
         return 2, True
-    return _tile_buffers(2 * _TILE * row_bytes, ring_bytes), False
+    return _tile_buffers(2 * TILE * row_bytes, ring_bytes), False
 
 
 def _delta(out: jax.Array, do: jax.Array) -> Float[Array, "batch heads seq_q"]:
@@ -959,7 +627,7 @@ def _delta(out: jax.Array, do: jax.Array) -> Float[Array, "batch heads seq_q"]:
 
 def _dq_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, out: jax.Array,
-    plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_k: int, stages: int, persistent: bool = True,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_k: int, stages: int, persistent: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dq [batch, seq_q, heads, dim], delta [batch, heads, seq_q])``: items are 128-row query
     tiles of one head, walking the key/value blocks of the plan; ``p`` is rebuilt from the saved
@@ -988,11 +656,11 @@ def _dq_call(
         q_ready, k_ready, v_ready, k_used, v_used, kseg_ready = barriers
         wg = lax.axis_index("wg")
 
-        @pl.when(wg < _CONSUMERS)
+        @pl.when(wg < CONSUMERS)
         def _consumer() -> None:
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
-            def load(visit: _Visit, buf: jax.Array) -> None:
+            def load(visit: Visit, buf: jax.Array) -> None:
                 b, h = visit.b, visit.h
                 rows = pl.ds(visit.row0(wg), WG_ROWS)
                 # One barrier, several copies: it expects one arrival per copy.
@@ -1007,7 +675,7 @@ def _dq_call(
                 if segmented:
                     plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
 
-            def own_delta(visit: _Visit, buf: jax.Array) -> jax.Array:
+            def own_delta(visit: Visit, buf: jax.Array) -> jax.Array:
                 """This item's rows of ``delta`` from its output and ``dO`` tiles, also sent
                 out to the dk/dv kernel."""
                 with jax.named_scope("delta"):
@@ -1019,7 +687,7 @@ def _dq_call(
                     plgpu.copy_smem_to_gmem(delta_smem.at[buf, wg], delta_out_ref.at[visit.b, visit.h, pl.ds(visit.row0(wg), WG_ROWS)])
                 return delta
 
-            def process(visit: _Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+            def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
                 b, h = visit.b, visit.h
                 row0 = visit.row0(wg)
                 my_q, my_do = q_smem.at[buf, wg], do_smem.at[buf, wg]
@@ -1027,19 +695,19 @@ def _dq_call(
                 delta = own_delta(visit, buf) if computes_delta else _load(shape, delta_smem.at[buf, wg], _row_layout())
                 q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
-                def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: _Mask) -> jax.Array:
+                def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: Mask) -> jax.Array:
                     slot = lax.rem(t, stages)
                     segments = None
                     if segmented:
                         plgpu.barrier_wait(kseg_ready.at[slot])
-                        if kind is _Mask.SEGMENTS:
+                        if kind is Mask.SEGMENTS:
                             segments = (q_seg, _load(shape, kseg_ring.at[slot], _col_layout()))
                     plgpu.barrier_wait(k_ready.at[slot])
                     s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
 
                     def probabilities() -> jax.Array:
                         p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-                        if kind is not _Mask.NONE:
+                        if kind is not Mask.NONE:
                             mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False)
                             if mask is not None:
                                 p = jnp.where(mask, p, 0.0)
@@ -1055,7 +723,7 @@ def _dq_call(
                     return dq
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
-                dq = _walk(visit, step, zeros, offset=t0, masks=_mask_loops(segmented, dim))
+                dq = walk(visit, step, zeros, offset=t0, masks=mask_loops(segmented, dim))
 
                 def write() -> None:
                     my_q[...] = (dq * (shape.scale / _LOG2E)).astype(dtype)
@@ -1066,7 +734,7 @@ def _dq_call(
 
             _consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process)
 
-        @pl.when(wg == _CONSUMERS)
+        @pl.when(wg == CONSUMERS)
         def _producer() -> None:
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
@@ -1077,21 +745,21 @@ def _dq_call(
 
     copies = 5 if segmented else 4
     scratch = (
-        _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
-        _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
         _smem_tile((stages, block_k, dim), dtype),
         _smem_tile((stages, block_k, dim), dtype),
-        plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.float32),
-        plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.float32),
-        plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.int32),
+        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32),
         plgpu.SMEM((stages, block_k), jnp.int32),
-    ) + ((_smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),) if computes_delta else ())
+    ) + ((_smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),) if computes_delta else ())
     barriers = (
-        plgpu.Barrier(num_arrivals=copies, num_barriers=buffers * _CONSUMERS),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=buffers * CONSUMERS),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
     )
     operands = (q, k, v, do, lse, out_or_delta, plan, order) + ((segment_ids,) if segmented else ())
@@ -1102,7 +770,7 @@ def _dq_call(
 
 def _dkv_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
-    plan: jax.Array, segment_ids: jax.Array | None, shape: _Shape, *, block_q: int, stages: int, persistent: bool = True,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_q: int, stages: int, persistent: bool = True,
     fused: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``(dk, dv [batch, seq_kv, kv_heads, dim], dq)``: items are 128-row key/value tiles of one
@@ -1126,10 +794,10 @@ def _dkv_call(
     group = shape.group
     row_bytes = dim * jnp.dtype(dtype).itemsize
     # A batch row's queries, their gradients, log-sum-exps and deltas.
-    items, order = _items(
+    items, order = deal_items(
         plan, kv_heads, persistent, shape.interpret, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8),
     )
-    tile_bytes = 2 * _TILE * row_bytes  # key and value rows of one tile
+    tile_bytes = 2 * TILE * row_bytes  # key and value rows of one tile
     ring_bytes = stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0)  # with the fused buffers
     if fused and tile_bytes + ring_bytes > _SMEM_BYTES:
         raise ValueError(f"num_stages: {stages} stages of the fused backward do not fit shared memory at head dim {dim}")
@@ -1150,11 +818,11 @@ def _dkv_call(
         ds_ready, ds_used = barriers[8:] if fused else (None, None)
         wg = lax.axis_index("wg")
 
-        @pl.when(wg < _CONSUMERS)
+        @pl.when(wg < CONSUMERS)
         def _consumer() -> None:
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
-            def load(visit: _Visit, buf: jax.Array) -> None:
+            def load(visit: Visit, buf: jax.Array) -> None:
                 b, hk = visit.b, visit.h
                 rows = pl.ds(visit.row0(wg), WG_ROWS)
                 ready = _tile_ready(kv_ready, buf, wg)
@@ -1163,7 +831,7 @@ def _dkv_call(
                 if segmented:
                     plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[buf, wg], ready)
 
-            def process(visit: _Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+            def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
                 b, hk = visit.b, visit.h
                 row0 = visit.row0(wg)
                 my_k, my_v = k_smem.at[buf, wg], v_smem.at[buf, wg]
@@ -1185,7 +853,7 @@ def _dkv_call(
 
                     _pair_share(shape, wg, t, t0, ds_t, ds_smem, k_smem.at[buf], (ds_ready, ds_used), send)
 
-                def step(r: jax.Array, j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], kind: _Mask) -> tuple[jax.Array, jax.Array]:
+                def step(r: jax.Array, j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], kind: Mask) -> tuple[jax.Array, jax.Array]:
                     dk, dv = grads
                     slot = lax.rem(t, stages)
                     for barrier in (lse_ready, delta_ready) + ((qseg_ready,) if segmented else ()):
@@ -1194,8 +862,8 @@ def _dkv_call(
                     s_t = _mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
                     lse = _load(shape, lse_ring.at[slot], _col_layout())
                     p_t = jnp.exp2(s_t * shape.scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-                    if kind is not _Mask.NONE:
-                        segments = (_load(shape, qseg_ring.at[slot], _col_layout()), k_seg) if kind is _Mask.SEGMENTS else None
+                    if kind is not Mask.NONE:
+                        segments = (_load(shape, qseg_ring.at[slot], _col_layout()), k_seg) if kind is Mask.SEGMENTS else None
                         mask = _visibility(shape, j * block_q, row0, WG_ROWS, block_q, segments, transpose=True)
                         if mask is not None:
                             p_t = jnp.where(mask, p_t, 0.0)
@@ -1218,7 +886,7 @@ def _dkv_call(
                 n = visit.steps
                 # A loop, not an unrolled one: every copy of the walk is more code to compile.
                 dk, dv = lax.fori_loop(
-                    0, group, lambda r, grads: _walk(visit, functools.partial(step, r), grads, offset=t0 + r * n, masks=_mask_loops(segmented, dim)), (zeros, zeros),
+                    0, group, lambda r, grads: walk(visit, functools.partial(step, r), grads, offset=t0 + r * n, masks=mask_loops(segmented, dim)), (zeros, zeros),
                 )
                 if fused:
                     _pair_share_done(wg, t0, group * n, ds_used)
@@ -1235,7 +903,7 @@ def _dkv_call(
 
             _consume_items(items, order_ref, plan_ref, buffers, kv_ready, load, process)
 
-        @pl.when(wg == _CONSUMERS)
+        @pl.when(wg == CONSUMERS)
         def _producer() -> None:
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
@@ -1259,9 +927,9 @@ def _dkv_call(
             _produce_items(items, order_ref, plan_ref, stages, streams_of, [q_used, do_used], repeats=group)
 
     scratch = (
-        _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
-        _smem_tile((buffers, _CONSUMERS, WG_ROWS, dim), dtype),
-        plgpu.SMEM((buffers, _CONSUMERS, WG_ROWS), jnp.int32),
+        _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
+        _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
+        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32),
         _smem_tile((stages, block_q, dim), dtype),
         _smem_tile((stages, block_q, dim), dtype),
         plgpu.SMEM((stages, block_q), jnp.float32),
@@ -1269,16 +937,16 @@ def _dkv_call(
         plgpu.SMEM((stages, block_q), jnp.int32),
     )
     if fused:
-        scratch += (_smem_tile((_CONSUMERS, WG_ROWS, block_q), dtype), _smem_tile((_CONSUMERS, block_q, dim), jnp.float32))
+        scratch += (_smem_tile((CONSUMERS, WG_ROWS, block_q), dtype), _smem_tile((CONSUMERS, block_q, dim), jnp.float32))
     ring = functools.partial(plgpu.Barrier, num_barriers=stages)
     barriers = (
-        plgpu.Barrier(num_arrivals=3 if segmented else 2, num_barriers=buffers * _CONSUMERS),
+        plgpu.Barrier(num_arrivals=3 if segmented else 2, num_barriers=buffers * CONSUMERS),
         ring(), ring(), ring(), ring(), ring(),
-        ring(num_arrivals=_CONSUMERS),
-        ring(num_arrivals=_CONSUMERS),
+        ring(num_arrivals=CONSUMERS),
+        ring(num_arrivals=CONSUMERS),
     )
     if fused:  # the turns of _pair_share: ds ready (both consumers), ds and keys read (the sender)
-        barriers += (plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_CONSUMERS), plgpu.Barrier(num_barriers=_CONSUMERS))
+        barriers += (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=CONSUMERS))
     operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ())
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     dq_acc = None
@@ -1298,11 +966,11 @@ def _dkv_call(
 def _fused_bytes(dim: int) -> int:
     """Shared memory the fused backward adds per program: each consumer's ``ds`` (16-bit,
     ``64 x 64``) and its float32 share of ``dq`` (``64 x dim``)."""
-    return _CONSUMERS * (WG_ROWS * WG_ROWS * 2 + WG_ROWS * dim * 4)
+    return CONSUMERS * (WG_ROWS * WG_ROWS * 2 + WG_ROWS * dim * 4)
 
 
 def _pair_share(
-    shape: _Shape, wg: jax.Array, t: jax.Array, t0: jax.Array, ds_t: jax.Array, ds_smem: Any, k_tile: Any,
+    shape: Shape, wg: jax.Array, t: jax.Array, t0: jax.Array, ds_t: jax.Array, ds_smem: Any, k_tile: Any,
     barriers: tuple[Any, Any], send: Any,
 ) -> None:
     """One step's share of ``dq``, ``ds^T k`` over the tile's 128 keys, computed and sent by
@@ -1320,7 +988,7 @@ def _pair_share(
     buffer has two steps, not one, to leave shared memory before it is rewritten.
     """
     ds_ready, ds_used = barriers
-    turn = lax.rem(t, _CONSUMERS)
+    turn = lax.rem(t, CONSUMERS)
     mine = turn == wg
     other = 1 - wg
     pl.when(mine & (t > t0))(lambda: plgpu.barrier_wait(ds_used.at[other]))
@@ -1331,7 +999,7 @@ def _pair_share(
     @pl.when(mine)
     def _send() -> None:
         plgpu.barrier_wait(ds_ready.at[wg])
-        products = [(ds_smem.at[w], k_tile.at[w]) for w in range(_CONSUMERS)]
+        products = [(ds_smem.at[w], k_tile.at[w]) for w in range(CONSUMERS)]
         share = _mma_sum(shape, products, transpose_a=True, transpose_b=False)
         plgpu.barrier_arrive(ds_used.at[wg])
         send(share)
@@ -1342,7 +1010,7 @@ def _pair_share_done(wg: jax.Array, t0: jax.Array, steps: jax.Array, ds_used: An
     step was not waits until that turn has read its ``ds`` and keys, which the item's results
     (and, with one tile buffer, the next item's keys) are about to overwrite."""
     last = t0 + steps - 1
-    pl.when((steps > 0) & (lax.rem(last, _CONSUMERS) != wg))(lambda: plgpu.barrier_wait(ds_used.at[1 - wg]))
+    pl.when((steps > 0) & (lax.rem(last, CONSUMERS) != wg))(lambda: plgpu.barrier_wait(ds_used.at[1 - wg]))
 
 
 def _sum_shares(shares: jax.Array, plan: jax.Array, block_q: int) -> Float[Array, "batch seq_q heads dim"]:
@@ -1378,7 +1046,7 @@ def _launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tup
         return pl.kernel(
             kernel_body,
             out_type=out_type,
-            mesh=plgpu.Mesh(grid=(programs,), grid_names=("programs",), num_threads=_CONSUMERS + 1, thread_name="wg"),
+            mesh=plgpu.Mesh(grid=(programs,), grid_names=("programs",), num_threads=CONSUMERS + 1, thread_name="wg"),
             compiler_params=_compiler_params(),
             interpret=_interpret_params() if interpret else False,
         )(*operands)
@@ -1394,7 +1062,7 @@ class _Padded:
     k: jax.Array
     v: jax.Array
     segment_ids: jax.Array | None
-    shape: _Shape
+    shape: Shape
     seq_q: int
     seq_kv: int
     dim: int
@@ -1409,20 +1077,20 @@ def _pad(
     seq_q, dim = q.shape[1], q.shape[3]
     seq_kv = k.shape[1]
     padded_dim = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
-    kv_multiple = math.lcm(block_k, _TILE)  # the backward tiles keys by 128
-    q = pad_to(pad_axis(q, 3, padded_dim), 1, _TILE)
+    kv_multiple = math.lcm(block_k, TILE)  # the backward tiles keys by 128
+    q = pad_to(pad_axis(q, 3, padded_dim), 1, TILE)
     k, v = (pad_to(pad_axis(t, 3, padded_dim), 1, kv_multiple) for t in (k, v))
     if segment_ids is not None:
         segment_ids = pad_axis(segment_ids.astype(jnp.int32), 1, max(q.shape[1], k.shape[1]))
     kv_len = seq_kv if segment_ids is None and k.shape[1] != seq_kv else None
-    shape = _Shape(scale * _LOG2E, bounds, kv_len, q.shape[2] // k.shape[2], segment_ids is not None, interpret)
+    shape = Shape(scale * _LOG2E, bounds, kv_len, q.shape[2] // k.shape[2], segment_ids is not None, interpret)
     return _Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim)
 
 
 def _forward_padded(p: _Padded, *, block_k: int, stages: int, pingpong: bool = False, persistent: bool = True) -> tuple[jax.Array, jax.Array]:
     batch, rows = p.q.shape[:2]
     cols = p.k.shape[1]
-    plan = _visit_plan(rows, cols, _TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
+    plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
     segments = None if p.segment_ids is None else p.segment_ids
     return _forward_call(p.q, p.k, p.v, plan, segments, p.shape, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
 
@@ -1457,9 +1125,9 @@ def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams, *, fused_backward: boo
     except ValueError:
         return False
     row = padded * 2  # bytes of one 16-bit row
-    forward = _TILE * row + fwd_stages * 2 * fwd_k * row
-    dq = 2 * _TILE * row + bwd_stages * 2 * bwd_k * row
-    dkv = 2 * _TILE * row + bwd_stages * 2 * bwd_q * row + (_fused_bytes(padded) if fused_backward and bwd_q == WG_ROWS else 0)
+    forward = TILE * row + fwd_stages * 2 * fwd_k * row
+    dq = 2 * TILE * row + bwd_stages * 2 * bwd_k * row
+    dkv = 2 * TILE * row + bwd_stages * 2 * bwd_q * row + (_fused_bytes(padded) if fused_backward and bwd_q == WG_ROWS else 0)
     return max(forward, dq, dkv) <= _SMEM_BYTES
 
 
@@ -1500,7 +1168,7 @@ def mosaic_forward(
     (see :func:`_forward_call`). On by default: on the H100 (jax 0.11.2, 2026-11-25) it ran the
     causal B4 S4096 H16 D128 forward 1.06x and the packed-documents forward 1.08x faster than
     the plain schedule, in one interleaved run (bench/RESULTS.md). ``persistent``: at most one
-    program per SM, each walking several tiles (see :class:`_Items`); False: one per tile.
+    program per SM, each walking several tiles (see :class:`Items`); False: one per tile.
     """
     _check(q, k)
     _, block_k, stages = _blocks(params, q.shape[3])
@@ -1544,9 +1212,9 @@ def mosaic_backward(
     if fused:
         delta = _delta(out, do)
     else:  # the dq kernel first: it may compute delta for the dk/dv kernel
-        rows_plan = _visit_plan(rows, cols, _TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
+        rows_plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
         dq, delta = _dq_call(p.q, p.k, p.v, do, lse, out, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent)
-    cols_plan = _visit_plan(cols, rows, _TILE, block_q, p.shape, p.segment_ids, batch, transpose=True)
+    cols_plan = visit_plan(cols, rows, TILE, block_q, p.shape, p.segment_ids, batch, transpose=True)
     dk, dv, fused_dq = _dkv_call(
         p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages, persistent=persistent, fused=fused,
     )
@@ -1614,7 +1282,7 @@ def mosaic_attention(
       params: forward and backward launch parameters (kv/q block 64 or 128, stages).
       interpret: run in the Mosaic GPU interpreter (CPU tests).
       pingpong: alternate the forward's two consumer warpgroups (see :func:`mosaic_forward`).
-      persistent: at most one program per SM, each walking several tiles (see :class:`_Items`).
+      persistent: at most one program per SM, each walking several tiles (see :class:`Items`).
       fused_backward: one backward kernel for dq, dk and dv (see :func:`mosaic_backward`).
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:

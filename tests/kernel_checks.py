@@ -1,4 +1,4 @@
-"""Checks shared by the kernel tests: relative errors, labels in a lowered program, tuning."""
+"""Checks shared by the kernel tests: relative errors, labels in a lowered program, tuning, documents."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -70,3 +71,15 @@ def assert_tunes(kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str
         assert candidate.status in ("ok", "pruned") or candidate.reason, candidate
     assert result.best.status == "ok"
     return result
+
+
+def documents(batch: int, seq: int, count: int, padding: int, seed: int = 0) -> jax.Array:
+    """``[batch, seq]`` ids of ``count`` contiguous documents of random lengths, then padding (0)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, seq - padding), size=count - 1, replace=False)) if count > 1 else np.array([], int)
+        ids = np.zeros(seq, np.int32)
+        ids[: seq - padding] = 1 + np.searchsorted(cuts, np.arange(seq - padding), side="right")
+        rows.append(ids)
+    return jnp.asarray(np.stack(rows))

@@ -1,7 +1,7 @@
 """The Mosaic GPU flash attention (kernels/attention_mosaic.py).
 
-On the CPU: the visiting plans against a dense mask, lowering to the Mosaic GPU module for a
-grid of shapes and options (it catches shape, layout and type errors without a GPU), and
+On the CPU (the plans and the work order have tests of their own, test_mosaic_plan.py and
+test_mosaic_work.py): lowering to the Mosaic GPU module for a grid of shapes and options (it catches shape, layout and type errors without a GPU), and
 values and gradients in the Mosaic GPU interpreter at small sizes. On a Hopper GPU: values and
 gradients against a float32 reference over head dims, odd lengths, segments and GQA ratios.
 """
@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from ejlabel.kernels import attention_mosaic as am
+from ejlabel.kernels import _mosaic_plan as mplan
 from ejlabel.kernels.attention import (
     AttentionConfig,
     AttentionKernel,
@@ -28,7 +27,7 @@ from ejlabel.kernels.attention import (
     _bounds,
     flash_attention,
 )
-from kernel_checks import gpu, needs_gpu, rel_error
+from kernel_checks import documents, gpu, needs_gpu, rel_error
 
 import ejlabel
 from ejlabel import BwdParams, FwdParams, Invocation, analysis, label, label_scope
@@ -42,155 +41,9 @@ def qkv(batch: int, seq: int, heads: int, kv_heads: int, dim: int, dtype: Any, s
     return tuple(jax.random.normal(kk, s, jnp.float32).astype(dtype) for kk, s in zip(keys, shapes))
 
 
-def documents(batch: int, seq: int, count: int, padding: int, seed: int = 0) -> jax.Array:
-    """``[batch, seq]`` ids of ``count`` contiguous documents of random lengths, then padding (0)."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(batch):
-        cuts = np.sort(rng.choice(np.arange(1, seq - padding), size=count - 1, replace=False)) if count > 1 else np.array([], int)
-        ids = np.zeros(seq, np.int32)
-        ids[: seq - padding] = 1 + np.searchsorted(cuts, np.arange(seq - padding), side="right")
-        rows.append(ids)
-    return jnp.asarray(np.stack(rows))
-
-
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window: Any, segment_ids: Any, scale: float) -> jax.Array:
     f32 = [t.astype(jnp.float32) for t in (q, k, v)]
     return _attention_xla(*f32, segment_ids, scale=scale, bounds=_bounds(causal, window))
-
-
-# --------------------------------------------------------------------------------------------
-# Visiting plans
-
-
-def dense_visibility(seq_q: int, seq_kv: int, causal: bool, window: Any, segment_ids: jax.Array | None, kv_len: int | None) -> np.ndarray:
-    left, right = _bounds(causal, window)
-    i, j = np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :]
-    visible = np.ones((seq_q, seq_kv), bool)
-    if right is not None:
-        visible &= j <= i + right
-    if left is not None:
-        visible &= j >= i - left
-    if kv_len is not None:
-        visible &= j < kv_len
-    visible = np.broadcast_to(visible, (1 if segment_ids is None else segment_ids.shape[0], seq_q, seq_kv)).copy()
-    if segment_ids is not None:
-        ids = np.asarray(segment_ids)
-        visible &= (ids[:, :seq_q, None] == ids[:, None, :seq_kv]) & (ids[:, :seq_q, None] > 0)
-    return visible
-
-
-@pytest.mark.parametrize("transpose", [False, True])
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"causal": True},
-        {"causal": False, "window": (100, 30)},
-        {"causal": True, "segments": 3},
-        {"causal": False, "segments": 4},
-        {"causal": True, "kv_len": 300},
-        {"causal": False, "unsorted": True},
-    ],
-)
-def test_plan_covers_every_visible_pair_and_skips_masks_only_on_whole_blocks(options: dict[str, Any], transpose: bool) -> None:
-    seq, block_r, block_c = 384, 128, 64
-    ids = None
-    if "segments" in options:
-        ids = documents(2, seq, options["segments"], padding=40, seed=3)
-    if options.get("unsorted"):
-        ids = jnp.asarray(np.random.default_rng(0).integers(0, 3, (2, seq)), jnp.int32)
-    bounds = _bounds(options["causal"], options.get("window"))
-    shape = am._Shape(1.0, bounds, options.get("kv_len"), 1, ids is not None)
-    batch = 2
-    plan = np.asarray(am._visit_plan(seq, seq, block_r, block_c, shape, ids, batch, transpose=transpose))
-    visible = dense_visibility(seq, seq, options["causal"], options.get("window"), ids, options.get("kv_len"))
-    by_position = dense_visibility(seq, seq, options["causal"], options.get("window"), None, options.get("kv_len"))
-    visible, by_position = (np.broadcast_to(x, (batch, seq, seq)) for x in (visible, by_position))
-    if transpose:  # rows are keys
-        visible, by_position = visible.transpose(0, 2, 1), by_position.transpose(0, 2, 1)
-    lo, hi, a, c, u_lo, u_hi = plan
-    assert np.all((lo <= u_lo) & (u_lo <= a) & (a <= c) & (c <= u_hi) & (u_hi <= hi))
-    if ids is None:  # no block needs a segment mask
-        np.testing.assert_array_equal(u_lo, lo)
-        np.testing.assert_array_equal(u_hi, hi)
-    for b in range(batch):
-        for r in range(seq // block_r):
-            rows = visible[b, r * block_r : (r + 1) * block_r]
-            per_block = rows.reshape(block_r, seq // block_c, block_c)
-            needed = np.flatnonzero(per_block.any(axis=(0, 2)))
-            if needed.size:
-                assert lo[b, r] <= needed.min() and needed.max() < hi[b, r], (b, r, needed, lo[b, r], hi[b, r])
-            assert per_block[:, a[b, r] : c[b, r]].all(), (b, r, a[b, r], c[b, r])
-            # Where the plan says no segment mask is needed, the positions' mask is the whole mask.
-            columns = slice(u_lo[b, r] * block_c, u_hi[b, r] * block_c)
-            np.testing.assert_array_equal(rows[:, columns], by_position[b, r * block_r : (r + 1) * block_r, columns])
-
-
-def test_plan_skips_blocks_of_other_documents() -> None:
-    # Four documents of 256 tokens: a 128-row tile sees only the key blocks of its document.
-    ids = jnp.repeat(jnp.arange(1, 5, dtype=jnp.int32), 256)[None]
-    shape = am._Shape(1.0, (None, None), None, 1, True)
-    lo, hi, a, c, u_lo, u_hi = np.asarray(am._visit_plan(1024, 1024, 128, 128, shape, ids, 1, transpose=False))
-    np.testing.assert_array_equal(lo[0], [0, 0, 2, 2, 4, 4, 6, 6])
-    np.testing.assert_array_equal(hi[0], [2, 2, 4, 4, 6, 6, 8, 8])
-    np.testing.assert_array_equal(a, lo)  # documents align with blocks: no mask at all
-    np.testing.assert_array_equal(c, hi)
-    np.testing.assert_array_equal(u_lo, lo)
-    np.testing.assert_array_equal(u_hi, hi)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 4), min_size=5, max_size=5))
-def test_walk_order_visits_each_block_once_by_kind(gaps: list[int]) -> None:
-    # lo <= u_lo <= a <= c <= u_hi <= hi from five gaps (any may be 0: empty ranges).
-    lo, u_lo, a, c, u_hi, hi = np.cumsum([3, *gaps])
-    visit = am._Visit(*(jnp.int32(0),) * 3, *(jnp.int32(x) for x in (lo, hi, a, c, u_lo, u_hi)))
-    blocks = [int(visit.block(jnp.int32(s))) for s in range(int(visit.steps))]
-    assert sorted(blocks) == list(range(lo, hi))
-    kinds = {am._Mask.SEGMENTS: [], am._Mask.POSITIONS: [], am._Mask.NONE: []}
-    start = 0
-    for kind in kinds:  # the walk's order of kinds
-        stop = int(visit.steps_until(kind))
-        kinds[kind] = blocks[start:stop]
-        start = stop
-    assert set(kinds[am._Mask.SEGMENTS]) == set(range(lo, u_lo)) | set(range(u_hi, hi))
-    assert set(kinds[am._Mask.POSITIONS]) == set(range(u_lo, a)) | set(range(c, u_hi))
-    assert kinds[am._Mask.NONE] == list(range(a, c))
-
-
-@pytest.mark.parametrize(
-    "masks", [(am._Mask.SEGMENTS, am._Mask.POSITIONS), (am._Mask.SEGMENTS,), (am._Mask.POSITIONS,)], ids=["apart", "joined", "positions"]
-)
-def test_walk_gives_each_block_its_mask(masks: tuple[Any, ...]) -> None:
-    lo, u_lo, a, c, u_hi, hi = 1, 3, 4, 6, 8, 9  # segments: 1, 2, 8; positions: 3, 6, 7; none: 4, 5
-    visit = am._Visit(*(jnp.int32(0),) * 3, *(jnp.int32(x) for x in (lo, hi, a, c, u_lo, u_hi)))
-    codes = {mask: n for n, mask in enumerate(am._Mask)}
-
-    def step(j: jax.Array, t: jax.Array, got: jax.Array, mask: Any) -> jax.Array:
-        return got.at[j].set(codes[mask])
-
-    got = np.asarray(am._walk(visit, step, jnp.full(10, -1), masks=masks))
-    want = np.full(10, -1)
-    want[[4, 5]] = codes[am._Mask.NONE]
-    positions = am._Mask.POSITIONS if am._Mask.POSITIONS in masks else am._Mask.SEGMENTS
-    want[[3, 6, 7]] = codes[positions]
-    want[[1, 2, 8]] = codes[masks[0]]  # an unsegmented walk's plans have none such: u_lo = lo, u_hi = hi
-    np.testing.assert_array_equal(got, want)
-
-
-def test_plan_masks_a_documents_diagonal_by_position_only() -> None:
-    # Causal, documents of 256 and 512 tokens, then two that meet inside a block (64 and 192
-    # tokens): a tile's diagonal block inside its document needs the causal mask alone; the
-    # block holding two documents needs the segment ids' mask, for its own tile and the next.
-    ids = jnp.concatenate([jnp.full(256, 1), jnp.full(512, 2), jnp.full(256, 3)]).astype(jnp.int32)
-    ids = ids.at[832:].set(4)[None]
-    shape = am._Shape(1.0, (None, 0), None, 1, True)
-    lo, hi, a, c, u_lo, u_hi = (row[0] for row in np.asarray(am._visit_plan(1024, 1024, 128, 128, shape, ids, 1, transpose=False)))
-    np.testing.assert_array_equal(lo, [0, 0, 2, 2, 2, 2, 6, 6])
-    np.testing.assert_array_equal(hi, [1, 2, 3, 4, 5, 6, 7, 8])
-    np.testing.assert_array_equal(u_hi - u_lo, [1, 2, 1, 2, 3, 4, 0, 1])
-    np.testing.assert_array_equal(u_lo[7], 7)
-    np.testing.assert_array_equal(c - a, [0, 1, 0, 1, 2, 3, 0, 0])  # the diagonal is masked: by position
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,7 +120,7 @@ def test_positional_plans_and_orders_are_constants(window: tuple[int, int] | Non
     assert "stablehlo.sort" in segmented and "stablehlo.reduce" in segmented
     # Past the cap on constants (3 tiles x 4 heads per batch row: one row more than fits), the
     # order is sorted on the device instead.
-    many = jax.ShapeDtypeStruct((am._MAX_CONSTANT // 12 + 1, 300, 4, 64), jnp.bfloat16)
+    many = jax.ShapeDtypeStruct((mplan.MAX_CONSTANT // 12 + 1, 300, 4, 64), jnp.bfloat16)
     assert "stablehlo.sort" in lower_for_cuda(grad, many, many, many, None)
 
 
@@ -371,118 +224,6 @@ def interpreted_values_and_gradients(
     return out, grads
 
 
-@given(count=st.integers(1, 400), programs=st.integers(1, 140))
-@settings(max_examples=60, deadline=None)
-def test_persistent_programs_deal_every_item_once(count: int, programs: int) -> None:
-    programs = min(programs, count)  # the kernels never launch more programs than items
-    dealt = [
-        int(am._snake_position(i, p, programs)) for p in range(programs) for i in range(int(am._snake_count(p, count, programs)))
-    ]
-    assert sorted(dealt) == list(range(count))
-    # Balanced: the programs' item counts differ by at most one.
-    counts = [int(am._snake_count(p, count, programs)) for p in range(programs)]
-    assert max(counts) - min(counts) <= 1
-
-
-def costed_plan(lo: Any, hi: Any) -> jax.Array:
-    """A ``[6, batch, tiles]`` plan whose items visit ``hi - lo`` blocks, every one masked (the
-    work order reads only ``lo`` and ``hi``)."""
-    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
-    return jnp.stack([lo, hi, lo, lo, lo, hi])
-
-
-def causal_costs(batch: int, tiles: int) -> jax.Array:
-    """The plan of causal tiles: tile ``t`` visits ``t + 1`` blocks."""
-    hi = jnp.broadcast_to(jnp.arange(1, tiles + 1, dtype=jnp.int32), (batch, tiles))
-    return costed_plan(jnp.zeros_like(hi), hi)
-
-
-def test_work_order_puts_the_longest_tiles_first() -> None:
-    # A plan [6, batch 2, tiles 3]: lo and hi give 1, 4, 2 / 3, 0, 2 blocks; one section.
-    lo = jnp.array([[0, 0, 1], [0, 0, 0]], jnp.int32)
-    hi = jnp.array([[1, 4, 3], [3, 0, 2]], jnp.int32)
-    plan = costed_plan(lo, hi)
-    order = np.asarray(am._work_order(plan, heads=2, programs=5))
-    decoded = [am._decode_item(int(item), heads=2, tiles=3) for item in order]
-    cost = [int(hi[b, t] - lo[b, t]) for b, _, t in decoded]
-    assert cost == sorted(cost, reverse=True)
-    assert sorted(decoded) == [(b, h, t) for b in range(2) for h in range(2) for t in range(3)]
-
-
-def snake_loads(costs: list[int], programs: int) -> list[int]:
-    """Each program's planned blocks plus one per item, dealt as the kernels deal them."""
-    loads = [0] * programs
-    for p in range(programs):
-        for i in range(int(am._snake_count(p, len(costs), programs))):
-            loads[p] += costs[int(am._snake_position(i, p, programs))] + 1
-    return loads
-
-
-@given(
-    batch=st.integers(1, 4), tiles=st.integers(1, 6), heads=st.integers(1, 4), programs=st.integers(1, 7),
-    rows_per_section=st.integers(1, 3), seed=st.integers(0, 2**16),
-)
-@settings(max_examples=40, deadline=None)
-def test_work_order_deals_sections_of_rows(batch: int, tiles: int, heads: int, programs: int, rows_per_section: int, seed: int) -> None:
-    # Items in id order (batch row, tile, head), cut into sections of about rows_per_section
-    # rows in whole pairs of rounds (at row tiles' starts); inside a section the most planned
-    # blocks first, ties in id order.
-    rng = np.random.default_rng(seed)
-    lo = rng.integers(0, 3, (batch, tiles)).astype(np.int32)
-    hi = lo + rng.integers(0, 4, (batch, tiles)).astype(np.int32)
-    plan = costed_plan(lo, hi)
-    row_bytes = 1000
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(am, "_L2_SECTION_BYTES", rows_per_section * row_bytes + row_bytes // 2)
-        order = np.asarray(am._work_order(plan, heads, programs, batch_row_bytes=row_bytes))
-    decoded = [am._decode_item(int(item), heads=heads, tiles=tiles) for item in order]
-    assert sorted(decoded) == [(b, h, t) for b in range(batch) for h in range(heads) for t in range(tiles)]
-    length = 2 * programs * max(round(rows_per_section * tiles * heads / (2 * programs)), 1)
-    # A row tile (every head of one tile of one row) goes to the section of its first item.
-    keys = [((b * tiles + t) * heads // length, -int(hi[b, t] - lo[b, t]), int(item)) for item, (b, h, t) in zip(order, decoded)]
-    assert keys == sorted(keys)
-
-
-def test_work_order_keeps_programs_balanced_and_heads_few() -> None:
-    # Causal tiles (tile t plans t + 1 blocks), 16 heads in each of 8 rows: one section,
-    # costliest first, balances the 132 programs but runs every head at once; sections of two
-    # rows stay balanced too, with two rows' heads in a round.
-    batch, tiles, heads, programs = 8, 32, 16, 132
-    plan = causal_costs(batch, tiles)
-    for section_rows in (None, 2):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(am, "_L2_SECTION_BYTES", (section_rows or 0) * 1000)
-            order = np.asarray(am._work_order(plan, heads, programs, batch_row_bytes=1000))
-        decoded = [am._decode_item(int(item), heads=heads, tiles=tiles) for item in order]
-        loads = snake_loads([t + 1 for _, _, t in decoded], programs)
-        assert max(loads) <= 1.03 * (sum(loads) / programs)
-        heads_per_round = max(len({(b, h) for b, h, _ in decoded[i : i + programs]}) for i in range(0, len(decoded), programs))
-        if section_rows is None:
-            assert heads_per_round == batch * heads
-        else:  # a section's length is rounded to whole rounds: it may reach into a row more
-            assert heads_per_round <= (section_rows + 1) * heads
-
-
-def test_items_in_sections_only_where_heads_outnumber_half_the_programs() -> None:
-    # Without segment ids, 64 key/value heads on 132 programs already run two tiles of each per
-    # round costliest first: one section. With segment ids, or 256 heads, sections of one row
-    # (16 heads of 2 MiB).
-    def first_round_heads(batch: int, segmented: bool, kv_heads: int = 16) -> tuple[np.ndarray, int]:
-        items, order = am._items(causal_costs(batch, 32), 16, True, False, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=32 << 20)
-        assert items.programs == 132
-        heads = {am._decode_item(int(item), heads=16, tiles=32)[:2] for item in order[:132]}
-        return np.asarray(order), len(heads)
-
-    order, heads = first_round_heads(4, segmented=False)
-    assert np.array_equal(order, np.asarray(am._work_order(causal_costs(4, 32), 16, 132))) and heads == 64
-    for batch, segmented in ((4, True), (16, False)):
-        order, heads = first_round_heads(batch, segmented)
-        assert heads <= 32  # a row, and the next where a section reaches into it
-    # 16 rows of 16 query heads, 4 key/value heads: each round already holds 2 tiles of each.
-    order, _ = first_round_heads(16, segmented=False, kv_heads=4)
-    assert np.array_equal(order, np.asarray(am._work_order(causal_costs(16, 32), 16, 132)))
-
-
 @pytest.mark.slow
 def test_interpreted_persistent_programs_walk_several_tiles(races: Callable[[], bool]) -> None:
     # Three programs in the interpreter share 4 query tiles (and 4 key/value tiles): one walks
@@ -528,14 +269,14 @@ def test_interpreted_backward(races: Callable[[], bool], fused: bool, diagonal_a
     # one of the turns' waits makes it report the race). Not ``diagonal_apart``: the blocks
     # masked by positions alone share the segment ids' loop, as they do above head dim 64.
     if not diagonal_apart:
-        monkeypatch.setattr(am, "_POSITIONS_APART_MAX_DIM", 0)
+        monkeypatch.setattr(mplan, "POSITIONS_APART_MAX_DIM", 0)
     seq, dim = 512, 64
     q, k, v = qkv(1, seq, 2, 1, dim, jnp.bfloat16, seed=13)
     position = jnp.arange(seq)
     ids = jnp.where(position < seq - 11, 1 + (position >= 60) + (position >= 90), 0)[None].astype(jnp.int32)
-    shape = am._Shape(0.125, _bounds(True, None), None, 2, True, True)
+    shape = mplan.Shape(0.125, _bounds(True, None), None, 2, True, True)
     for transpose in (False, True):  # dq and forward walk key blocks of 64; dk/dv, query blocks of 64
-        lo, hi, a, c, u_lo, u_hi = np.asarray(am._visit_plan(seq, seq, 128, 64, shape, ids, 1, transpose=transpose))[:, 0]
+        lo, hi, a, c, u_lo, u_hi = np.asarray(mplan.visit_plan(seq, seq, 128, 64, shape, ids, 1, transpose=transpose))[:, 0]
         assert np.any((lo < a) & (a < c) & (c < hi))
         # Every kind of step runs: blocks masked by the segment ids, by positions alone, neither.
         assert np.any((lo < u_lo) | (u_hi < hi)) and np.any((u_lo < a) | (c < u_hi)) and np.any(a < c)

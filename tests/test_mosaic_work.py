@@ -1,0 +1,131 @@
+"""The items of the Mosaic attention kernels and the order programs take them in
+(kernels/_mosaic_work.py), on the CPU: the snake deal hands out every item once and evenly,
+the work order's sections and costliest-first rule (hypothesis), the balance it keeps, and
+where sections apply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ejlabel.kernels import _mosaic_work as mwork
+
+
+@given(count=st.integers(1, 400), programs=st.integers(1, 140))
+@settings(max_examples=60, deadline=None)
+def test_persistent_programs_deal_every_item_once(count: int, programs: int) -> None:
+    programs = min(programs, count)  # the kernels never launch more programs than items
+    dealt = [
+        int(mwork.snake_position(i, p, programs)) for p in range(programs) for i in range(int(mwork.snake_count(p, count, programs)))
+    ]
+    assert sorted(dealt) == list(range(count))
+    # Balanced: the programs' item counts differ by at most one.
+    counts = [int(mwork.snake_count(p, count, programs)) for p in range(programs)]
+    assert max(counts) - min(counts) <= 1
+
+
+def costed_plan(lo: Any, hi: Any) -> jax.Array:
+    """A ``[6, batch, tiles]`` plan whose items visit ``hi - lo`` blocks, every one masked (the
+    work order reads only ``lo`` and ``hi``)."""
+    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    return jnp.stack([lo, hi, lo, lo, lo, hi])
+
+
+def causal_costs(batch: int, tiles: int) -> jax.Array:
+    """The plan of causal tiles: tile ``t`` visits ``t + 1`` blocks."""
+    hi = jnp.broadcast_to(jnp.arange(1, tiles + 1, dtype=jnp.int32), (batch, tiles))
+    return costed_plan(jnp.zeros_like(hi), hi)
+
+
+def test_work_order_puts_the_longest_tiles_first() -> None:
+    # A plan [6, batch 2, tiles 3]: lo and hi give 1, 4, 2 / 3, 0, 2 blocks; one section.
+    lo = jnp.array([[0, 0, 1], [0, 0, 0]], jnp.int32)
+    hi = jnp.array([[1, 4, 3], [3, 0, 2]], jnp.int32)
+    plan = costed_plan(lo, hi)
+    order = np.asarray(mwork.work_order(plan, heads=2, programs=5))
+    decoded = [mwork.decode_item(int(item), heads=2, tiles=3) for item in order]
+    cost = [int(hi[b, t] - lo[b, t]) for b, _, t in decoded]
+    assert cost == sorted(cost, reverse=True)
+    assert sorted(decoded) == [(b, h, t) for b in range(2) for h in range(2) for t in range(3)]
+
+
+def snake_loads(costs: list[int], programs: int) -> list[int]:
+    """Each program's planned blocks plus one per item, dealt as the kernels deal them."""
+    loads = [0] * programs
+    for p in range(programs):
+        for i in range(int(mwork.snake_count(p, len(costs), programs))):
+            loads[p] += costs[int(mwork.snake_position(i, p, programs))] + 1
+    return loads
+
+
+@given(
+    batch=st.integers(1, 4), tiles=st.integers(1, 6), heads=st.integers(1, 4), programs=st.integers(1, 7),
+    rows_per_section=st.integers(1, 3), seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40, deadline=None)
+def test_work_order_deals_sections_of_rows(batch: int, tiles: int, heads: int, programs: int, rows_per_section: int, seed: int) -> None:
+    # Items in id order (batch row, tile, head), cut into sections of about rows_per_section
+    # rows in whole pairs of rounds (at row tiles' starts); inside a section the most planned
+    # blocks first, ties in id order.
+    rng = np.random.default_rng(seed)
+    lo = rng.integers(0, 3, (batch, tiles)).astype(np.int32)
+    hi = lo + rng.integers(0, 4, (batch, tiles)).astype(np.int32)
+    plan = costed_plan(lo, hi)
+    row_bytes = 1000
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mwork, "L2_SECTION_BYTES", rows_per_section * row_bytes + row_bytes // 2)
+        order = np.asarray(mwork.work_order(plan, heads, programs, batch_row_bytes=row_bytes))
+    decoded = [mwork.decode_item(int(item), heads=heads, tiles=tiles) for item in order]
+    assert sorted(decoded) == [(b, h, t) for b in range(batch) for h in range(heads) for t in range(tiles)]
+    length = 2 * programs * max(round(rows_per_section * tiles * heads / (2 * programs)), 1)
+    # A row tile (every head of one tile of one row) goes to the section of its first item.
+    keys = [((b * tiles + t) * heads // length, -int(hi[b, t] - lo[b, t]), int(item)) for item, (b, h, t) in zip(order, decoded)]
+    assert keys == sorted(keys)
+
+
+def test_work_order_keeps_programs_balanced_and_heads_few() -> None:
+    # Causal tiles (tile t plans t + 1 blocks), 16 heads in each of 8 rows: one section,
+    # costliest first, balances the 132 programs but runs every head at once; sections of two
+    # rows stay balanced too, with two rows' heads in a round.
+    batch, tiles, heads, programs = 8, 32, 16, 132
+    plan = causal_costs(batch, tiles)
+    for section_rows in (None, 2):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mwork, "L2_SECTION_BYTES", (section_rows or 0) * 1000)
+            order = np.asarray(mwork.work_order(plan, heads, programs, batch_row_bytes=1000))
+        decoded = [mwork.decode_item(int(item), heads=heads, tiles=tiles) for item in order]
+        loads = snake_loads([t + 1 for _, _, t in decoded], programs)
+        assert max(loads) <= 1.03 * (sum(loads) / programs)
+        heads_per_round = max(len({(b, h) for b, h, _ in decoded[i : i + programs]}) for i in range(0, len(decoded), programs))
+        if section_rows is None:
+            assert heads_per_round == batch * heads
+        else:  # a section's length is rounded to whole rounds: it may reach into a row more
+            assert heads_per_round <= (section_rows + 1) * heads
+
+
+def test_items_in_sections_only_where_heads_outnumber_half_the_programs() -> None:
+    # Without segment ids, 64 key/value heads on 132 programs already run two tiles of each per
+    # round costliest first: one section. With segment ids, or 256 heads, sections of one row
+    # (16 heads of 2 MiB).
+    def first_round_heads(batch: int, segmented: bool, kv_heads: int = 16) -> tuple[np.ndarray, int]:
+        items, order = mwork.deal_items(causal_costs(batch, 32), 16, True, False, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=32 << 20)
+        assert items.programs == 132
+        heads = {mwork.decode_item(int(item), heads=16, tiles=32)[:2] for item in order[:132]}
+        return np.asarray(order), len(heads)
+
+    order, heads = first_round_heads(4, segmented=False)
+    assert np.array_equal(order, np.asarray(mwork.work_order(causal_costs(4, 32), 16, 132))) and heads == 64
+    for batch, segmented in ((4, True), (16, False)):
+        order, heads = first_round_heads(batch, segmented)
+        assert heads <= 32  # a row, and the next where a section reaches into it
+    # 16 rows of 16 query heads, 4 key/value heads: each round already holds 2 tiles of each.
+    order, _ = first_round_heads(16, segmented=False, kv_heads=4)
+    assert np.array_equal(order, np.asarray(mwork.work_order(causal_costs(16, 32), 16, 132)))
+
+
