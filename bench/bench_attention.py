@@ -1,7 +1,7 @@
 """Attention on one GPU: every implementation side by side, plain causal, segments, packed documents.
 
     python bench/bench_attention.py                    # everything (about 4 minutes on an H100)
-    python bench/bench_attention.py --only a,c          # a subset: a, b, c, check
+    python bench/bench_attention.py --only a,c          # a subset: a, b, c, d, check
     python bench/bench_attention.py --samples 5 --quick # fewer samples, smaller correctness grid
 
 Sections:
@@ -21,6 +21,9 @@ Sections:
   dense block-diagonal causal mask, cuDNN with the document mask beside ``is_causal`` as the
   untuned ``flash_attention`` runs it, plain causal cuDNN over the whole row as a yardstick
   that ignores the documents) against ours.
+- ``d``: causal B2 S4096 H8 D256 bf16 (head dim 256, where the Mosaic backward walks the
+  key/value tiles twice and has one stage): cuDNN (where it takes the shape), the XLA path,
+  ours on Triton and on Mosaic GPU.
 - ``check``: values and gradients of each implementation against a float32 reference (highest
   matmul precision) over a grid of head dims, odd lengths, 1-4 segments and GQA ratios.
 
@@ -57,7 +60,7 @@ from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
 
 BWD_FLOP_FACTOR = 2.5
-SECTIONS = ("a", "b", "c", "check")
+SECTIONS = ("a", "b", "c", "d", "check")
 
 
 @dataclasses.dataclass
@@ -280,6 +283,19 @@ def section_c(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def section_d(args: argparse.Namespace) -> list[Row]:
+    b, s, h, d = (1, 256, 2, 256) if args.tiny else (2, 4096, 8, 256)
+    sets = input_sets(b, s, h, h, d)
+    flops = 4.0 * b * h * d * s * s / 2
+    case = f"causal B{b} S{s} H{h} D{d}"
+    variants = []
+    for impl in ["cudnn", "xla", "pallas", *extra_impls()]:
+        variants += variants_of(case, impl, kernel_attend(AttentionConfig(impl), causal=True), sets, flops)
+    rows = run_section("d", variants, args.samples, args.per_sample)
+    set_ratios(rows, lambda r: find(rows, case, "xla", r.pass_), "XLA")
+    return rows
+
+
 # --------------------------------------------------------------------------------------------
 # Correctness
 
@@ -421,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     checks: list[Check] = []
     start = time.perf_counter()
-    sections = {"a": section_a, "b": section_b, "c": section_c}
+    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d}
     for name in only:  # in the order given: a run cut short keeps the sections that came first
         if name == "check":
             impls = ["pallas", *extra_impls(), "cudnn", "xla"]

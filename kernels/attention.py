@@ -28,7 +28,8 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
   wherever cuDNN takes the call, as ``jax.nn.dot_product_attention`` would, so a labelled
   packed-documents model is never slower than the plain one.
 - ``"mosaic"``: the same algorithm on the Pallas Mosaic GPU backend for Hopper (TMA, wgmma,
-  warp specialisation; kernels/attention_mosaic.py), 16-bit inputs, head dim <= 128.
+  warp specialisation; kernels/attention_mosaic.py), 16-bit inputs, head dim <= 256 (above 128
+  with one backward stage, and the dk/dv kernel walking once for dv and once for dk).
 - ``"pallas"``: a flash-attention-2 forward on the Triton backend. Each program owns one
   ``q`` block of one head and walks the key/value blocks with an online softmax in base 2,
   skipping the blocks that causal masks or windows leave empty and building a mask only for
@@ -525,6 +526,8 @@ _BWD_TILES = ((64, 64, 4, 2), (64, 64, 4, 1), (128, 64, 8, 2), (64, 32, 4, 2), (
 # Mosaic GPU tiles: forward (kv block, stages); backward (q block, kv block) with 2 stages.
 _MOSAIC_FWD = ((128, 2), (64, 3))
 _MOSAIC_BWD = ((64, 128, None, 2), (128, 64, None, 2), (64, 64, None, 2))
+# Above head dim 128 only 64-row blocks fit shared memory: two forward stages, one backward stage.
+_MOSAIC_WIDE_FWD, _MOSAIC_WIDE_BWD = ((64, 2),), ((64, 64, None, 1),)
 
 
 class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
@@ -639,7 +642,8 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             return [AttentionConfig("xla"), AttentionConfig("pallas", FwdParams(16, 16, 4, 1), small), AttentionConfig("pallas", FwdParams(32, 16, 4, 1), small)]
         pairs = itertools.product(_FWD_TILES, _BWD_TILES)
         pallas = [AttentionConfig("pallas", FwdParams(*fwd), BwdParams(*bwd)) for fwd, bwd in pairs]
-        mosaic = [AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd)) for bk, st in _MOSAIC_FWD for bwd in _MOSAIC_BWD]
+        fwd_tiles, bwd_tiles = (_MOSAIC_FWD, _MOSAIC_BWD) if inv.args[0].shape[3] <= 128 else (_MOSAIC_WIDE_FWD, _MOSAIC_WIDE_BWD)
+        mosaic = [AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd)) for bk, st in fwd_tiles for bwd in bwd_tiles]
         return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas + mosaic
 
     def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:
@@ -649,7 +653,7 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             # cuDNN trains with a mask (a bias to it) only on even sequence lengths.
             shapes = q.shape[3] % 8 == 0 and q.shape[3] <= 128 and not (masked and (q.shape[1] % 2 or inv.args[1].shape[1] % 2))
             return on_gpu() and inv.kwargs.get("sliding_window") is None and q.dtype in (jnp.bfloat16, jnp.float16) and shapes
-        if cfg.impl == "mosaic":  # Hopper, 16-bit, head dim <= 128, tiles that fit shared memory
+        if cfg.impl == "mosaic":  # Hopper, 16-bit, head dim <= 256, tiles that fit shared memory
             return on_hopper() and mosaic_supports(q.dtype, q.shape[3]) and mosaic_fits(q.shape[3], cfg.fwd, cfg.bwd)
         if cfg.impl == "pallas":
             fwd = _default_fwd(q.shape[3]).merge(cfg.fwd)

@@ -36,7 +36,8 @@ Kernels (an item is one tile of one head of one batch row):
 - backward, split in two kernels (the simplest split that needs no atomics and no
   per-query-head partials): ``dq`` over query tiles walking key/value blocks, and ``dk, dv``
   over key/value tiles of 128 rows walking, for each query head of its group, the query blocks
-  that see it. Where its tiles fit, the ``dq`` kernel also computes the softmax backward's row
+  that see it (above head dim 128, where a consumer cannot hold both accumulators, one walk
+  for ``dv`` and one for ``dk``: :func:`_dkv_passes`). Where its tiles fit, the ``dq`` kernel also computes the softmax backward's row
   term ``delta = sum_d out * dO`` from the tiles it loads and hands it to ``dk, dv`` (see
   :func:`_dq_call`). The fused alternative (``fused_backward=True``) saves recomputing ``q k^T`` and
   ``dO v^T`` by adding each step's share of ``dq`` to float32 in global memory with TMA
@@ -109,12 +110,11 @@ def on_hopper() -> bool:
     return capability.startswith("9.")
 
 
-def mosaic_supports(dtype: Any, dim: int, *, backward: bool = True) -> bool:
-    """Whether the kernels take this dtype and head dimension (the backward needs dim <= 128:
-    its two float32 accumulators of ``64 x dim`` must fit in a warpgroup's registers)."""
+def mosaic_supports(dtype: Any, dim: int) -> bool:
+    """Whether the kernels, forward and backward, take this dtype and head dimension: 16-bit
+    inputs, head dims up to 256 (above 128 the dk/dv kernel walks twice, see :func:`_dkv_passes`)."""
     padded = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
-    limit = 128 if backward else _MAX_DIM
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and 0 < padded <= limit
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and 0 < padded <= _MAX_DIM
 
 
 # --------------------------------------------------------------------------------------------
@@ -771,11 +771,14 @@ def _dq_call(
 def _dkv_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
     plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_q: int, stages: int, persistent: bool = True,
-    fused: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    fused: bool = False, grads: tuple[str, ...] = ("dk", "dv"),
+) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
     """``(dk, dv [batch, seq_kv, kv_heads, dim], dq)``: items are 128-row key/value tiles of one
     key/value head, walking the planned query blocks once per query head of its group, so the
     group's sum stays in registers (no per-query-head partials, no atomics).
+
+    ``grads``: which of ``dk`` and ``dv`` the walk accumulates (None for the other; see
+    :func:`_dkv_passes`). ``dv`` alone needs neither the value tile nor ``delta``.
 
     ``fused`` (``block_q`` 64): each step also computes the query block's share of ``dq``,
     ``ds^T k`` over the tile's 128 keys, and adds it to a float32 ``dq`` in global memory with a
@@ -792,12 +795,15 @@ def _dkv_call(
     dtype = k.dtype
     segmented = segment_ids is not None
     group = shape.group
+    if not grads or set(grads) - {"dk", "dv"} or (fused and grads != ("dk", "dv")):
+        raise ValueError(f"grads: expected dk, dv or both (both when fused), got {grads}")
+    with_dk = "dk" in grads  # dk needs dP = dO v^T, so the value tile and delta
     row_bytes = dim * jnp.dtype(dtype).itemsize
     # A batch row's queries, their gradients, log-sum-exps and deltas.
     items, order = deal_items(
         plan, kv_heads, persistent, shape.interpret, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8),
     )
-    tile_bytes = 2 * TILE * row_bytes  # key and value rows of one tile
+    tile_bytes = (2 if with_dk else 1) * TILE * row_bytes  # key (and value) rows of one tile
     ring_bytes = stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0)  # with the fused buffers
     if fused and tile_bytes + ring_bytes > _SMEM_BYTES:
         raise ValueError(f"num_stages: {stages} stages of the fused backward do not fit shared memory at head dim {dim}")
@@ -808,12 +814,15 @@ def _dkv_call(
         refs = list(refs)
         seg_ref = refs.pop(0) if segmented else None
         dq_ref = refs.pop(0) if fused and not shares else None
-        dk_ref, dv_ref = refs.pop(0), refs.pop(0)
+        grad_refs = dict(zip(grads, (refs.pop(0) for _ in grads)))
         if shares:
             dq_ref = refs.pop(0)
         scratch, barriers = refs
-        k_smem, v_smem, kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch[:8]
-        ds_smem, dq_smem = scratch[8:] if fused else (None, None)
+        scratch = list(scratch)
+        k_smem = scratch.pop(0)
+        v_smem = scratch.pop(0) if with_dk else None
+        kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch[:6]
+        ds_smem, dq_smem = scratch[6:] if fused else (None, None)
         kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used = barriers[:8]
         ds_ready, ds_used = barriers[8:] if fused else (None, None)
         wg = lax.axis_index("wg")
@@ -827,14 +836,16 @@ def _dkv_call(
                 rows = pl.ds(visit.row0(wg), WG_ROWS)
                 ready = _tile_ready(kv_ready, buf, wg)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[buf, wg], ready)
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], v_smem.at[buf, wg], ready)
+                if with_dk:
+                    plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], v_smem.at[buf, wg], ready)
                 if segmented:
                     plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[buf, wg], ready)
 
             def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
                 b, hk = visit.b, visit.h
                 row0 = visit.row0(wg)
-                my_k, my_v = k_smem.at[buf, wg], v_smem.at[buf, wg]
+                my_k = k_smem.at[buf, wg]
+                my_v = v_smem.at[buf, wg] if with_dk else None
                 k_seg = _load(shape, kseg_smem.at[buf, wg], _row_layout()) if segmented else None
 
                 def add_dq(ds_t: jax.Array, t: jax.Array, j: jax.Array, head: jax.Array) -> None:
@@ -853,10 +864,10 @@ def _dkv_call(
 
                     _pair_share(shape, wg, t, t0, ds_t, ds_smem, k_smem.at[buf], (ds_ready, ds_used), send)
 
-                def step(r: jax.Array, j: jax.Array, t: jax.Array, grads: tuple[jax.Array, jax.Array], kind: Mask) -> tuple[jax.Array, jax.Array]:
-                    dk, dv = grads
+                def step(r: jax.Array, j: jax.Array, t: jax.Array, acc: dict[str, jax.Array], kind: Mask) -> dict[str, jax.Array]:
+                    acc = dict(acc)
                     slot = lax.rem(t, stages)
-                    for barrier in (lse_ready, delta_ready) + ((qseg_ready,) if segmented else ()):
+                    for barrier in (lse_ready,) + ((delta_ready,) if with_dk else ()) + ((qseg_ready,) if segmented else ()):
                         plgpu.barrier_wait(barrier.at[slot])
                     plgpu.barrier_wait(q_ready.at[slot])
                     s_t = _mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
@@ -871,33 +882,40 @@ def _dkv_call(
                     # into 16-bit P and dS before dV and dK accumulate. Spills at head dim 128:
                     # 108-128 bytes per thread, 120-188 the other way round (RESULTS.md run 48).
                     plgpu.barrier_wait(do_ready.at[slot])
-                    dp_t = _mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
-                    delta = _load(shape, delta_ring.at[slot], _col_layout())
-                    ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
-                    dv = _mma_into(shape, dv, p_t.astype(dtype), do_ring.at[slot])
+                    if with_dk:
+                        dp_t = _mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
+                        delta = _load(shape, delta_ring.at[slot], _col_layout())
+                        ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+                    if "dv" in acc:
+                        acc["dv"] = _mma_into(shape, acc["dv"], p_t.astype(dtype), do_ring.at[slot])
                     plgpu.barrier_arrive(do_used.at[slot])
-                    dk = _mma_into(shape, dk, ds_t, q_ring.at[slot])
+                    if with_dk:
+                        acc["dk"] = _mma_into(shape, acc["dk"], ds_t, q_ring.at[slot])
                     plgpu.barrier_arrive(q_used.at[slot])
                     if fused:
                         add_dq(ds_t, t, j, hk * group + r)
-                    return dk, dv
+                    return acc
 
                 zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
                 n = visit.steps
                 # A loop, not an unrolled one: every copy of the walk is more code to compile.
-                dk, dv = lax.fori_loop(
-                    0, group, lambda r, grads: walk(visit, functools.partial(step, r), grads, offset=t0 + r * n, masks=mask_loops(segmented, dim)), (zeros, zeros),
+                acc = lax.fori_loop(
+                    0, group, lambda r, acc: walk(visit, functools.partial(step, r), acc, offset=t0 + r * n, masks=mask_loops(segmented, dim)),
+                    {name: zeros for name in grads},
                 )
                 if fused:
                     _pair_share_done(wg, t0, group * n, ds_used)
 
                 def write() -> None:
-                    my_k[...] = (dk * (shape.scale / _LOG2E)).astype(dtype)
-                    my_v[...] = dv.astype(dtype)
+                    # The tiles just walked hold the results (dv in the key tile when alone).
+                    staging = {"dk": my_k, "dv": my_v if with_dk else my_k}
+                    scales = {"dk": shape.scale / _LOG2E, "dv": 1.0}
+                    for name in grads:
+                        staging[name][...] = (acc[name] * scales[name]).astype(dtype)
                     plgpu.commit_smem()
                     rows = pl.ds(row0, WG_ROWS)
-                    plgpu.copy_smem_to_gmem(my_k, dk_ref.at[b, rows, hk])
-                    plgpu.copy_smem_to_gmem(my_v, dv_ref.at[b, rows, hk])
+                    for name in grads:
+                        plgpu.copy_smem_to_gmem(staging[name], grad_refs[name].at[b, rows, hk])
 
                 return t0 + group * n, write
 
@@ -916,19 +934,19 @@ def _dkv_call(
 
                 streams = [
                     (lambda j, r: lse_ref.at[b, head(r), block(j)], lse_ring, lse_ready, q_used),
-                    (lambda j, r: delta_ref.at[b, head(r), block(j)], delta_ring, delta_ready, None),
                     (lambda j, r: q_ref.at[b, block(j), head(r)], q_ring, q_ready, None),
                     (lambda j, r: do_ref.at[b, block(j), head(r)], do_ring, do_ready, do_used),
                 ]
                 if segmented:
-                    streams.insert(2, (lambda j, r: seg_ref.at[b, block(j)], qseg_ring, qseg_ready, None))
+                    streams.insert(1, (lambda j, r: seg_ref.at[b, block(j)], qseg_ring, qseg_ready, None))
+                if with_dk:
+                    streams.insert(1, (lambda j, r: delta_ref.at[b, head(r), block(j)], delta_ring, delta_ready, None))
                 return streams
 
             _produce_items(items, order_ref, plan_ref, stages, streams_of, [q_used, do_used], repeats=group)
 
-    scratch = (
-        _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
-        _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
+    tile = _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype)
+    scratch = (tile,) * (2 if with_dk else 1) + (
         plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32),
         _smem_tile((stages, block_q, dim), dtype),
         _smem_tile((stages, block_q, dim), dtype),
@@ -940,7 +958,7 @@ def _dkv_call(
         scratch += (_smem_tile((CONSUMERS, WG_ROWS, block_q), dtype), _smem_tile((CONSUMERS, block_q, dim), jnp.float32))
     ring = functools.partial(plgpu.Barrier, num_barriers=stages)
     barriers = (
-        plgpu.Barrier(num_arrivals=3 if segmented else 2, num_barriers=buffers * CONSUMERS),
+        plgpu.Barrier(num_arrivals=1 + with_dk + segmented, num_barriers=buffers * CONSUMERS),
         ring(), ring(), ring(), ring(), ring(),
         ring(num_arrivals=CONSUMERS),
         ring(num_arrivals=CONSUMERS),
@@ -948,7 +966,7 @@ def _dkv_call(
     if fused:  # the turns of _pair_share: ds ready (both consumers), ds and keys read (the sender)
         barriers += (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=CONSUMERS))
     operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ())
-    out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+    out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for _ in grads]
     dq_acc = None
     if shares:
         out_type.append(jax.ShapeDtypeStruct((batch, plan.shape[2], seq_q, heads, dim), jnp.float32))
@@ -957,10 +975,19 @@ def _dkv_call(
         operands += (dq_acc,)
     outs = _launch(body, tuple(out_type), (scratch, barriers), items.programs, operands, shape.interpret)
     if shares:
-        dq = _sum_shares(outs[2], plan, block_q)
+        dq = _sum_shares(outs[len(grads)], plan, block_q)
     else:
         dq = dq_acc[...] if fused else None
-    return outs[0], outs[1], dq
+    got = dict(zip(grads, outs))
+    return got.get("dk"), got.get("dv"), dq
+
+
+def _dkv_passes(dim: int) -> tuple[tuple[str, ...], ...]:
+    """The walks of the dk/dv kernel at this (padded) head dim: one accumulating both up to
+    dim 128; above, a consumer's two float32 accumulators of ``64 x dim`` (256 registers per
+    thread at dim 256) exceed its 240, so ``dv`` and ``dk`` take a walk each, the ``dv`` walk
+    without the value tile, ``dP`` and ``delta``."""
+    return (("dk", "dv"),) if dim <= 128 else (("dv",), ("dk",))
 
 
 def _fused_bytes(dim: int) -> int:
@@ -1097,14 +1124,17 @@ def _forward_padded(p: _Padded, *, block_k: int, stages: int, pingpong: bool = F
 
 def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int]:
     """``(q block, kv block, stages)`` from launch parameters; unset fields get defaults that
-    fit shared memory at this head dimension (two stages of 128-row blocks up to dim 128) and,
-    in the backward, registers: above dim 64 the dq kernel's tiles of 128 keys spilled 412 bytes
-    per thread and 64 keys spill none (H100, bench/RESULTS.md run 44: fwd+bwd 5% and 9% faster
-    at dim 128, causal and 4 documents)."""
-    widest = 64 if isinstance(params, BwdParams) else 128
+    fit shared memory at this head dimension (two stages of 128-row blocks up to dim 128, 64-key
+    blocks above; the backward's two tiles of 128 rows leave room for one stage of 64-row blocks
+    above dim 128, since a wgmma's contraction takes 64 elements at least) and, in the backward,
+    registers: above dim 64 the dq kernel's tiles of 128 keys spilled 412 bytes per thread and 64
+    keys spill none (H100, bench/RESULTS.md run 44: fwd+bwd 5% and 9% faster at dim 128, causal
+    and 4 documents)."""
+    backward = isinstance(params, BwdParams)
+    widest = 64 if backward else 128
     block_q = params.q_blocksize or 64
     block_k = params.kv_blocksize or (64 if dim > widest else 128)
-    stages = params.num_stages or 2
+    stages = params.num_stages or (1 if backward and dim > 128 else 2)
     for name, value in (("q_blocksize", block_q), ("kv_blocksize", block_k)):
         if value not in (64, 128):
             raise ValueError(f"{name}: the mosaic kernels take 64 or 128, got {value}")
@@ -1134,7 +1164,7 @@ def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams, *, fused_backward: boo
 def _check(q: jax.Array, k: jax.Array) -> None:
     if plgpu is None:
         raise NotImplementedError("this JAX has no Pallas Mosaic GPU backend")
-    if not mosaic_supports(q.dtype, q.shape[3], backward=False):
+    if not mosaic_supports(q.dtype, q.shape[3]):
         raise ValueError(f"q: the mosaic kernels take bfloat16 or float16 with head dim <= {_MAX_DIM}, got {q.dtype} dim {q.shape[3]}")
 
 
@@ -1199,8 +1229,6 @@ def mosaic_backward(
     fused backward went from 1.02x to 1.15x the split at D128).
     """
     _check(q, k)
-    if not mosaic_supports(q.dtype, q.shape[3]):
-        raise ValueError(f"q: the mosaic backward takes head dim <= 128, got {q.shape[3]}")
     block_q, block_k, stages = _blocks(params, q.shape[3])
     p = _pad(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
     batch, rows, _, dim = p.q.shape
@@ -1208,16 +1236,21 @@ def mosaic_backward(
     do = pad_axis(pad_axis(g.astype(p.q.dtype), 3, dim), 1, rows)
     out = pad_axis(pad_axis(out, 3, dim), 1, rows)
     lse = pad_axis(lse.astype(jnp.float32), 2, rows)
-    fused = fused and block_q == WG_ROWS
+    fused = fused and block_q == WG_ROWS and len(_dkv_passes(dim)) == 1
     if fused:
         delta = _delta(out, do)
     else:  # the dq kernel first: it may compute delta for the dk/dv kernel
         rows_plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
         dq, delta = _dq_call(p.q, p.k, p.v, do, lse, out, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent)
     cols_plan = visit_plan(cols, rows, TILE, block_q, p.shape, p.segment_ids, batch, transpose=True)
-    dk, dv, fused_dq = _dkv_call(
-        p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages, persistent=persistent, fused=fused,
-    )
+    got: dict[str, jax.Array] = {}
+    for grads in _dkv_passes(dim):
+        dk, dv, fused_dq = _dkv_call(
+            p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape,
+            block_q=block_q, stages=stages, persistent=persistent, fused=fused, grads=grads,
+        )
+        got.update((name, x) for name, x in (("dk", dk), ("dv", dv)) if x is not None)
+    dk, dv = got["dk"], got["dv"]
     if fused:
         dq = (fused_dq * scale).astype(p.q.dtype)
     seq_kv = p.seq_kv
@@ -1272,7 +1305,7 @@ def mosaic_attention(
     are kept for the backward).
 
     Args:
-      q: ``[batch, seq_q, heads, dim]`` bfloat16 or float16, dim <= 256 (<= 128 to differentiate).
+      q: ``[batch, seq_q, heads, dim]`` bfloat16 or float16, dim <= 256.
       k, v: ``[batch, seq_kv, kv_heads, dim]``; ``kv_heads`` divides ``heads``.
       scale: multiplies ``q k^T``; default ``1 / sqrt(dim)``.
       causal: query ``i`` sees keys ``j <= i``.

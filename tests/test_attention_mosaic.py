@@ -83,7 +83,7 @@ def test_forward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, options: dict[str
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize(("dim", "kv_heads", "segments"), [(64, 2, True), (128, 4, False)])
+@pytest.mark.parametrize(("dim", "kv_heads", "segments"), [(64, 2, True), (128, 4, False), (256, 2, True)])
 def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, fused: bool) -> None:
     q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.float16)
     k = jax.ShapeDtypeStruct((1, 200, kv_heads, dim), jnp.float16)
@@ -93,12 +93,14 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, 
         return am.mosaic_attention(q, k, v, causal=True, segment_ids=seg, fused_backward=fused).astype(jnp.float32).sum()
 
     text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
-    # Forward, then dq and dk/dv kernels, or one fused kernel adding dq up with TMA reduce-adds.
-    assert text.count("@mosaic_gpu") == (2 if fused else 3)
+    # Forward, then dq and dk/dv kernels, or one fused kernel adding dq up with TMA reduce-adds;
+    # above head dim 128 dv and dk take a kernel each, and nothing is fused.
+    fused = fused and dim <= 128
+    assert text.count("@mosaic_gpu") == (2 if fused else 3 if dim <= 128 else 4)
     assert ("cp.reduce.async.bulk" in text) == fused
     # delta = sum_d out * dO: in the dq kernel where its tiles fit twice with the output's
     # (head dim 64), else one contraction before the kernels.
-    assert am._dq_tiles(dim, jnp.float16, 128 if dim <= 64 else 64, 2) == ((2, True) if dim <= 64 else (2, False))
+    assert am._dq_tiles(dim, jnp.float16, am._blocks(BwdParams(), dim)[1], 2) == {64: (2, True), 128: (2, False), 256: (1, False)}[dim]
     assert ("stablehlo.dot_general" in text) == (fused or dim > 64)
 
 
@@ -178,10 +180,12 @@ def test_rejects_what_it_cannot_run() -> None:
     q, k, v = qkv(1, 64, 2, 1, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="kv_blocksize"):
         am.mosaic_forward(q, k, v, None, scale=1.0, bounds=(None, None), params=FwdParams(kv_blocksize=32))
-    q, k, v = qkv(1, 64, 2, 1, 256, jnp.bfloat16)
-    with pytest.raises(ValueError, match="backward"):
-        am.mosaic_backward(q, k, v, None, q, jnp.zeros((1, 2, 64)), q, scale=1.0, bounds=(None, None), params=BwdParams())
-    assert not am.mosaic_supports(jnp.bfloat16, 256) and am.mosaic_supports(jnp.bfloat16, 256, backward=False)
+    q, k, v = qkv(1, 64, 2, 1, 320, jnp.bfloat16)
+    with pytest.raises(ValueError, match="head dim <= 256"):
+        am.mosaic_forward(q, k, v, None, scale=1.0, bounds=(None, None), params=FwdParams())
+    assert am.mosaic_supports(jnp.bfloat16, 256) and not am.mosaic_supports(jnp.bfloat16, 320)
+    # Above head dim 128 the backward's default tiles fit shared memory with one stage, not two.
+    assert am.mosaic_fits(256, FwdParams(), BwdParams()) and not am.mosaic_fits(256, FwdParams(), BwdParams(num_stages=2))
 
 
 def test_flash_attention_offers_mosaic_only_where_it_runs() -> None:
@@ -289,6 +293,21 @@ def test_interpreted_backward(races: Callable[[], bool], fused: bool, diagonal_a
     assert not np.any(np.asarray(grads[0].astype(jnp.float32))[0, seq - 11 :])
 
 
+@pytest.mark.slow
+def test_interpreted_backward_above_head_dim_128(races: Callable[[], bool]) -> None:
+    # Head dim 256: one backward stage, and the dk/dv kernel walks once for dv (without the
+    # value tile) and once for dk; two key tiles, three documents and padding.
+    seq, dim = 150, 256
+    q, k, v = qkv(1, seq, 2, 1, dim, jnp.bfloat16, seed=15)
+    position = jnp.arange(seq)
+    ids = jnp.where(position < seq - 11, 1 + (position >= 60) + (position >= 100), 0)[None].astype(jnp.int32)
+    assert am._dkv_passes(dim) == (("dv",), ("dk",)) and am._blocks(BwdParams(), dim) == (64, 64, 1)
+    probe = jax.random.normal(jax.random.key(16), q.shape, jnp.float32)
+    out, grads = interpreted_values_and_gradients(q, k, v, ids, (FwdParams(), BwdParams()), probe)
+    assert not races()
+    assert not np.any(np.asarray(grads[1].astype(jnp.float32))[0, seq - 11 :])  # padded keys: dk exactly 0
+
+
 def test_sum_shares_adds_only_visited_blocks() -> None:
     # Unvisited slots hold whatever the memory held (NaN here): they must not reach dq.
     shares = jnp.full((1, 2, 256, 1, 8), jnp.nan, jnp.float32)
@@ -380,6 +399,8 @@ def test_gpu_other_tiles(params: tuple[FwdParams, BwdParams]) -> None:
         (64, 1000, 8, 2, {"causal": True}),
         (128, 777, 4, 4, {"causal": True}),
         (128, 1024, 8, 1, {"causal": False}),
+        (256, 513, 4, 2, {"causal": True, "segments": 2}),
+        (256, 1000, 4, 4, {"causal": False, "window": (200, 50)}),
     ],
 )
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
