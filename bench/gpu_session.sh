@@ -38,7 +38,7 @@ for step in "$@"; do
     mosaictests) timeout 240 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_flash_attention_mosaic tests/test_attention_mosaic.py::test_gpu_head_dim_256_forward tests/test_attention_mosaic.py::test_gpu_values_and_gradients tests/test_attention_mosaic.py::test_gpu_other_tiles -p no:cacheprovider 2>&1 | tee "$OUT/pytest_mosaic_gpu.log" | tail -n 25 ;;
     mosaicgrads) timeout 450 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_values_and_gradients tests/test_attention_mosaic.py::test_gpu_forward_pingpong tests/test_attention_mosaic.py::test_gpu_fused_backward tests/test_attention_mosaic.py::test_gpu_other_tiles -p no:cacheprovider 2>&1 | tee "$OUT/pytest_mosaic_grads_gpu.log" | tail -n 25 ;;
     fusedtests) timeout 150 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_fused_backward -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fused_gpu.log" | tail -n 15 ;;
-    tritongpu) timeout 200 python3 -m pytest -q -m gpu tests/test_kernels_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_triton_gpu.log" | tail -n 25 ;;
+    tritongpu) timeout 420 python3 -m pytest -q -m gpu tests/test_kernels_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_triton_gpu.log" | tail -n 25 ;;
     lcetests) timeout 300 python3 -m pytest -q tests/test_kernels_linear_cross_entropy.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_lce_gpu.log" | tail -n 15 ;;
     lcepasses)  # the loss's passes over the logits: the kernel beside its variants (bench/RESULTS.md, runs 62-68)
       args=()

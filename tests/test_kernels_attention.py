@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from ejlabel import BwdParams, FwdParams, Invocation
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, _Geometry, cu_seqlens_to_segment_ids, flash_attention
+from ejlabel.kernels.attention_mosaic import on_hopper
 
 from kernel_checks import assert_close, assert_labelled, assert_tunes, gpu, needs_gpu
 
@@ -216,6 +217,27 @@ def test_gpu_default_with_segments_is_cudnn_with_a_dense_mask() -> None:
     for got, want in zip(grads, ref_grads):
         assert_close(got, want, jnp.bfloat16)
     assert np.all(np.asarray(out, np.float32)[np.asarray(ids) <= 0] == 0.0)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("dtype", "kv_heads", "kwargs"),
+    [(jnp.bfloat16, 2, {"causal": True}), (jnp.float16, 8, {"causal": True}), (jnp.bfloat16, 2, {}), (jnp.bfloat16, 2, {"causal": True, "segment_ids": "documents"})],
+    ids=["causal-gqa", "causal-fp16", "full", "documents"],
+)
+def test_gpu_cudnn_head_dim_256(dtype: Any, kv_heads: int, kwargs: dict[str, Any]) -> None:
+    """Head dim 256, where cuDNN is offered on Hopper: values and gradients match XLA's."""
+    q, k, v = qkv(2, 1000, 8, kv_heads, 256, dtype)
+    if "segment_ids" in kwargs:
+        kwargs = {**kwargs, "segment_ids": jnp.broadcast_to(jnp.where(jnp.arange(1000) < 900, 1 + jnp.arange(1000) // 300, 0), (2, 1000)).astype(jnp.int32)}
+    kernel = AttentionKernel()
+    assert kernel.candidate_is_valid(Invocation(kernel, (q, k, v), kwargs), AttentionConfig("cudnn")) == on_hopper()
+    out, grads = values_and_grads(AttentionConfig("cudnn"), q, k, v, **kwargs)
+    ref, ref_grads = values_and_grads(XLA, q, k, v, **kwargs)
+    assert_close(out, ref, dtype)
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, dtype)
 
 
 def test_heuristic_with_segments_off_the_gpu_is_xla() -> None:
