@@ -292,7 +292,7 @@ def section_d(args: argparse.Namespace) -> list[Row]:
     for impl in ["cudnn", "xla", "pallas", *extra_impls()]:
         variants += variants_of(case, impl, kernel_attend(AttentionConfig(impl), causal=True), sets, flops)
     rows = run_section("d", variants, args.samples, args.per_sample)
-    set_ratios(rows, lambda r: find(rows, case, "xla", r.pass_), "XLA")
+    set_ratios(rows, lambda r: find(rows, case, "cudnn", r.pass_), "cuDNN")
     return rows
 
 
