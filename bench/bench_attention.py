@@ -209,17 +209,21 @@ def reason(err: BaseException) -> str:
 # Sections
 
 
-def section_a(args: argparse.Namespace) -> list[Row]:
-    b, s, h, d = (1, 256, 2, 64) if args.tiny else (4, 4096, 16, 128)
+def plain_causal(section: str, args: argparse.Namespace, b: int, s: int, h: int, d: int) -> list[Row]:
+    """Causal attention at one shape: cuDNN, the XLA path and ours, each against cuDNN."""
     sets = input_sets(b, s, h, h, d)
     flops = 4.0 * b * h * d * s * s / 2
     case = f"causal B{b} S{s} H{h} D{d}"
     variants = []
     for impl in ["cudnn", "xla", "pallas", *extra_impls()]:
         variants += variants_of(case, impl, kernel_attend(AttentionConfig(impl), causal=True), sets, flops)
-    rows = run_section("a", variants, args.samples, args.per_sample)
+    rows = run_section(section, variants, args.samples, args.per_sample)
     set_ratios(rows, lambda r: find(rows, case, "cudnn", r.pass_), "cuDNN")
     return rows
+
+
+def section_a(args: argparse.Namespace) -> list[Row]:
+    return plain_causal("a", args, *((1, 256, 2, 64) if args.tiny else (4, 4096, 16, 128)))
 
 
 def section_b(args: argparse.Namespace) -> list[Row]:
@@ -284,16 +288,7 @@ def section_c(args: argparse.Namespace) -> list[Row]:
 
 
 def section_d(args: argparse.Namespace) -> list[Row]:
-    b, s, h, d = (1, 256, 2, 256) if args.tiny else (2, 4096, 8, 256)
-    sets = input_sets(b, s, h, h, d)
-    flops = 4.0 * b * h * d * s * s / 2
-    case = f"causal B{b} S{s} H{h} D{d}"
-    variants = []
-    for impl in ["cudnn", "xla", "pallas", *extra_impls()]:
-        variants += variants_of(case, impl, kernel_attend(AttentionConfig(impl), causal=True), sets, flops)
-    rows = run_section("d", variants, args.samples, args.per_sample)
-    set_ratios(rows, lambda r: find(rows, case, "cudnn", r.pass_), "cuDNN")
-    return rows
+    return plain_causal("d", args, *((1, 256, 2, 256) if args.tiny else (2, 4096, 8, 256)))
 
 
 # --------------------------------------------------------------------------------------------
