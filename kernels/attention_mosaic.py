@@ -37,9 +37,9 @@ Kernels (an item is one tile of one head of one batch row):
   per-query-head partials): ``dq`` over query tiles walking key/value blocks, and ``dk, dv``
   over key/value tiles of 128 rows walking, for each query head of its group, the query blocks
   that see it (above head dim 128, where a consumer cannot hold both accumulators, one walk
-  for ``dv`` and one for ``dk``: :func:`_dkv_passes`). Where its tiles fit, the ``dq`` kernel also computes the softmax backward's row
-  term ``delta = sum_d out * dO`` from the tiles it loads and hands it to ``dk, dv`` (see
-  :func:`_dq_call`). The fused alternative (``fused_backward=True``) saves recomputing ``q k^T`` and
+  for ``dv`` and one for ``dk``: :func:`_dkv_passes`). Where its tiles fit, the ``dq`` kernel
+  also computes the softmax backward's row term ``delta = sum_d out * dO`` from the tiles it
+  loads and hands it to ``dk, dv`` (see :func:`_dq_call`). The fused alternative (``fused_backward=True``) saves recomputing ``q k^T`` and
   ``dO v^T`` by adding each step's share of ``dq`` to float32 in global memory with TMA
   reduce-adds; it measured slower (see :func:`mosaic_backward`), so the split is the default.
 
