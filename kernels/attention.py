@@ -526,8 +526,6 @@ _BWD_TILES = ((64, 64, 4, 2), (64, 64, 4, 1), (128, 64, 8, 2), (64, 32, 4, 2), (
 # Mosaic GPU tiles: forward (kv block, stages); backward (q block, kv block) with 2 stages.
 _MOSAIC_FWD = ((128, 2), (64, 3))
 _MOSAIC_BWD = ((64, 128, None, 2), (128, 64, None, 2), (64, 64, None, 2))
-# Above head dim 128 only 64-row blocks fit shared memory: two forward stages, one backward stage.
-_MOSAIC_WIDE_FWD, _MOSAIC_WIDE_BWD = ((64, 2),), ((64, 64, None, 1),)
 
 
 class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
@@ -642,8 +640,9 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             return [AttentionConfig("xla"), AttentionConfig("pallas", FwdParams(16, 16, 4, 1), small), AttentionConfig("pallas", FwdParams(32, 16, 4, 1), small)]
         pairs = itertools.product(_FWD_TILES, _BWD_TILES)
         pallas = [AttentionConfig("pallas", FwdParams(*fwd), BwdParams(*bwd)) for fwd, bwd in pairs]
-        fwd_tiles, bwd_tiles = (_MOSAIC_FWD, _MOSAIC_BWD) if inv.args[0].shape[3] <= 128 else (_MOSAIC_WIDE_FWD, _MOSAIC_WIDE_BWD)
-        mosaic = [AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd)) for bk, st in fwd_tiles for bwd in bwd_tiles]
+        mosaic = [AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd)) for bk, st in _MOSAIC_FWD for bwd in _MOSAIC_BWD]
+        if inv.args[0].shape[3] > 128:  # none of those fit shared memory: the kernels' own defaults do
+            mosaic = [AttentionConfig("mosaic")]
         return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas + mosaic
 
     def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:
