@@ -160,6 +160,11 @@ def test_tunes_on_small_space_with_segments() -> None:
 # GPU
 
 
+def three_documents() -> jax.Array:
+    """``[2, 1000]`` ids of the GPU tests: documents of 300, 300 and 300 tokens, then 100 of padding."""
+    return jnp.broadcast_to(jnp.where(jnp.arange(1000) < 900, 1 + jnp.arange(1000) // 300, 0), (2, 1000)).astype(jnp.int32)
+
+
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("impl", ["pallas", "cudnn"])
@@ -187,7 +192,7 @@ def test_gpu_pallas_masks_real_size(kwargs: dict[str, Any]) -> None:
     batch = 1 if "cu_seqlens" in kwargs else 2
     q, k, v = qkv(batch, 1000, 8, 2, 64, jnp.bfloat16)
     if "segment_ids" in kwargs:
-        kwargs = {"segment_ids": jnp.broadcast_to(jnp.where(jnp.arange(1000) < 900, 1 + jnp.arange(1000) // 300, 0), (2, 1000))}
+        kwargs = {"segment_ids": three_documents()}
     if "cu_seqlens" in kwargs:
         kwargs = {"cu_seqlens": jnp.array([0, 100, 450, 451, 980], jnp.int32)}
     cfg = AttentionConfig("pallas", FwdParams(128, 64, 4, 3), BwdParams(64, 64, 4, 2))
@@ -205,7 +210,7 @@ def test_gpu_default_with_segments_is_cudnn_with_a_dense_mask() -> None:
     """Untuned, packed documents run where a JAX user's call would: cuDNN with the dense mask,
     and XLA where cuDNN refuses (odd lengths); values and gradients match, padding gets 0."""
     q, k, v = qkv(2, 1000, 8, 2, 64, jnp.bfloat16)
-    ids = jnp.broadcast_to(jnp.where(jnp.arange(1000) < 900, 1 + jnp.arange(1000) // 300, 0), (2, 1000)).astype(jnp.int32)
+    ids = three_documents()
     kernel = AttentionKernel()
     kwargs = {"causal": True, "segment_ids": ids}
     assert kernel.heuristic_cfg(Invocation(kernel, (q, k, v), kwargs)) == AttentionConfig("cudnn")
@@ -230,7 +235,7 @@ def test_gpu_cudnn_head_dim_256(dtype: Any, kv_heads: int, kwargs: dict[str, Any
     """Head dim 256, where cuDNN is offered on Hopper: values and gradients match XLA's."""
     q, k, v = qkv(2, 1000, 8, kv_heads, 256, dtype)
     if "segment_ids" in kwargs:
-        kwargs = {**kwargs, "segment_ids": jnp.broadcast_to(jnp.where(jnp.arange(1000) < 900, 1 + jnp.arange(1000) // 300, 0), (2, 1000)).astype(jnp.int32)}
+        kwargs = {**kwargs, "segment_ids": three_documents()}
     kernel = AttentionKernel()
     assert kernel.candidate_is_valid(Invocation(kernel, (q, k, v), kwargs), AttentionConfig("cudnn")) == on_hopper()
     out, grads = values_and_grads(AttentionConfig("cudnn"), q, k, v, **kwargs)
