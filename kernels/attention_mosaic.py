@@ -447,7 +447,7 @@ _PRODUCER_REGISTERS = 24
 
 def _forward_call(
     q: jax.Array, k: jax.Array, v: jax.Array, plan: jax.Array, segment_ids: jax.Array | None,
-    shape: Shape, *, block_k: int, stages: int, pingpong: bool = False, persistent: bool = True,
+    shape: Shape, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out [batch, seq_q, heads, dim], lse [batch, heads, seq_q])`` on padded operands.
 
@@ -462,6 +462,7 @@ def _forward_call(
     segmented = segment_ids is not None
     row_bytes = dim * jnp.dtype(dtype).itemsize
     items, order = _key_value_items(plan, heads, persistent, shape, segmented, k)
+    stages = _ring_stages(stages, TILE * row_bytes, 2 * block_k * row_bytes)
     tile_bytes, ring_bytes = TILE * row_bytes, stages * 2 * block_k * row_bytes
     buffers = _tile_buffers(tile_bytes, ring_bytes)
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
@@ -627,7 +628,7 @@ def _delta(out: jax.Array, do: jax.Array) -> Float[Array, "batch heads seq_q"]:
 
 def _dq_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, out: jax.Array,
-    plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_k: int, stages: int, persistent: bool = True,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_k: int, stages: int | None, persistent: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dq [batch, seq_q, heads, dim], delta [batch, heads, seq_q])``: items are 128-row query
     tiles of one head, walking the key/value blocks of the plan; ``p`` is rebuilt from the saved
@@ -642,6 +643,8 @@ def _dq_call(
     dtype = q.dtype
     segmented = segment_ids is not None
     items, order = _key_value_items(plan, heads, persistent, shape, segmented, k)
+    row_bytes = dim * jnp.dtype(dtype).itemsize
+    stages = _ring_stages(stages, 2 * TILE * row_bytes, 2 * block_k * row_bytes)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
     out_or_delta = out if computes_delta else _delta(out, do)
 
@@ -770,7 +773,7 @@ def _dq_call(
 
 def _dkv_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
-    plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_q: int, stages: int, persistent: bool = True,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_q: int, stages: int | None, persistent: bool = True,
     fused: bool = False, grads: tuple[str, ...] = ("dk", "dv"),
 ) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
     """``(dk, dv [batch, seq_kv, kv_heads, dim], dq)``: items are 128-row key/value tiles of one
@@ -804,6 +807,7 @@ def _dkv_call(
         plan, kv_heads, persistent, shape.interpret, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8),
     )
     tile_bytes = (2 if with_dk else 1) * TILE * row_bytes  # key (and value) rows of one tile
+    stages = _ring_stages(stages, tile_bytes + (_fused_bytes(dim) if fused else 0), 2 * block_q * row_bytes)
     ring_bytes = stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0)  # with the fused buffers
     if fused and tile_bytes + ring_bytes > _SMEM_BYTES:
         raise ValueError(f"num_stages: {stages} stages of the fused backward do not fit shared memory at head dim {dim}")
@@ -1114,7 +1118,7 @@ def _pad(
     return _Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim)
 
 
-def _forward_padded(p: _Padded, *, block_k: int, stages: int, pingpong: bool = False, persistent: bool = True) -> tuple[jax.Array, jax.Array]:
+def _forward_padded(p: _Padded, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True) -> tuple[jax.Array, jax.Array]:
     batch, rows = p.q.shape[:2]
     cols = p.k.shape[1]
     plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
@@ -1122,23 +1126,33 @@ def _forward_padded(p: _Padded, *, block_k: int, stages: int, pingpong: bool = F
     return _forward_call(p.q, p.k, p.v, plan, segments, p.shape, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
 
 
-def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int]:
-    """``(q block, kv block, stages)`` from launch parameters; unset fields get defaults that
-    fit shared memory at this head dimension (two stages of 128-row blocks up to dim 128, 64-key
-    blocks above; the backward's two tiles of 128 rows leave room for one stage of 64-row blocks
-    above dim 128, since a wgmma's contraction takes 64 elements at least) and, in the backward,
+def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int | None]:
+    """``(q block, kv block, stages)`` from launch parameters; unset block sizes get defaults
+    that fit shared memory at this head dimension (128-row blocks up to dim 128, 64-key blocks
+    above, since a wgmma's contraction takes 64 elements at least) and, in the backward,
     registers: above dim 64 the dq kernel's tiles of 128 keys spilled 412 bytes per thread and 64
     keys spill none (H100, bench/RESULTS.md run 44: fwd+bwd 5% and 9% faster at dim 128, causal
-    and 4 documents)."""
+    and 4 documents). Unset stages stay None: each kernel takes :func:`_ring_stages` of what it
+    holds."""
     backward = isinstance(params, BwdParams)
     widest = 64 if backward else 128
     block_q = params.q_blocksize or 64
     block_k = params.kv_blocksize or (64 if dim > widest else 128)
-    stages = params.num_stages or (1 if backward and dim > 128 else 2)
     for name, value in (("q_blocksize", block_q), ("kv_blocksize", block_k)):
         if value not in (64, 128):
             raise ValueError(f"{name}: the mosaic kernels take 64 or 128, got {value}")
-    return block_q, block_k, stages
+    return block_q, block_k, params.num_stages
+
+
+def _ring_stages(stages: int | None, tile_bytes: int, stage_bytes: int) -> int:
+    """``stages`` if set, else the ring's default depth for a kernel that holds ``tile_bytes``
+    of resident tiles and streams ``stage_bytes`` per stage: two stages where they fit beside
+    one buffer of the tiles, else one. So up to head dim 128 every kernel gets two; above, the
+    forward (one 128-row tile, 64-key blocks) and the ``dv`` walk (the key tile alone) get two,
+    the dq kernel and the ``dk`` walk (two 128-row tiles) one."""
+    if stages:
+        return stages
+    return 2 if tile_bytes + 2 * stage_bytes <= _SMEM_BYTES else 1
 
 
 _SMEM_LIMIT = 227 * 1024  # Hopper's per-block limit of shared memory
@@ -1155,10 +1169,10 @@ def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams, *, fused_backward: boo
     except ValueError:
         return False
     row = padded * 2  # bytes of one 16-bit row
-    forward = TILE * row + fwd_stages * 2 * fwd_k * row
-    dq = 2 * TILE * row + bwd_stages * 2 * bwd_k * row
-    dkv = 2 * TILE * row + bwd_stages * 2 * bwd_q * row + (_fused_bytes(padded) if fused_backward and bwd_q == WG_ROWS else 0)
-    return max(forward, dq, dkv) <= _SMEM_BYTES
+    fused = _fused_bytes(padded) if fused_backward and bwd_q == WG_ROWS else 0
+    # (resident tiles, bytes per stage) of the forward, the dq kernel and the widest dk/dv walk
+    kernels = ((TILE * row, 2 * fwd_k * row, fwd_stages), (2 * TILE * row, 2 * bwd_k * row, bwd_stages), (2 * TILE * row + fused, 2 * bwd_q * row, bwd_stages))
+    return all(tile + _ring_stages(stages, tile, stage) * stage <= _SMEM_BYTES for tile, stage, stages in kernels)
 
 
 def _check(q: jax.Array, k: jax.Array) -> None:

@@ -184,7 +184,7 @@ def test_rejects_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="head dim <= 256"):
         am.mosaic_forward(q, k, v, None, scale=1.0, bounds=(None, None), params=FwdParams())
     assert am.mosaic_supports(jnp.bfloat16, 256) and not am.mosaic_supports(jnp.bfloat16, 320)
-    # Above head dim 128 the backward's default tiles fit shared memory with one stage, not two.
+    # Above head dim 128 the dq kernel and the dk walk fit one stage of the default tiles, not two.
     assert am.mosaic_fits(256, FwdParams(), BwdParams()) and not am.mosaic_fits(256, FwdParams(), BwdParams(num_stages=2))
 
 
@@ -295,14 +295,16 @@ def test_interpreted_backward(races: Callable[[], bool], fused: bool, diagonal_a
 
 @pytest.mark.slow
 def test_interpreted_backward_above_head_dim_128(races: Callable[[], bool]) -> None:
-    # Head dim 256: one backward stage, and the dk/dv kernel walks once for dv (without the
-    # value tile) and once for dk; one tile (the interpreter takes 15 s a call at this size),
-    # three documents and padding.
+    # Head dim 256: the dk/dv kernel walks once for dv (without the value tile: two stages fit)
+    # and once for dk (one stage, as the dq kernel); one tile (the interpreter takes 15 s a call
+    # at this size), three documents and padding.
     seq, dim = 120, 256
     q, k, v = qkv(1, seq, 1, 1, dim, jnp.bfloat16, seed=15)
     position = jnp.arange(seq)
     ids = jnp.where(position < seq - 11, 1 + (position >= 40) + (position >= 80), 0)[None].astype(jnp.int32)
-    assert am._dkv_passes(dim) == (("dv",), ("dk",)) and am._blocks(BwdParams(), dim) == (64, 64, 1)
+    assert am._dkv_passes(dim) == (("dv",), ("dk",)) and am._blocks(BwdParams(), dim) == (64, 64, None)
+    tile, stage = am.TILE * dim * 2, 2 * 64 * dim * 2  # one 128-row tile; a stage of 64-row blocks
+    assert am._ring_stages(None, tile, stage) == 2 and am._ring_stages(None, 2 * tile, stage) == 1
     probe = jax.random.normal(jax.random.key(16), q.shape, jnp.float32)
     out, grads = interpreted_values_and_gradients(q, k, v, ids, (FwdParams(), BwdParams()), probe)
     assert not races()
