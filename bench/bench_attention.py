@@ -1,7 +1,7 @@
 """Attention on one GPU: every implementation side by side, plain causal, segments, packed documents.
 
     python bench/bench_attention.py                    # everything (about 4 minutes on an H100)
-    python bench/bench_attention.py --only a,c          # a subset: a, b, c, d, check
+    python bench/bench_attention.py --only a,c          # a subset: a, b, c, d, e, check
     python bench/bench_attention.py --samples 5 --quick # fewer samples, smaller correctness grid
 
 Sections:
@@ -22,8 +22,12 @@ Sections:
   untuned ``flash_attention`` runs it, plain causal cuDNN over the whole row as a yardstick
   that ignores the documents) against ours.
 - ``d``: causal B2 S4096 H8 D256 bf16 (head dim 256, where the Mosaic backward walks the
-  key/value tiles twice and has one stage): cuDNN (where it takes the shape), the XLA path,
-  ours on Triton and on Mosaic GPU.
+  key/value tiles twice, the dv walk with two stages and the others with one): cuDNN (where it
+  takes the shape), the XLA path, ours on Triton and on Mosaic GPU, and Mosaic with one stage
+  in every backward kernel.
+- ``e``: our Mosaic GPU kernels against our Triton ones (and cuDNN where it takes the call), default
+  tiles, at other shapes: model-sized causal and full attention, a sliding window, short rows,
+  MQA, an odd length, packed documents at head dims 64 and 256.
 - ``check``: values and gradients of each implementation against a float32 reference (highest
   matmul precision) over a grid of head dims, odd lengths, 1-4 segments and GQA ratios.
 
@@ -60,7 +64,7 @@ from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
 
 BWD_FLOP_FACTOR = 2.5
-SECTIONS = ("a", "b", "c", "d", "check")
+SECTIONS = ("a", "b", "c", "d", "e", "check")
 
 
 @dataclasses.dataclass
@@ -298,6 +302,45 @@ def section_d(args: argparse.Namespace) -> list[Row]:
     return plain_causal("d", args, *((1, 256, 2, 256) if args.tiny else (2, 4096, 8, 256)), others)
 
 
+# (name, batch, seq, heads, kv_heads, dim, flash_attention's mask arguments): the calls of
+# models other than the sections' shapes, short and long, grouped, windowed, odd, packed.
+_SHAPES_E = (
+    ("causal", 8, 2048, 12, 4, 64, {}),
+    ("full", 4, 2048, 16, 16, 128, {"causal": False}),
+    ("causal, window 1024", 4, 8192, 16, 16, 128, {"sliding_window": (1024, 0)}),
+    ("causal, short rows", 64, 256, 8, 8, 64, {}),
+    ("causal GQA 4:1", 4, 4096, 16, 4, 128, {}),  # at 16:1 the Triton backward compiled 267 s (run 138)
+    ("causal, odd length", 8, 1000, 16, 16, 128, {}),
+    ("8 segments", 4, 4096, 12, 4, 64, {"documents": 8}),
+    ("4 segments", 2, 4096, 8, 4, 256, {"documents": 4}),
+)
+
+
+def section_e(args: argparse.Namespace) -> list[Row]:
+    """Mosaic against Triton (and cuDNN where it takes the call) at every shape of _SHAPES_E,
+    default tiles: where the Triton implementation still wins on Hopper, if anywhere."""
+    variants = []
+    for name, b, s, h, kv, d, mask in _SHAPES_E:
+        if args.tiny:
+            b, s, h, kv, d = 1, 128, 2, 1, min(d, 64)
+        mask = dict(mask)
+        documents = mask.pop("documents", 0)
+        mask.setdefault("causal", True)
+        if documents:
+            mask["segment_ids"] = equal_documents(b, s, documents)
+        left = (mask.get("sliding_window") or (None,))[0]
+        pairs = (s if documents == 0 else s // documents) ** 2 / (2 if mask["causal"] else 1) * max(documents, 1)
+        if left is not None:  # each query sees at most left + 1 keys
+            pairs = sum(min(i, left) + 1 for i in range(s))
+        case = f"{name} B{b} S{s} H{h}/{kv} D{d}"
+        sets = input_sets(b, s, h, kv, d)
+        for impl in ["pallas", *extra_impls(), "cudnn"]:
+            variants += variants_of(case, impl, kernel_attend(AttentionConfig(impl), **mask), sets, 4.0 * b * h * d * pairs)
+    rows = run_section("e", variants, args.samples, args.per_sample)
+    set_ratios(rows, lambda r: find(rows, r.case, "pallas", r.pass_), "Triton")
+    return rows
+
+
 # --------------------------------------------------------------------------------------------
 # Correctness
 
@@ -439,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     checks: list[Check] = []
     start = time.perf_counter()
-    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d}
+    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e}
     for name in only:  # in the order given: a run cut short keeps the sections that came first
         if name == "check":
             impls = ["pallas", *extra_impls(), "cudnn", "xla"]

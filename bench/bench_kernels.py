@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 import ejlabel
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
+from ejlabel.kernels.attention_mosaic import on_hopper
 from ejlabel.kernels.cross_entropy import CrossEntropyConfig, CrossEntropyKernel, softmax_cross_entropy
 from ejlabel.kernels.matmul import MatmulConfig, MatmulKernel, matmul
 from ejlabel.kernels.norms import LayerNormKernel, NormConfig, RMSNormKernel, layer_norm, rms_norm
@@ -105,14 +106,16 @@ class Bench:
     def policy(self, *, early_stop: bool = True) -> ejlabel.AutotunePolicy:
         return ejlabel.AutotunePolicy(num_warmup=2, num_iters=self.tune_iters, early_stop=early_stop, compile_workers=8)
 
-    def tune_pallas(self, kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any], *, early_stop: bool = True, every_impl: bool = False) -> Any:
-        """The tuner's pick among the kernel's valid Pallas candidates (or all of them)."""
+    def tune_pallas(
+        self, kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any], *, early_stop: bool = True, every_impl: bool = False, impl: str = "pallas",
+    ) -> Any:
+        """The tuner's pick among the kernel's valid candidates of ``impl`` (or all of them)."""
         inv = ejlabel.Invocation(kernel, args, kwargs)
-        candidates = [c for c in kernel.config_space(inv) if every_impl or c.impl == "pallas"]
+        candidates = [c for c in kernel.config_space(inv) if every_impl or c.impl == impl]
         if self.quick or self.tiny:
             candidates = candidates[:: max(1, len(candidates) // 8)]
         if every_impl:  # thinning above must not drop the vendor paths
-            candidates += [c for c in kernel.config_space(inv) if c.impl != "pallas" and c not in candidates]
+            candidates += [c for c in kernel.config_space(inv) if c.impl in ("xla", "cudnn") and c not in candidates]
         return ejlabel.Autotuner(self.policy(early_stop=early_stop), progress=False).tune(inv, candidates)
 
 
@@ -129,12 +132,12 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def pallas_heuristic(kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The kernel's heuristic config, or off the GPU its first Pallas candidate."""
+def pallas_heuristic(kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any], impl: str = "pallas") -> Any:
+    """The kernel's heuristic config, or its first candidate of ``impl``."""
     inv = ejlabel.Invocation(kernel, args, kwargs)
     cfg = kernel.heuristic_cfg(inv)
-    if cfg.impl != "pallas":
-        cfg = next(c for c in kernel.config_space(inv) if c.impl == "pallas")
+    if cfg.impl != impl:
+        cfg = next(c for c in kernel.config_space(inv) if c.impl == impl)
     return cfg
 
 
@@ -220,6 +223,7 @@ def bench_attention(b: Bench) -> None:
     else:
         batch, seq, heads, dim = 4, 4096, 16, 128
     kernel = AttentionKernel()
+    ours = "mosaic" if on_hopper() else "pallas"  # on Hopper the tuning space has no Triton tiles
     causal_flops = 4.0 * batch * heads * seq * seq * dim / 2
     segments = equal_documents(batch, seq, 4)
     # Varlen: the same tokens as one packed row of `batch` sequences of unequal lengths.
@@ -246,11 +250,11 @@ def bench_attention(b: Bench) -> None:
         if set(kwargs) == {"causal"}:
             impls.append(("cudnn", AttentionConfig("cudnn")))
         try:
-            impls.append(("pallas heuristic", pallas_heuristic(kernel, sets[0], kwargs)))
-            tuned = b.tune_pallas(kernel, sets[0], kwargs)
-            impls.append(("pallas tuned", tuned.best_cfg))
+            impls.append((f"{ours} heuristic", pallas_heuristic(kernel, sets[0], kwargs, ours)))
+            tuned = b.tune_pallas(kernel, sets[0], kwargs, impl=ours)
+            impls.append((f"{ours} tuned", tuned.best_cfg))
         except Exception as err:
-            b.fail(case, "pallas tuned", err)
+            b.fail(case, f"{ours} tuned", err)
         with_best_of_impls(b, case, impls, kernel, sets[0], kwargs)
         for impl, cfg in impls:
             note = "" if impl in ("xla", "cudnn") else _describe(cfg)

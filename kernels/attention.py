@@ -29,8 +29,10 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
   packed-documents model is never slower than the plain one.
 - ``"mosaic"``: the same algorithm on the Pallas Mosaic GPU backend for Hopper (TMA, wgmma,
   warp specialisation; kernels/attention_mosaic.py), 16-bit inputs, head dim <= 256 (above 128
-  with one backward stage, and the dk/dv kernel walking once for dv and once for dk).
-- ``"pallas"``: a flash-attention-2 forward on the Triton backend. Each program owns one
+  the dk/dv kernel walks once for dv and once for dk). Where it runs, the tuning space offers
+  it and not the Triton kernels below, which it beat or tied at every shape measured.
+- ``"pallas"``: a flash-attention-2 forward on the Triton backend (tuned on other GPUs and for
+  float32 inputs; selectable everywhere). Each program owns one
   ``q`` block of one head and walks the key/value blocks with an online softmax in base 2,
   skipping the blocks that causal masks or windows leave empty and building a mask only for
   the blocks on an edge (the diagonal, a window's border, padded keys). With segment ids (and
@@ -638,11 +640,19 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         if not on_gpu():
             small = BwdParams(16, 16, 4, 1)
             return [AttentionConfig("xla"), AttentionConfig("pallas", FwdParams(16, 16, 4, 1), small), AttentionConfig("pallas", FwdParams(32, 16, 4, 1), small)]
+        q = inv.args[0]
+        mosaic = [AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd)) for bk, st in _MOSAIC_FWD for bwd in _MOSAIC_BWD]
+        if q.shape[3] > 128:  # none of those fit shared memory: the kernels' own defaults do
+            mosaic = [AttentionConfig("mosaic")]
         pairs = itertools.product(_FWD_TILES, _BWD_TILES)
         pallas = [AttentionConfig("pallas", FwdParams(*fwd), BwdParams(*bwd)) for fwd, bwd in pairs]
-        mosaic = [AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd)) for bk, st in _MOSAIC_FWD for bwd in _MOSAIC_BWD]
-        if inv.args[0].shape[3] > 128:  # none of those fit shared memory: the kernels' own defaults do
-            mosaic = [AttentionConfig("mosaic")]
+        if on_hopper() and mosaic_supports(q.dtype, q.shape[3]):
+            # Where the Mosaic kernels run, the Triton ones beat them nowhere we measured: over 14
+            # shapes Mosaic ran 1.15x to 1.70x Triton's speed, and tied it (0.99x) at four
+            # documents of head dim 256, forward and backward (H100, bench_attention.py sections
+            # a-e, bench/RESULTS.md run 139). Their 30 tiles would only cost tuning time (one
+            # Triton backward compiled for 267 s at 16:1 grouped heads). Still selectable by config.
+            pallas = []
         return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas + mosaic
 
     def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:

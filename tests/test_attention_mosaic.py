@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels import attention_mosaic as am
 from ejlabel.kernels import _mosaic_plan as mplan
 from ejlabel.kernels.attention import (
@@ -186,6 +187,20 @@ def test_rejects_what_it_cannot_run() -> None:
     assert am.mosaic_supports(jnp.bfloat16, 256) and not am.mosaic_supports(jnp.bfloat16, 320)
     # Above head dim 128 the dq kernel and the dk walk fit one stage of the default tiles, not two.
     assert am.mosaic_fits(256, FwdParams(), BwdParams()) and not am.mosaic_fits(256, FwdParams(), BwdParams(num_stages=2))
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_tuning_space_offers_triton_only_where_mosaic_does_not_run(monkeypatch: pytest.MonkeyPatch, hopper: bool) -> None:
+    monkeypatch.setattr(attention_module, "on_gpu", lambda: True)
+    monkeypatch.setattr(attention_module, "on_hopper", lambda: hopper)
+    kernel = AttentionKernel()
+    for dtype, dim in ((jnp.bfloat16, 64), (jnp.float16, 256), (jnp.float32, 64)):
+        q, k, v = qkv(1, 64, 2, 1, dim, dtype)
+        impls = {c.impl for c in kernel.config_space(Invocation(kernel, (q, k, v), {"causal": True}))}
+        mosaic_runs = hopper and dtype != jnp.float32
+        assert ("pallas" in impls) != mosaic_runs and {"xla", "cudnn", "mosaic"} <= impls
+        triton = Invocation(kernel, (q, k, v), {"causal": True})
+        assert kernel.candidate_is_valid(triton, AttentionConfig("pallas"))  # still selectable
 
 
 def test_flash_attention_offers_mosaic_only_where_it_runs() -> None:
