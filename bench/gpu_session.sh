@@ -52,6 +52,7 @@ for step in "$@"; do
     logitsgemm) timeout 400 python3 bench/probe_logits_gemm.py 2>&1 | grep -v "^W1\|Delay kernel" | tee "$OUT/logits_gemm.log" | tail -n 25 ;;
     rows) timeout 200 python3 bench/probe_softmax_rows.py 2>&1 | tee "$OUT/softmax_rows.log" | grep -v "^W1\|Delay kernel" | tail -n 16 ;;
     schedules) MOSAIC_GPU_DUMP_PTXAS=1 timeout 540 python3 bench/probe_schedules.py 2>&1 | tee "$OUT/schedules.log" | grep "^|\|^###\|=== variant\|stack frame" | tail -n 60 ;;
+    schedules256) MOSAIC_GPU_DUMP_PTXAS=1 timeout 540 python3 bench/probe_schedules.py --dim256 2>&1 | tee "$OUT/schedules256.log" | grep "^|\|^###\|=== variant\|stack frame" | tail -n 40 ;;
     overlap)  # the forward overlap patch, not kept (bench/RESULTS.md, runs 54-56), timed and checked, then taken out again
       git apply bench/runs/2026-11-26_forward_overlap.diff || exit 1
       MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python3 bench/probe_schedules.py 2>&1 | tee "$OUT/overlap_schedules.log" | grep "^|\|^###\|stack frame" | tail -n 60

@@ -16,7 +16,9 @@ kept), run 115 whether the blocks masked by positions alone get a walk loop of t
 (``POSITIONS_APART_MAX_DIM``), run 130 which two loops the walk has above head dim 64 with
 segment ids (``bench/runs/2026-11-26_run130_unmasked_run_with_positions.diff``). The variants
 here: the items' order in L2 sections (``L2_SECTION_BYTES``) against one section, costliest
-first over all heads, as before.
+first over all heads, as before. ``--dim256`` times the variants at head dim 256 instead, where
+the dq kernel and the dk walk have one stage; run 141 compared there, through a switch the
+kernels no longer have, the order in which the producer refills the streams.
 """
 
 from __future__ import annotations
@@ -86,8 +88,27 @@ def steps(title: str, cudnn: Any, mosaic: Any, q: jax.Array, k: jax.Array, v: ja
     return {name: (lambda f=f: f(q, k, v)) for name, f in out.items()}
 
 
+def head_dim_256() -> list[str]:
+    """Causal B2 S4096 H8 D256, and 4 documents per row with 2 query heads per key/value head."""
+    batch, seq, heads, dim = 2, 4096, 8, 256
+    q, k, v, probe = inputs(batch, seq, heads, heads, dim)
+    flops = 4 * batch * heads * dim * seq * seq / 2
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    causal = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True)
+    tables = report("causal B2 S4096 H8 D256 bf16", steps("causal", cudnn, causal, q, k, v, probe), flops, samples=15, per_sample=6)
+    docs = 4
+    q, k, v, probe = inputs(batch, seq, heads, heads // 2, dim)
+    ids = equal_documents(batch, seq, docs)
+    segments = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids)
+    tables += report("4 segments B2 S4096 H8/4 D256 bf16 (visible work)", steps("segments", None, segments, q, k, v, probe), flops / docs, samples=15, per_sample=6)
+    return tables
+
+
 def main() -> None:
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
+    if "--dim256" in sys.argv[1:]:
+        print("\n" + "\n".join(head_dim_256()))
+        return
     tables = []
     batch, seq, heads, dim = 4, 4096, 16, 128
     q, k, v, probe = inputs(batch, seq, heads, heads, dim)
