@@ -15,10 +15,11 @@ the kernels no longer have (the chosen orders are the code; the forward variants
 kept), run 115 whether the blocks masked by positions alone get a walk loop of their own
 (``POSITIONS_APART_MAX_DIM``), run 130 which two loops the walk has above head dim 64 with
 segment ids (``bench/runs/2026-11-26_run130_unmasked_run_with_positions.diff``). The variants
-here: the items' order in L2 sections (``L2_SECTION_BYTES``) against one section, costliest
-first over all heads, as before. ``--dim256`` times the variants at head dim 256 instead, where
-the dq kernel and the dk walk have one stage; run 141 compared there, through a switch the
-kernels no longer have, the order in which the producer refills the streams.
+here: whether the dq kernel's softmax runs beside dP above head dim 128 too
+(``SOFTMAX_BESIDE_DP_MAX_DIM``, run 142). ``--dim256`` times the variants at head dim 256
+instead of the shapes above; run 141 compared there, through a switch the kernels no longer
+have, the order in which the producer refills the streams, run 119 (without ``--dim256``) the
+items' order in L2 sections (``L2_SECTION_BYTES``).
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from ejlabel.kernels import attention_mosaic as am
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
-    # Items costliest first over every row (one section), the order before sections.
-    "no sections": {"L2_SECTION_BYTES": 0},
+    # The dq kernel's softmax beside dP at every head dim, as before run 142.
+    "softmax beside dP": {"SOFTMAX_BESIDE_DP_MAX_DIM": 256},
     "default again": {},  # the spread of one variant timed twice
-    "no sections again": {"L2_SECTION_BYTES": 0},
+    "softmax beside dP again": {"SOFTMAX_BESIDE_DP_MAX_DIM": 256},
 }
 
 

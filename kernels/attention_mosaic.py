@@ -613,6 +613,13 @@ def _forward_call(
 # Backward
 
 
+# Up to this head dim the dq kernel's softmax runs while the tensor cores compute dP; above it,
+# before dP is issued. Beside dP, the probabilities, dP's accumulator and the 64 x 256 float32 dq
+# exceed a consumer's registers: at head dim 256 the kernel spilled 1352 bytes per thread, 848 in
+# order, and causal B2 S4096 H8 D256 fwd+bwd ran 2.45 ms against 1.83 (H100, bench/RESULTS.md run 142).
+SOFTMAX_BESIDE_DP_MAX_DIM = 128
+
+
 def _dq_tiles(dim: int, dtype: Any, block_k: int, stages: int) -> tuple[int, bool]:
     """``(buffers, computes_delta)`` of the dq kernel's tiles: the kernel reads the forward's
     output tile beside ``q`` and ``dO`` and computes ``delta`` itself only where the three
@@ -719,9 +726,14 @@ def _dq_call(
                                 p = jnp.where(mask, p, 0.0)
                         return p
 
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    # The softmax runs while the tensor cores compute dP.
-                    dp, p = _mma_new(shape, my_do, v_ring.at[slot], transpose_b=True, between=probabilities)
+                    if dim <= SOFTMAX_BESIDE_DP_MAX_DIM:
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        # The softmax runs while the tensor cores compute dP.
+                        dp, p = _mma_new(shape, my_do, v_ring.at[slot], transpose_b=True, between=probabilities)
+                    else:
+                        p = probabilities()
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        dp = _mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
                     plgpu.barrier_arrive(v_used.at[slot])
                     ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
                     dq = _mma_into(shape, dq, ds, k_ring.at[slot])
