@@ -30,7 +30,7 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
 - ``"mosaic"``: the same algorithm on the Pallas Mosaic GPU backend for Hopper (TMA, wgmma,
   warp specialisation; kernels/attention_mosaic.py), 16-bit inputs, head dim <= 256 (above 128
   the dk/dv kernel walks once for dv and once for dk). Where it runs, the tuning space offers
-  it and not the Triton kernels below, which it beat or tied at every shape measured.
+  it and not the Triton kernels below, which it beat at every shape measured.
 - ``"pallas"``: a flash-attention-2 forward on the Triton backend (tuned on other GPUs and for
   float32 inputs; selectable everywhere). Each program owns one
   ``q`` block of one head and walks the key/value blocks with an online softmax in base 2,
@@ -648,10 +648,10 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         pallas = [AttentionConfig("pallas", FwdParams(*fwd), BwdParams(*bwd)) for fwd, bwd in pairs]
         if on_hopper() and mosaic_supports(q.dtype, q.shape[3]):
             # Where the Mosaic kernels run, the Triton ones beat them nowhere we measured: over 14
-            # shapes Mosaic ran 1.15x to 1.70x Triton's speed, and tied it (0.99x) at four
-            # documents of head dim 256, forward and backward (H100, bench_attention.py sections
-            # a-e, bench/RESULTS.md run 139). Their 30 tiles would only cost tuning time (one
-            # Triton backward compiled for 267 s at 16:1 grouped heads). Still selectable by config.
+            # shapes Mosaic ran 1.16x to 1.70x Triton's speed, forward and forward+backward (H100,
+            # bench_attention.py sections a-e, bench/RESULTS.md runs 136-144). Their 30 tiles
+            # would only cost tuning time (one Triton backward compiled for 267 s at 16:1 grouped
+            # heads). Still selectable by config.
             pallas = []
         return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas + mosaic
 
