@@ -225,9 +225,10 @@ def _produce(
     there are freed with the stream before them), in the order of ``streams``. With one stage
     the kernels put first the stream their consumers free mid-step (values in the dq kernel,
     ``dO`` in the dk walk), so its next block loads during the rest of the step, not after it:
-    fwd+bwd 2.8% faster at causal B2 S4096 H8 D256 on the H100 (bench/RESULTS.md run 141). The planned blocks are walked ``repeats``
-    times, ``r`` counting the walks (the query heads of a group in the backward). ``offset``
-    counts the steps of the program's earlier items: the ring runs on across items.
+    fwd+bwd 2.8% faster at causal B2 S4096 H8 D256 on the H100 (bench/RESULTS.md run 141).
+    The planned blocks are walked ``repeats`` times, ``r`` counting the walks (the query heads
+    of a group in the backward). ``offset`` counts the steps of the program's earlier items:
+    the ring runs on across items.
     """
     n = visit.steps
 
@@ -615,8 +616,9 @@ def _forward_call(
 
 # Up to this head dim the dq kernel's softmax runs while the tensor cores compute dP; above it,
 # before dP is issued. Beside dP, the probabilities, dP's accumulator and the 64 x 256 float32 dq
-# exceed a consumer's registers: at head dim 256 the kernel spilled 1352 bytes per thread, 848 in
-# order, and causal B2 S4096 H8 D256 fwd+bwd ran 2.45 ms against 1.83 (H100, bench/RESULTS.md run 142).
+# exceed a consumer's registers: at head dim 256 the kernel spilled 1352 bytes per thread with
+# the softmax beside dP, 848 with it before, and causal B2 S4096 H8 D256 fwd+bwd ran 2.45 ms
+# against 1.83 (H100, bench/RESULTS.md run 142).
 SOFTMAX_BESIDE_DP_MAX_DIM = 128
 
 
@@ -823,8 +825,9 @@ def _dkv_call(
         plan, kv_heads, persistent, shape.interpret, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8),
     )
     tile_bytes = (2 if with_dk else 1) * TILE * row_bytes  # key (and value) rows of one tile
-    stages = _ring_stages(stages, tile_bytes + (_fused_bytes(dim) if fused else 0), 2 * block_q * row_bytes)
-    ring_bytes = stages * 2 * block_q * row_bytes + (_fused_bytes(dim) if fused else 0)  # with the fused buffers
+    fused_bytes = _fused_bytes(dim) if fused else 0
+    stages = _ring_stages(stages, tile_bytes + fused_bytes, 2 * block_q * row_bytes)
+    ring_bytes = stages * 2 * block_q * row_bytes + fused_bytes
     if fused and tile_bytes + ring_bytes > _SMEM_BYTES:
         raise ValueError(f"num_stages: {stages} stages of the fused backward do not fit shared memory at head dim {dim}")
     buffers = _tile_buffers(tile_bytes, ring_bytes)

@@ -196,11 +196,11 @@ def test_tuning_space_offers_triton_only_where_mosaic_does_not_run(monkeypatch: 
     kernel = AttentionKernel()
     for dtype, dim in ((jnp.bfloat16, 64), (jnp.float16, 256), (jnp.float32, 64)):
         q, k, v = qkv(1, 64, 2, 1, dim, dtype)
-        impls = {c.impl for c in kernel.config_space(Invocation(kernel, (q, k, v), {"causal": True}))}
+        inv = Invocation(kernel, (q, k, v), {"causal": True})
+        impls = {c.impl for c in kernel.config_space(inv)}
         mosaic_runs = hopper and dtype != jnp.float32
         assert ("pallas" in impls) != mosaic_runs and {"xla", "cudnn", "mosaic"} <= impls
-        triton = Invocation(kernel, (q, k, v), {"causal": True})
-        assert kernel.candidate_is_valid(triton, AttentionConfig("pallas"))  # still selectable
+        assert kernel.candidate_is_valid(inv, AttentionConfig("pallas"))  # still selectable
 
 
 def test_flash_attention_offers_mosaic_only_where_it_runs() -> None:
