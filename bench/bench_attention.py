@@ -321,6 +321,8 @@ def section_e(args: argparse.Namespace) -> list[Row]:
     default tiles: where the Triton implementation still wins on Hopper, if anywhere."""
     variants = []
     for name, b, s, h, kv, d, mask in _SHAPES_E:
+        if args.match not in name:
+            continue
         if args.tiny:
             b, s, h, kv, d = 1, 128, 2, 1, min(d, 64)
         mask = dict(mask)
@@ -473,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-sample", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the first three correctness cases only")
     parser.add_argument("--tiny", action="store_true", help="small shapes: a smoke run of the script itself (CPU)")
+    parser.add_argument("--match", default="", help="section e: only the shapes whose name holds this text")
     args = parser.parse_args(argv)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(SECTIONS)

@@ -20,6 +20,7 @@ for step in "$@"; do
     attnb) timeout 300 python3 bench/bench_attention.py --only b --samples 7 2>&1 | tee "$OUT/attention_b.log" | grep -v "^W1\|Delay kernel" | tail -n 30 ;;
     attnd) timeout 240 python3 bench/bench_attention.py --only d --samples 7 2>&1 | tee "$OUT/attention_d.log" | grep -v "^W1\|Delay kernel" | tail -n 14 ;;
     attne) timeout 420 python3 bench/bench_attention.py --only e --samples 7 2>&1 | tee "$OUT/attention_e.log" | grep -v "^W1\|Delay kernel" | tail -n 52 ;;
+    attnodd) timeout 200 python3 bench/bench_attention.py --only e --match "odd length" --samples 7 2>&1 | tee "$OUT/attention_odd.log" | grep "^| e" | tail -n 8 ;;
     attncheck) timeout 120 python3 bench/bench_attention.py --only check --quick 2>&1 | tee "$OUT/attention_check.log" | tail -n 30 ;;
     attngpu) timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_attention.py tests/test_attention_mosaic.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -n 25 ;;
     registers) timeout 300 python3 bench/probe_registers.py 2>&1 | tee "$OUT/registers.log" | tail -n 40 ;;

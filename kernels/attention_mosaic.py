@@ -43,9 +43,10 @@ Kernels (an item is one tile of one head of one batch row):
   ``dO v^T`` by adding each step's share of ``dq`` to float32 in global memory with TMA
   reduce-adds; it measured slower (see :func:`mosaic_backward`), so the split is the default.
 
-Sequences are padded to whole tiles and the head dimension to a multiple of 64 (the width of a
-128-byte swizzled row of 16-bit elements) outside the kernels; padded keys are masked, padded
-queries sliced off.
+The head dimension is padded to a multiple of 64 (the width of a 128-byte swizzled row of 16-bit
+elements) outside the kernels. Sequences are walked in whole tiles without being copied to them:
+TMA reads a tile's rows past the end as zeros and does not write them back (see :func:`_pad`).
+Keys past the end are masked; queries past the end are never written.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from ejlabel import BwdParams, FwdParams
 from ._mosaic_modules import share_modules_across_call_sites
 from ._mosaic_plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, Window, mask_loops, visit_plan, walk
 from ._mosaic_work import Items, deal_items
-from ._pallas import MASK_VALUE, pad_axis, pad_to
+from ._pallas import MASK_VALUE, pad_axis
 
 try:  # The Mosaic GPU backend may be missing from a JAX build; the module still imports.
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -606,7 +607,8 @@ def _forward_call(
         plgpu.Barrier(num_arrivals=CONSUMERS),
     )
     operands = (q, k, v, plan, order) + ((segment_ids,) if segmented else ())
-    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32))
+    # The log-sum-exp rows over whole tiles: a TMA row stride must be a multiple of 16 bytes.
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, plan.shape[2] * TILE), jnp.float32))
     return _launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
 
 
@@ -658,7 +660,7 @@ def _dq_call(
     row_bytes = dim * jnp.dtype(dtype).itemsize
     stages = _ring_stages(stages, 2 * TILE * row_bytes, 2 * block_k * row_bytes)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
-    out_or_delta = out if computes_delta else _delta(out, do)
+    out_or_delta = out if computes_delta else pad_axis(_delta(out, do), 2, lse.shape[2])
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, in_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         refs = list(refs)
@@ -784,7 +786,7 @@ def _dq_call(
         plgpu.Barrier(num_barriers=stages),
     )
     operands = (q, k, v, do, lse, out_or_delta, plan, order) + ((segment_ids,) if segmented else ())
-    out_type = (jax.ShapeDtypeStruct(q.shape, dtype),) + ((jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),) if computes_delta else ())
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype),) + ((jax.ShapeDtypeStruct(lse.shape, jnp.float32),) if computes_delta else ())
     results = _launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
     return results[0], (results[1] if computes_delta else out_or_delta)
 
@@ -1106,8 +1108,15 @@ def _launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tup
 # Padding and the public function
 
 
+# Mosaic GPU copies a tile to or from memory whose tiled row count is a multiple of the 8-row
+# swizzle tile ("dimension 1 must have size smaller or a multiple of its tiling 8").
+_TMA_ROWS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class _Padded:
+    """The operands of one call, padded (see :func:`_pad`), and the lengths they came with."""
+
     q: jax.Array
     k: jax.Array
     v: jax.Array
@@ -1116,30 +1125,43 @@ class _Padded:
     seq_q: int
     seq_kv: int
     dim: int
+    rows: int  # query rows in whole tiles
+    cols: int  # key rows in whole tiles
+
+    def like_q(self, x: jax.Array) -> jax.Array:
+        """A ``[batch, seq_q, heads, dim]`` operand (``dO``, the forward's output) padded as ``q`` is."""
+        return pad_axis(pad_axis(x, 3, self.q.shape[3]), 1, self.q.shape[1])
 
 
 def _pad(
     q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
     *, scale: float, bounds: Window, block_k: int, interpret: bool = False,
 ) -> _Padded:
-    """Pad sequences to whole tiles (queries to 128 rows, keys to ``block_k`` and to 128) and the
-    head dimension to a multiple of 64."""
+    """Pad the head dimension to a multiple of 64, and take the sequences in whole tiles (queries
+    of 128 rows, keys of ``block_k`` and of 128). On the GPU a sequence is padded only to a
+    multiple of 8 rows (:data:`_TMA_ROWS`): TMA reads a tile's rows past the end as zeros and does
+    not write them back, which is what padding with zeros to whole tiles gave. At B8 S1000 H16
+    D128 those copies in and out took as long as the forward kernel (H100, bench/RESULTS.md run
+    139). The interpreter clamps such slices, so there the sequences are padded to whole tiles.
+    The segment ids are padded to whole tiles everywhere: they are small, and the padding's ids
+    of 0 are the ids the tiles' tails must see."""
     seq_q, dim = q.shape[1], q.shape[3]
     seq_kv = k.shape[1]
+    rows = -(-seq_q // TILE) * TILE
+    cols = -(-seq_kv // math.lcm(block_k, TILE)) * math.lcm(block_k, TILE)  # the backward tiles keys by 128
     padded_dim = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
-    kv_multiple = math.lcm(block_k, TILE)  # the backward tiles keys by 128
-    q = pad_to(pad_axis(q, 3, padded_dim), 1, TILE)
-    k, v = (pad_to(pad_axis(t, 3, padded_dim), 1, kv_multiple) for t in (k, v))
+    q_rows, kv_rows = (rows, cols) if interpret else (-(-n // _TMA_ROWS) * _TMA_ROWS for n in (seq_q, seq_kv))
+    q = pad_axis(pad_axis(q, 3, padded_dim), 1, q_rows)
+    k, v = (pad_axis(pad_axis(t, 3, padded_dim), 1, kv_rows) for t in (k, v))
     if segment_ids is not None:
-        segment_ids = pad_axis(segment_ids.astype(jnp.int32), 1, max(q.shape[1], k.shape[1]))
-    kv_len = seq_kv if segment_ids is None and k.shape[1] != seq_kv else None
+        segment_ids = pad_axis(segment_ids.astype(jnp.int32), 1, max(rows, cols))
+    kv_len = seq_kv if segment_ids is None and cols != seq_kv else None
     shape = Shape(scale * _LOG2E, bounds, kv_len, q.shape[2] // k.shape[2], segment_ids is not None, interpret)
-    return _Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim)
+    return _Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim, rows, cols)
 
 
 def _forward_padded(p: _Padded, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True) -> tuple[jax.Array, jax.Array]:
-    batch, rows = p.q.shape[:2]
-    cols = p.k.shape[1]
+    batch, rows, cols = p.q.shape[0], p.rows, p.cols
     plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
     segments = None if p.segment_ids is None else p.segment_ids
     return _forward_call(p.q, p.k, p.v, plan, segments, p.shape, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
@@ -1264,14 +1286,12 @@ def mosaic_backward(
     _check(q, k)
     block_q, block_k, stages = _blocks(params, q.shape[3])
     p = _pad(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
-    batch, rows, _, dim = p.q.shape
-    cols = p.k.shape[1]
-    do = pad_axis(pad_axis(g.astype(p.q.dtype), 3, dim), 1, rows)
-    out = pad_axis(pad_axis(out, 3, dim), 1, rows)
-    lse = pad_axis(lse.astype(jnp.float32), 2, rows)
+    batch, dim, rows, cols = p.q.shape[0], p.q.shape[3], p.rows, p.cols
+    do, out = p.like_q(g.astype(p.q.dtype)), p.like_q(out)
+    lse = pad_axis(lse.astype(jnp.float32), 2, rows)  # row terms over whole tiles: TMA strides
     fused = fused and block_q == WG_ROWS and len(_dkv_passes(dim)) == 1
     if fused:
-        delta = _delta(out, do)
+        delta = pad_axis(_delta(out, do), 2, rows)
     else:  # the dq kernel first: it may compute delta for the dk/dv kernel
         rows_plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
         dq, delta = _dq_call(p.q, p.k, p.v, do, lse, out, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent)

@@ -83,6 +83,22 @@ def test_forward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, options: dict[str
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize(("seq", "copied"), [(1000, False), (300, True)])
+def test_sequences_are_not_copied_to_whole_tiles_on_the_gpu(seq: int, copied: bool) -> None:
+    # TMA reads a tile's tail past the end as zeros: a length of whole 8-row swizzle tiles goes
+    # to the kernels as it is, forward and backward (only the small row terms are padded); any
+    # other length is padded to them.
+    q = jax.ShapeDtypeStruct((2, seq, 4, 128), jnp.bfloat16)
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return am.mosaic_attention(q, k, v, causal=True).astype(jnp.float32).sum()
+
+    padded = [line for line in lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q).splitlines() if "stablehlo.pad" in line]
+    assert any(f"x{seq}x4x128x" in line for line in padded) == copied
+    whole_tiles = -(-seq // am.TILE) * am.TILE
+    assert not any(f"x{whole_tiles}x4x128x" in line for line in padded)  # nor to whole 128-row tiles
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize(("dim", "kv_heads", "segments"), [(64, 2, True), (128, 4, False), (256, 2, True)])
 def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, fused: bool) -> None:
