@@ -106,7 +106,7 @@ class Bench:
     def policy(self, *, early_stop: bool = True) -> ejlabel.AutotunePolicy:
         return ejlabel.AutotunePolicy(num_warmup=2, num_iters=self.tune_iters, early_stop=early_stop, compile_workers=8)
 
-    def tune_pallas(
+    def tune_impl(
         self, kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any], *, early_stop: bool = True, every_impl: bool = False, impl: str = "pallas",
     ) -> Any:
         """The tuner's pick among the kernel's valid candidates of ``impl`` (or all of them)."""
@@ -132,7 +132,7 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def pallas_heuristic(kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any], impl: str = "pallas") -> Any:
+def impl_heuristic(kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any], impl: str = "pallas") -> Any:
     """The kernel's heuristic config, or its first candidate of ``impl``."""
     inv = ejlabel.Invocation(kernel, args, kwargs)
     cfg = kernel.heuristic_cfg(inv)
@@ -154,10 +154,10 @@ def bench_matmul(b: Bench) -> None:
         flops = 2.0 * n**3
         run = lambda cfg: jax.jit(lambda a, c: matmul(a, c, cfg=cfg))
         b.measure(case, "xla", run(MatmulConfig("xla")), sets, flops, "TFLOP/s")
-        heuristic = pallas_heuristic(kernel, sets[0], {})
+        heuristic = impl_heuristic(kernel, sets[0], {})
         b.measure(case, "pallas heuristic", run(heuristic), sets, flops, "TFLOP/s", _describe(heuristic))
         try:
-            tuned = b.tune_pallas(kernel, sets[0], {})
+            tuned = b.tune_impl(kernel, sets[0], {})
         except Exception as err:
             b.fail(case, "pallas tuned", err)
             continue
@@ -173,7 +173,7 @@ def bench_matmul(b: Bench) -> None:
 def _check_tuner_pick(b: Bench, kernel: MatmulKernel, sets: list[tuple[Any, ...]], pick: Any, picked: Row, flops: float, case: str, run: Callable[[Any], Any]) -> None:
     """Time every candidate fully (no early stopping) and compare its best with the pick."""
     try:
-        exhaustive = b.tune_pallas(kernel, sets[0], {}, early_stop=False)
+        exhaustive = b.tune_impl(kernel, sets[0], {}, early_stop=False)
     except Exception as err:
         b.fail(case, "pallas exhaustive best", err)
         return
@@ -191,7 +191,7 @@ def _check_tuner_pick(b: Bench, kernel: MatmulKernel, sets: list[tuple[Any, ...]
 def with_best_of_impls(b: Bench, case: str, configs: list[tuple[str, Any]], kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Append the tuner's pick over every implementation the kernel offers (the normal tuning)."""
     try:
-        configs.append(("best of impls, tuned", b.tune_pallas(kernel, args, kwargs, every_impl=True).best_cfg))
+        configs.append(("best of impls, tuned", b.tune_impl(kernel, args, kwargs, every_impl=True).best_cfg))
     except Exception as err:
         b.fail(case, "best of impls, tuned", err)
 
@@ -250,8 +250,8 @@ def bench_attention(b: Bench) -> None:
         if set(kwargs) == {"causal"}:
             impls.append(("cudnn", AttentionConfig("cudnn")))
         try:
-            impls.append((f"{ours} heuristic", pallas_heuristic(kernel, sets[0], kwargs, ours)))
-            tuned = b.tune_pallas(kernel, sets[0], kwargs, impl=ours)
+            impls.append((f"{ours} heuristic", impl_heuristic(kernel, sets[0], kwargs, ours)))
+            tuned = b.tune_impl(kernel, sets[0], kwargs, impl=ours)
             impls.append((f"{ours} tuned", tuned.best_cfg))
         except Exception as err:
             b.fail(case, f"{ours} tuned", err)
@@ -288,9 +288,9 @@ def bench_norms(b: Bench) -> None:
         sets = _inputs(make)
         probe = _normal(jax.random.key(99), (rows, width))
         args = sets[0][: 1 + params]
-        configs: list[tuple[str, Any]] = [("xla", NormConfig("xla")), ("pallas heuristic", pallas_heuristic(kernel, args, {"eps": 1e-6}))]
+        configs: list[tuple[str, Any]] = [("xla", NormConfig("xla")), ("pallas heuristic", impl_heuristic(kernel, args, {"eps": 1e-6}))]
         try:
-            configs.append(("pallas tuned", b.tune_pallas(kernel, args, {"eps": 1e-6 if params == 1 else 1e-5}).best_cfg))
+            configs.append(("pallas tuned", b.tune_impl(kernel, args, {"eps": 1e-6 if params == 1 else 1e-5}).best_cfg))
         except Exception as err:
             b.fail(case, "pallas tuned", err)
         with_best_of_impls(b, case, configs, kernel, args, {"eps": 1e-6 if params == 1 else 1e-5})
@@ -318,10 +318,10 @@ def bench_cross_entropy(b: Bench) -> None:
     sets = _inputs(make)
     configs: list[tuple[str, Any]] = [
         ("xla", CrossEntropyConfig("xla")),
-        ("pallas heuristic", pallas_heuristic(kernel, sets[0][:1], {"labels": sets[0][1]})),
+        ("pallas heuristic", impl_heuristic(kernel, sets[0][:1], {"labels": sets[0][1]})),
     ]
     try:
-        configs.append(("pallas tuned", b.tune_pallas(kernel, sets[0][:1], {"labels": sets[0][1]}).best_cfg))
+        configs.append(("pallas tuned", b.tune_impl(kernel, sets[0][:1], {"labels": sets[0][1]}).best_cfg))
     except Exception as err:
         b.fail(case, "pallas tuned", err)
     with_best_of_impls(b, case, configs, kernel, sets[0][:1], {"labels": sets[0][1]})

@@ -1147,8 +1147,8 @@ def _pad(
     of 0 are the ids the tiles' tails must see."""
     seq_q, dim = q.shape[1], q.shape[3]
     seq_kv = k.shape[1]
-    rows = -(-seq_q // TILE) * TILE
-    cols = -(-seq_kv // math.lcm(block_k, TILE)) * math.lcm(block_k, TILE)  # the backward tiles keys by 128
+    kv_tile = math.lcm(block_k, TILE)  # the backward tiles keys by 128
+    rows, cols = -(-seq_q // TILE) * TILE, -(-seq_kv // kv_tile) * kv_tile
     padded_dim = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
     q_rows, kv_rows = (rows, cols) if interpret else (-(-n // _TMA_ROWS) * _TMA_ROWS for n in (seq_q, seq_kv))
     q = pad_axis(pad_axis(q, 3, padded_dim), 1, q_rows)
@@ -1211,8 +1211,11 @@ def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams, *, fused_backward: boo
         return False
     row = padded * 2  # bytes of one 16-bit row
     fused = _fused_bytes(padded) if fused_backward and bwd_q == WG_ROWS else 0
-    # (resident tiles, bytes per stage) of the forward, the dq kernel and the widest dk/dv walk
-    kernels = ((TILE * row, 2 * fwd_k * row, fwd_stages), (2 * TILE * row, 2 * bwd_k * row, bwd_stages), (2 * TILE * row + fused, 2 * bwd_q * row, bwd_stages))
+    kernels = (  # (resident bytes, bytes per stage, stages asked for)
+        (TILE * row, 2 * fwd_k * row, fwd_stages),  # the forward
+        (2 * TILE * row, 2 * bwd_k * row, bwd_stages),  # the dq kernel
+        (2 * TILE * row + fused, 2 * bwd_q * row, bwd_stages),  # the widest dk/dv walk
+    )
     return all(tile + _ring_stages(stages, tile, stage) * stage <= _SMEM_BYTES for tile, stage, stages in kernels)
 
 
