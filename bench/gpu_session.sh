@@ -16,7 +16,7 @@ for step in "$@"; do
     attention|matmul|norms|cross_entropy) timeout 570 python3 bench/bench_kernels.py --only "$step" --out "$OUT/kernels_$step.md" 2>&1 | tee "$OUT/kernels_$step.log" | grep -v "^W1\|Delay kernel" | tail -n 60 ;;
     attntests) timeout 300 python3 -m pytest -q tests/test_kernels_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -n 15 ;;
     sweep) timeout 420 python3 bench/sweep_attention.py 2>&1 | tee "$OUT/sweep_attention.log" | tail -n 8 ;;
-    attnbench) timeout 240 python3 bench/bench_attention.py --only a,b,c --samples 7 2>&1 | tee "$OUT/attention.log" | grep -v "^W1\|Delay kernel" | tail -n 60 ;;
+    attnbench) timeout 540 python3 bench/bench_attention.py --only a,b,c --samples 7 2>&1 | tee "$OUT/attention.log" | grep "^| [abc]" | tail -n 70 ;;
     attnb) timeout 300 python3 bench/bench_attention.py --only b --samples 7 2>&1 | tee "$OUT/attention_b.log" | grep -v "^W1\|Delay kernel" | tail -n 30 ;;
     attnd) timeout 240 python3 bench/bench_attention.py --only d --samples 7 2>&1 | tee "$OUT/attention_d.log" | grep -v "^W1\|Delay kernel" | tail -n 14 ;;
     attne) timeout 420 python3 bench/bench_attention.py --only e --samples 7 2>&1 | tee "$OUT/attention_e.log" | grep -v "^W1\|Delay kernel" | tail -n 52 ;;
@@ -32,6 +32,7 @@ for step in "$@"; do
     probefused) timeout 300 python3 bench/probe_fused_backward.py 2>&1 | tee "$OUT/probe_fused.log" | grep -v "^W1\|Delay kernel" | tail -n 20 ;;
     probeplan) timeout 200 python3 bench/probe_mosaic_plan.py 2>&1 | tee "$OUT/mosaic_plan.log" | grep -v "^W1\|Delay kernel" | tail -n 24 ;;
     kerneltimes) (cd bench && timeout 300 python3 probe_kernel_times.py --model --out "$OUT/kernel_times.md" 2>&1 | tee "$OUT/kernel_times.log" | grep -v "^W1\|Delay kernel" | tail -n 170) ;;
+    attntimes) (cd bench && timeout 240 python3 probe_kernel_times.py --out "$OUT/attention_kernel_times.md" 2>&1 | tee "$OUT/attention_kernel_times.log" | grep -v "^W1\|Delay kernel" | tail -n 20) ;;
     losstimes) (cd bench && timeout 200 python3 probe_kernel_times.py --loss --out "$OUT/loss_kernel_times.md" 2>&1 | tee "$OUT/loss_kernel_times.log" | grep -v "^W1\|Delay kernel" | tail -n 110) ;;
     staging) (cd bench && timeout 300 python3 probe_forward_staging.py 2>&1 | tee "$OUT/forward_staging.log" | grep -v "^W1\|Delay kernel" | tail -n 20) ;;
     mosaiccosts) timeout 150 python3 bench/probe_mosaic_costs.py 2>&1 | tee "$OUT/mosaic_costs.log" | grep -v "^W1\|Delay kernel" | tail -n 14 ;;
@@ -59,6 +60,10 @@ for step in "$@"; do
       MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python3 bench/probe_schedules.py 2>&1 | tee "$OUT/overlap_schedules.log" | grep "^|\|^###\|stack frame" | tail -n 60
       timeout 240 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_forward_pingpong tests/test_attention_mosaic.py::test_gpu_values_and_gradients -p no:cacheprovider 2>&1 | tee "$OUT/overlap_pytest.log" | tail -n 8
       git apply -R bench/runs/2026-11-26_forward_overlap.diff ;;
+    ranked)  # segment ids as ranks (bench/RESULTS.md, run 153, not kept): the patch stays applied for the steps after it (the device runs a copy)
+      git apply bench/runs/2026-11-26_run153_ranked_segment_mask.diff || exit 1
+      timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider "tests/test_attention_mosaic.py::test_gpu_values_and_gradients[bfloat16-128-513-4-2-options3]" 2>&1 | tee "$OUT/ranked_failed_test.log" | grep -v "^W1" | tail -n 30
+      (cd bench && timeout 160 python3 probe_segment_step.py 2>&1 | tee "$OUT/ranked_probe.log" | grep "^|\|^###\|difference\|per step") ;;
     modelpacked) timeout 585 python3 bench/bench_model.py --packed --samples 6 --tune-budget 280 --out "$OUT/model_packed.md" 2>&1 | tee "$OUT/model_packed.log" | tail -n 25 ;;
     model) timeout 560 python3 bench/bench_model.py --out "$OUT/model.md" 2>&1 | tee "$OUT/model.log" | tail -n 40 ;;
     modelquick) timeout 400 python3 bench/bench_model.py --quick --out "$OUT/model_quick.md" 2>&1 | tee "$OUT/model_quick.log" | tail -n 40 ;;

@@ -166,6 +166,12 @@ def cases() -> dict[str, Callable[[], Any]]:
         forward, both = both_passes(attend)
         out[f"{label}, fwd"] = lambda f=forward: f(q, k, v, _)
         out[f"{label}, fwd+bwd"] = lambda f=both: f(q, k, v, _)
+    # The same documents as rows of their own: the segment forward's kernel against this one's
+    # says what packing costs inside the kernel, the kernels before it what it costs outside.
+    rq, rk, rv, rp = input_sets(16, 1024, 16, 16, 128, count=1)[0]
+    forward, both = both_passes(kernel_attend(mosaic, causal=True))
+    out["causal B16 S1024 H16 D128 (the documents as rows), mosaic, fwd"] = lambda f=forward: f(rq, rk, rv, rp)
+    out["causal B16 S1024 H16 D128 (the documents as rows), mosaic, fwd+bwd"] = lambda f=both: f(rq, rk, rv, rp)
     pq, pk, pv, pp = input_sets(8, 2048, 12, 4, 64, count=1)[0]
     packed = equal_documents(8, 2048, 4)
     forward, both = both_passes(kernel_attend(mosaic, causal=True, segment_ids=packed))
