@@ -60,8 +60,9 @@ for step in "$@"; do
       MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python3 bench/probe_schedules.py 2>&1 | tee "$OUT/overlap_schedules.log" | grep "^|\|^###\|stack frame" | tail -n 60
       timeout 240 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py::test_gpu_forward_pingpong tests/test_attention_mosaic.py::test_gpu_values_and_gradients -p no:cacheprovider 2>&1 | tee "$OUT/overlap_pytest.log" | tail -n 8
       git apply -R bench/runs/2026-11-26_forward_overlap.diff ;;
-    ranked)  # segment ids as ranks (bench/RESULTS.md, run 153, not kept): the patch stays applied for the steps after it (the device runs a copy)
+    ranked)  # segment ids as ranks (bench/RESULTS.md, run 153, not kept): the mask alone in a kernel, the test that failed, the probe; the patch stays applied for the steps after it (the device runs a copy)
       git apply bench/runs/2026-11-26_run153_ranked_segment_mask.diff || exit 1
+      timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_mosaic.py -k ranked_mask 2>&1 | tee "$OUT/ranked_mask_test.log" | grep -v "^W1" | tail -n 30
       timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider "tests/test_attention_mosaic.py::test_gpu_values_and_gradients[bfloat16-128-513-4-2-options3]" 2>&1 | tee "$OUT/ranked_failed_test.log" | grep -v "^W1" | tail -n 30
       (cd bench && timeout 160 python3 probe_segment_step.py 2>&1 | tee "$OUT/ranked_probe.log" | grep "^|\|^###\|difference\|per step") ;;
     modelpacked) timeout 585 python3 bench/bench_model.py --packed --samples 6 --tune-budget 280 --out "$OUT/model_packed.md" 2>&1 | tee "$OUT/model_packed.log" | tail -n 25 ;;
