@@ -25,13 +25,13 @@ import jax.numpy as jnp
 from _timing import time_interleaved
 from bench_attention import equal_documents
 from ejlabel import BwdParams, FwdParams
-from ejlabel.kernels import attention_mosaic as am
+from ejlabel.kernels import _mosaic_backward, attention_mosaic as am
 
 
 @contextlib.contextmanager
 def without_reduce_adds(active: bool) -> Iterator[None]:
     """Trace the kernels with their reduce-adds to global memory taken out (if ``active``)."""
-    real_plgpu = am.plgpu
+    real_plgpu = _mosaic_backward.plgpu
 
     def copy(src: Any, dst: Any, *args: Any, reduction_op: Any = None, **kwargs: Any) -> None:
         if reduction_op is None:
@@ -42,11 +42,11 @@ def without_reduce_adds(active: bool) -> Iterator[None]:
             return copy if name == "copy_smem_to_gmem" else getattr(real_plgpu, name)
 
     if active:
-        am.plgpu = Filtered()
+        _mosaic_backward.plgpu = Filtered()
     try:
         yield
     finally:
-        am.plgpu = real_plgpu
+        _mosaic_backward.plgpu = real_plgpu
 
 
 def case(batch: int, seq: int, heads: int, kv_heads: int, dim: int, segments: int | None) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from bench_attention import dense_mask, equal_documents
 from quick_mosaic import inputs, report
-from ejlabel.kernels import _mosaic_plan, _mosaic_work
+from ejlabel.kernels import _mosaic_backward, _mosaic_forward, _mosaic_kernel, _mosaic_plan, _mosaic_work
 from ejlabel.kernels import attention_mosaic as am
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -49,7 +49,7 @@ def _clear_kernel_traces() -> None:
         inspect.getclosurevars(entry).nonlocals["jitted"].clear_cache()
 
 
-_MODULES = (am, _mosaic_plan, _mosaic_work)
+_MODULES = (am, _mosaic_kernel, _mosaic_forward, _mosaic_backward, _mosaic_plan, _mosaic_work)
 
 
 def under(settings: dict[str, Any], label: str, fn: Any) -> Any:

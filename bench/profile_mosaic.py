@@ -115,7 +115,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     from bench_attention import equal_documents
-    from ejlabel.kernels import attention_mosaic as am
+    from ejlabel.kernels import _mosaic_kernel, attention_mosaic as am
 
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     cases = {  # (batch, seq, heads, kv heads, dim, documents per row; 1: no segment ids)
@@ -130,7 +130,7 @@ def main() -> None:
         ids = equal_documents(batch, seq, documents) if documents > 1 else None
         case_dir = directory / "".join(c if c.isalnum() else "_" for c in title)
         case_dir.mkdir(exist_ok=True)
-        os.environ[am.PROFILE_DIR_VARIABLE] = str(case_dir)  # read when the kernels are traced
+        os.environ[_mosaic_kernel.PROFILE_DIR_VARIABLE] = str(case_dir)  # read when the kernels are traced
 
         forward = jax.jit(lambda q, k, v, ids: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids))
         jax.block_until_ready(forward(q, k, v, ids))

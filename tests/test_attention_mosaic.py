@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels import attention_mosaic as am
+from ejlabel.kernels import _mosaic_backward as mbackward
+from ejlabel.kernels import _mosaic_kernel as mkernel
 from ejlabel.kernels import _mosaic_plan as mplan
 from ejlabel.kernels.attention import (
     AttentionConfig,
@@ -117,7 +119,7 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, 
     assert ("cp.reduce.async.bulk" in text) == fused
     # delta = sum_d out * dO: in the dq kernel where its tiles fit twice with the output's
     # (head dim 64), else one contraction before the kernels.
-    assert am._dq_tiles(dim, jnp.float16, am._blocks(BwdParams(), dim)[1], 2) == {64: (2, True), 128: (2, False), 256: (1, False)}[dim]
+    assert mbackward._dq_tiles(dim, jnp.float16, am._blocks(BwdParams(), dim)[1], 2) == {64: (2, True), 128: (2, False), 256: (1, False)}[dim]
     assert ("stablehlo.dot_general" in text) == (fused or dim > 64)
 
 
@@ -272,8 +274,8 @@ def test_interpreted_persistent_programs_walk_several_tiles(races: Callable[[], 
     seq, dim = 256, 128
     q, k, v = qkv(1, seq, 2, 2, dim, jnp.bfloat16, seed=11)
     ids = jnp.where(jnp.arange(seq) < seq - 9, 1 + (jnp.arange(seq) >= 96) + (jnp.arange(seq) >= 200), 0)[None].astype(jnp.int32)
-    assert am._tile_buffers(128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2 and am._tile_buffers(2 * 128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2
-    assert am._tile_buffers(2 * 128 * dim * 2, 2 * 2 * 128 * dim * 2) == 1  # dq with 128-row key blocks
+    assert mkernel._tile_buffers(128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2 and mkernel._tile_buffers(2 * 128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2
+    assert mkernel._tile_buffers(2 * 128 * dim * 2, 2 * 2 * 128 * dim * 2) == 1  # dq with 128-row key blocks
     probe = jax.random.normal(jax.random.key(12), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=128))
     interpreted_values_and_gradients(q, k, v, ids, params, probe)
@@ -286,8 +288,8 @@ def races(monkeypatch: pytest.MonkeyPatch) -> Callable[[], bool]:
     an access the kernels' barriers leave unordered."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
-    params_type = type(am._interpret_params())
-    monkeypatch.setattr(am, "_interpret_params", lambda: params_type(detect_races=True))
+    params_type = type(mkernel._interpret_params())
+    monkeypatch.setattr(mkernel, "_interpret_params", lambda: params_type(detect_races=True))
     return lambda: gpu_callbacks.get_races().races_found
 
 
@@ -333,9 +335,9 @@ def test_interpreted_backward_above_head_dim_128(races: Callable[[], bool]) -> N
     q, k, v = qkv(1, seq, 1, 1, dim, jnp.bfloat16, seed=15)
     position = jnp.arange(seq)
     ids = jnp.where(position < seq - 11, 1 + (position >= 40) + (position >= 80), 0)[None].astype(jnp.int32)
-    assert am._dkv_passes(dim) == (("dv",), ("dk",)) and am._blocks(BwdParams(), dim) == (64, 64, None)
+    assert mbackward._dkv_passes(dim) == (("dv",), ("dk",)) and am._blocks(BwdParams(), dim) == (64, 64, None)
     tile, stage = am.TILE * dim * 2, 2 * 64 * dim * 2  # one 128-row tile; a stage of 64-row blocks
-    assert am._ring_stages(None, tile, stage) == 2 and am._ring_stages(None, 2 * tile, stage) == 1
+    assert mkernel._ring_stages(None, tile, stage) == 2 and mkernel._ring_stages(None, 2 * tile, stage) == 1
     probe = jax.random.normal(jax.random.key(16), q.shape, jnp.float32)
     out, grads = interpreted_values_and_gradients(q, k, v, ids, (FwdParams(), BwdParams()), probe)
     assert not races()
@@ -347,7 +349,7 @@ def test_sum_shares_adds_only_visited_blocks() -> None:
     shares = jnp.full((1, 2, 256, 1, 8), jnp.nan, jnp.float32)
     plan = jnp.array([[[0, 2]], [[2, 4]], [[0, 2]], [[2, 4]]], jnp.int32)  # tile 0 visits q blocks 0-1, tile 1 blocks 2-3
     shares = shares.at[0, 0, :128].set(1.0).at[0, 1, 128:].set(2.0)
-    dq = np.asarray(am._sum_shares(shares, plan, 64))
+    dq = np.asarray(mbackward._sum_shares(shares, plan, 64))
     np.testing.assert_array_equal(dq[0, :128], 1.0)
     np.testing.assert_array_equal(dq[0, 128:], 2.0)
 
