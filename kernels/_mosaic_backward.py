@@ -478,4 +478,3 @@ def _sum_shares(shares: jax.Array, plan: jax.Array, block_q: int) -> Float[Array
     blocks = jnp.arange(shares.shape[2], dtype=jnp.int32) // block_q
     visited = (blocks >= plan[0][..., None]) & (blocks < plan[1][..., None])  # [batch, tiles, seq_q]
     return jnp.where(visited[:, :, :, None, None], shares, 0.0).sum(axis=1)
-

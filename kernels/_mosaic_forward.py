@@ -180,4 +180,3 @@ def _forward_call(
     # The log-sum-exp rows over whole tiles: a TMA row stride must be a multiple of 16 bytes.
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, plan.shape[2] * TILE), jnp.float32))
     return _launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
-

@@ -37,7 +37,6 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
-
 def _smem_tile(shape: tuple[int, ...], dtype: Any) -> Any:
     """A shared-memory buffer laid out for TMA and wgmma: 8-row tiles, 128-byte swizzle."""
     elems = 128 // jnp.dtype(dtype).itemsize
@@ -362,7 +361,6 @@ _CONSUMER_REGISTERS = 240
 _PRODUCER_REGISTERS = 24
 
 
-
 def _ring_stages(stages: int | None, tile_bytes: int, stage_bytes: int) -> int:
     """``stages`` if set, else the ring's default depth for a kernel that holds ``tile_bytes``
     of resident tiles and streams ``stage_bytes`` per stage: two stages where they fit beside
@@ -376,7 +374,6 @@ def _ring_stages(stages: int | None, tile_bytes: int, stage_bytes: int) -> int:
 
 _SMEM_LIMIT = 227 * 1024  # Hopper's per-block limit of shared memory
 _SMEM_BYTES = _SMEM_LIMIT - 4096  # less room for barriers and id rings, where those are not counted
-
 
 
 # The source location every op of a kernel carries (see :func:`_launch`): the Mosaic module's
@@ -408,4 +405,3 @@ def _launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tup
             compiler_params=_compiler_params(),
             interpret=_interpret_params() if interpret else False,
         )(*operands)
-

@@ -111,7 +111,6 @@ def mosaic_supports(dtype: Any, dim: int) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and 0 < padded <= _MAX_DIM
 
 
-
 # Mosaic GPU copies a tile to or from memory whose tiled row count is a multiple of the 8-row
 # swizzle tile ("dimension 1 must have size smaller or a multiple of its tiling 8").
 _TMA_ROWS = 8
@@ -187,7 +186,6 @@ def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int | No
         if value not in (64, 128):
             raise ValueError(f"{name}: the mosaic kernels take 64 or 128, got {value}")
     return block_q, block_k, params.num_stages
-
 
 
 def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams, *, fused_backward: bool = False) -> bool:
@@ -374,4 +372,3 @@ def mosaic_attention(
     fwd, bwd = params if params is not None else (FwdParams(), BwdParams())
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, _Schedule(interpret, pingpong, persistent, fused_backward))
-
