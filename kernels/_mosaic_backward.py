@@ -42,9 +42,10 @@ def _dq_tiles(dim: int, dtype: Any, block_k: int, stages: int) -> tuple[int, boo
     return _tile_buffers(2 * TILE * row_bytes, ring_bytes), False
 
 
-def _delta(out: jax.Array, do: jax.Array) -> Float[Array, "batch heads seq_q"]:
-    """``delta_i = sum_d out_id * dO_id``, the row term of the softmax backward, in float32."""
-    return jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+def _delta(out: jax.Array, do: jax.Array, rows: int) -> Float[Array, "batch heads rows"]:
+    """``delta_i = sum_d out_id * dO_id``, the row term of the softmax backward, in float32,
+    over ``rows`` (whole tiles: a TMA row stride must be a multiple of 16 bytes)."""
+    return pad_axis(jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32)), 2, rows)
 
 
 def _dq_call(
@@ -67,7 +68,7 @@ def _dq_call(
     row_bytes = dim * jnp.dtype(dtype).itemsize
     stages = _ring_stages(stages, 2 * TILE * row_bytes, 2 * block_k * row_bytes)
     buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
-    out_or_delta = out if computes_delta else pad_axis(_delta(out, do), 2, lse.shape[2])
+    out_or_delta = out if computes_delta else _delta(out, do, lse.shape[2])
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, in_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         refs = list(refs)

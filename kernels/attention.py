@@ -644,15 +644,13 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         mosaic = [AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd)) for bk, st in _MOSAIC_FWD for bwd in _MOSAIC_BWD]
         if q.shape[3] > 128:  # none of those fit shared memory: the kernels' own defaults do
             mosaic = [AttentionConfig("mosaic")]
-        pairs = itertools.product(_FWD_TILES, _BWD_TILES)
+        # Where the Mosaic kernels run, the Triton ones beat them nowhere we measured: over 14 shapes
+        # Mosaic ran 1.16x to 1.70x Triton's speed, forward and forward+backward (H100,
+        # bench_attention.py sections a-e, bench/RESULTS.md runs 136-144). Their 30 tiles would only
+        # cost tuning time (one Triton backward compiled for 267 s at 16:1 grouped heads). Still
+        # selectable by config.
+        pairs = () if on_hopper() and mosaic_supports(q.dtype, q.shape[3]) else itertools.product(_FWD_TILES, _BWD_TILES)
         pallas = [AttentionConfig("pallas", FwdParams(*fwd), BwdParams(*bwd)) for fwd, bwd in pairs]
-        if on_hopper() and mosaic_supports(q.dtype, q.shape[3]):
-            # Where the Mosaic kernels run, the Triton ones beat them nowhere we measured: over 14
-            # shapes Mosaic ran 1.16x to 1.70x Triton's speed, forward and forward+backward (H100,
-            # bench_attention.py sections a-e, bench/RESULTS.md runs 136-144). Their 30 tiles
-            # would only cost tuning time (one Triton backward compiled for 267 s at 16:1 grouped
-            # heads). Still selectable by config.
-            pallas = []
         return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas + mosaic
 
     def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:

@@ -166,8 +166,7 @@ def _pad(
 def _forward_padded(p: _Padded, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True) -> tuple[jax.Array, jax.Array]:
     batch, rows, cols = p.q.shape[0], p.rows, p.cols
     plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
-    segments = None if p.segment_ids is None else p.segment_ids
-    return _forward_call(p.q, p.k, p.v, plan, segments, p.shape, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
+    return _forward_call(p.q, p.k, p.v, plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
 
 
 def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int | None]:
@@ -282,7 +281,7 @@ def mosaic_backward(
     lse = pad_axis(lse.astype(jnp.float32), 2, rows)  # row terms over whole tiles: TMA strides
     fused = fused and block_q == WG_ROWS and len(_dkv_passes(dim)) == 1
     if fused:
-        delta = pad_axis(_delta(out, do), 2, rows)
+        delta = _delta(out, do, rows)
     else:  # the dq kernel first: it may compute delta for the dk/dv kernel
         rows_plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
         dq, delta = _dq_call(p.q, p.k, p.v, do, lse, out, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent)
