@@ -47,7 +47,7 @@ def _run(dump_dir: Path) -> int:
 
     import ejlabel
     from ejlabel.analysis import audit
-    from ejlabel.cli import examples
+    from ejlabel import examples
     from ejlabel.execution.context_tuning import tune_in_context
 
     cfg = examples.TINY
