@@ -98,7 +98,7 @@ def main() -> int:
 
     tune_note = "tune_in_context skipped"
     if args.tune_budget > 0:
-        from ejlabel.execution.context_tuning import tune_in_context
+        from ejlabel.execution.tuning import tune_in_context
 
         # The isolated ranking's policy: at most --max-configs candidates per call (no per-call time budget:
         # with one, a call whose candidates are still compiling when it runs out gets no timing).
