@@ -326,9 +326,8 @@ def _plan(calls: Mapping[Key, CallPick], isolated: Mapping[Key, Mapping[Any, flo
 
     A runner-up's expected gain is measured from the floor; once its call's best is accepted,
     what it can still add is the difference to that best, usually nothing. Ordered by gain
-    alone, runners-up of a call with many sites came before other calls' best candidates and
-    spent the budget on them (the packed model, run 12: the fused loss, worth 1.05x, was never
-    tried)."""
+    alone, the runners-up of a call with many sites would come before other calls' best
+    candidates and could spend the whole budget before those are tried."""
     trials = []
     for key, timings in isolated.items():
         call = calls[key]
