@@ -44,7 +44,16 @@ from ejlabel.config.persistent.entry import (
     normalize_key,
 )
 from ejlabel.config.persistent.exchange import export_entry, read_export, write_export
-from ejlabel.config.persistent.store import COLUMNS, INSERT_NEW, KEY_WHERE, SELECT, UPSERT, is_op_name, open_connection, resolve_file
+from ejlabel.config.persistent.store import (
+    COLUMNS,
+    INSERT_NEW,
+    KEY_WHERE,
+    SELECT,
+    UPSERT,
+    is_op_name,
+    open_connection,
+    resolve_file,
+)
 from ejlabel.core.registry import register_config_type
 from ejlabel.utils.serialize import DecodeError, check_json, from_json, from_jsonable, import_path, loads_strict, to_json
 

@@ -27,17 +27,23 @@ _TOO_CLOSE_TO_DROP = 0.03
 
 
 def race(
-    job: Job, alive: list[int], rotation: tuple[tuple[Any, ...], ...], progress: Progress, measure_start: float, policy: AutotunePolicy
+    job: Job,
+    alive: list[int],
+    rotation: tuple[tuple[Any, ...], ...],
+    progress: Progress,
+    measure_start: float,
+    policy: AutotunePolicy,
 ) -> int | None:
     """Successive halving over the correct candidates; returns the winner's index.
 
     Round one times every survivor ``num_iters // 8`` times (at least 2); each round drops
     the slower half (except candidates within 3% of the best median) and anything over
-    ``_CLEAR_LOSS`` times the best median, and doubles the runs. Samples accumulate across rounds, so no measurement is wasted, and the
-    last two candidates are topped up to ``num_iters`` samples each before the final ranking. Once
-    compile and timing seconds reach the budget, candidates not yet timed are skipped
-    (never the floor, which is timed first and in full) and every timing so far ranks. The
-    caller's deadline (``job.deadline``) skips them the same way.
+    ``_CLEAR_LOSS`` times the best median, and doubles the runs. Samples accumulate across
+    rounds, so no measurement is wasted, and the last two candidates are topped up to
+    ``num_iters`` samples each before the final ranking. Once compile and timing seconds reach
+    the budget, candidates not yet timed are skipped (never the floor, which is
+    timed first and in full) and every timing so far ranks. The caller's deadline
+    (``job.deadline``) skips them the same way.
     """
     if not alive:
         return None

@@ -36,7 +36,14 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec, Sharding
 
-from ejlabel.utils.fingerprint.arrays import dtype_text, mesh_parts, normalized_spec, reduce_array, reduce_numpy_scalar, sharding_fingerprint
+from ejlabel.utils.fingerprint.arrays import (
+    dtype_text,
+    mesh_parts,
+    normalized_spec,
+    reduce_array,
+    reduce_numpy_scalar,
+    sharding_fingerprint,
+)
 from ejlabel.utils.fingerprint.devices import device_fingerprint
 from ejlabel.utils.fingerprint.grammar import INT, LEAF, MAP, RECORD, SEQ, SET, Node, qualified_name, record_header
 from ejlabel.utils.fingerprint.names import (
