@@ -2,8 +2,8 @@
 
 The driver (the process that called ``tune_unseen(..., backend="ray")``) reads the program once,
 groups its distinct unseen calls and hands each to :class:`RayTuningPool`, which sends it to one
-worker as plain data (:mod:`.remote_tuning`) and yields each answer as it arrives, so that the
-driver can store it at once: only the driver writes the persistent cache.
+worker as plain data (:mod:`ejlabel.execution.tuning.remote`) and yields each answer as it
+arrives, so that the driver can store it at once: only the driver writes the persistent cache.
 
 Design choices:
 
@@ -61,7 +61,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from .remote_tuning import TuningWorker
+from ejlabel.execution.tuning.remote import TuningWorker
 
 __all__ = ["RayTuningPool", "import_ray", "program_platform"]
 
@@ -132,12 +132,15 @@ def _holds_a_gpu() -> bool:
 
 
 class _RayWorker(TuningWorker):
-    """A :class:`TuningWorker` that knows its cluster node (the Ray actor's class)."""
+    """A :class:`TuningWorker` that knows its cluster node (the Ray actor's class).
+
+    It imports the library's kernels, then the user's ``modules``, as the command line does.
+    """
 
     def __init__(self, modules: Sequence[str]) -> None:
         import ray
 
-        super().__init__(modules, node=ray.get_runtime_context().get_node_id())
+        super().__init__(["ejlabel.kernels", *modules], node=ray.get_runtime_context().get_node_id())
 
 
 @dataclasses.dataclass

@@ -31,11 +31,11 @@ from ejlabel.core.kernel import Invocation
 from ejlabel.core.label_format import parse_label
 from ejlabel.core.registry import import_user_modules
 from ejlabel.execution.tuning import AutotuneError, Autotuner, TuneResult, store_result
+from ejlabel.execution.tuning.remote import call_request, result_from_data
 from ejlabel.utils.fingerprint import device_fingerprint
 
 from .audit import TUNED_PROVENANCES
 from .program import Program, read_program
-from .remote_tuning import call_request, result_from_data
 
 __all__ = ["TuneReport", "tune_unseen"]
 

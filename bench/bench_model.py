@@ -2,7 +2,7 @@
 
 Run on the GPU machine:  python bench/bench_model.py [--packed] [--quick] [--out results.md]
 
-Variants of the example transformer (``ejlabel.cli.examples``), training step (value_and_grad +
+Variants of the example transformer (``ejlabel.examples``), training step (value_and_grad +
 SGD) and serving step (forward):
 
 - ``plain``: ``examples.PLAIN_OPS``, the baseline: ``a @ b`` in the input dtype, ``jax.numpy``
@@ -54,7 +54,7 @@ def main() -> int:
     os.environ.setdefault("EJLABEL_CACHE_DIR", tempfile.mkdtemp(prefix="ejlabel-bench-model-"))
 
     import ejlabel
-    from ejlabel.cli import examples
+    from ejlabel import examples
 
     cfg = examples.GPU_125M_PACKED if args.packed else examples.GPU_125M
     if args.quick:
@@ -98,7 +98,7 @@ def main() -> int:
 
     tune_note = "tune_in_context skipped"
     if args.tune_budget > 0:
-        from ejlabel.execution.context_tuning import tune_in_context
+        from ejlabel.execution.tuning import tune_in_context
 
         # The isolated ranking's policy: at most --max-configs candidates per call (no per-call time budget:
         # with one, a call whose candidates are still compiling when it runs out gets no timing).

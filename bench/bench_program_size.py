@@ -14,7 +14,7 @@ import sys
 
 import jax
 
-from ejlabel.cli import examples
+from ejlabel import examples
 
 _ATTRS = {name: re.compile(name + r'\s*=\s*"[^"]*",?\s*') for name in ("ejlabel", "ejcall")}
 

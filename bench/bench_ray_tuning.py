@@ -57,7 +57,7 @@ def _write_programs(model: str, seq_lens: list[int], where: Path) -> None:
 
     import jax
 
-    from ejlabel.cli import examples
+    from ejlabel import examples
 
     base = examples.TINY if model == "tiny" else examples.GPU_125M
     for seq in seq_lens:

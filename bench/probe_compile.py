@@ -61,7 +61,7 @@ def diff_sites(text: str, limit: int = 24) -> None:
 def main() -> None:
     os.environ.setdefault("EJLABEL_CACHE_DIR", tempfile.mkdtemp(prefix="ejlabel-probe-compile-"))
     import ejlabel
-    from ejlabel.cli import examples
+    from ejlabel import examples
 
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     for layers in (1, 12):

@@ -124,7 +124,7 @@ def report_grouped(name: str, groups: list[list[tuple[float, float, str]]], top:
 def packed_model_step() -> Callable[[], Any]:
     """The example model's packed training step, attention on the Mosaic kernels at every site."""
     import ejlabel
-    from ejlabel.cli import examples
+    from ejlabel import examples
 
     cfg = examples.GPU_125M_PACKED
     params = examples.init_params(cfg, jax.random.key(0))

@@ -12,7 +12,7 @@ import sys
 
 import jax
 
-from ejlabel.cli import examples
+from ejlabel import examples
 
 cfg = examples.TINY
 params = examples.init_params(cfg, jax.random.key(0))

@@ -55,15 +55,16 @@ from ejlabel.execution.recording import (  # noqa: E402
     record_invocation,
     recording,
 )
-from ejlabel.execution.context_tuning import ContextTuneReport, tune_in_context  # noqa: E402
 from ejlabel.execution.tuning import (  # noqa: E402
     AutotuneError,
     Autotuner,
+    ContextTuneReport,
     Timing,
     Tuner,
     autotune,
     autotune_recorded,
     benchmark,
+    tune_in_context,
 )
 from ejlabel.utils.fingerprint import (  # noqa: E402
     abstractify,

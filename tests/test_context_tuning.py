@@ -29,18 +29,10 @@ from jax import lax
 
 import ejlabel
 from ejlabel import AutotunePolicy, Invocation, Kernel, labels_to_configs
-from ejlabel.execution import context_tuning, tuning
-from ejlabel.execution.context_tuning import (
-    PROVENANCE,
-    ContextTuneReport,
-    _bound_rank,
-    _compare,
-    _decide,
-    _runs_per_sample,
-    _Search,
-    tune_in_context,
-)
-from ejlabel.execution.tuning import Autotuner, TuningCut
+from ejlabel.execution import tuning
+from ejlabel.execution.tuning import PROVENANCE, Autotuner, CallPick, ContextTuneReport, TuningCut, tune_in_context
+from ejlabel.execution.tuning.paired import _bound_rank, _decide, _runs_per_sample, compare
+from ejlabel.execution.tuning.search import Search
 
 FAST = AutotunePolicy(num_warmup=1, num_iters=5, compile_workers=2)
 X = jax.ShapeDtypeStruct((128, 128), jnp.float32)
@@ -143,8 +135,8 @@ def clock(monkeypatch) -> FakeClock:
     """The clock of the tuning modules (and only theirs) made a :class:`FakeClock`."""
     fake = FakeClock()
     fake_time = types.SimpleNamespace(perf_counter=fake.perf_counter)
-    monkeypatch.setattr(tuning, "time", fake_time)
-    monkeypatch.setattr(context_tuning, "time", fake_time)
+    for module in (tuning.measure, tuning.candidates, tuning.halving, tuning.isolated, tuning.paired, tuning.search, tuning.in_context):
+        monkeypatch.setattr(module, "time", fake_time)
     return fake
 
 
@@ -229,7 +221,7 @@ def test_one_call_changes_the_other_keeps_xla():
 
 
 def test_confirmations_out_of_budget_are_skipped_and_the_floor_stored(monkeypatch):
-    monkeypatch.setattr(_Search, "_fits", lambda self, seconds: False)  # no time for any confirmation
+    monkeypatch.setattr(Search, "_fits", lambda self, seconds: False)  # no time for any confirmation
     report = tune(both_step, X, skip_slower_in_isolation=False)
     assert {t.status for t in report.trials} == {"skipped"} and len(report.skipped) == 2
     assert all(t.cfg is not None for t in report.trials)  # planned confirmations, not cut rankings
@@ -245,9 +237,9 @@ def test_confirmations_out_of_budget_are_skipped_and_the_floor_stored(monkeypatc
 
 def test_tiny_budget_cuts_the_ranking_before_it_starts(monkeypatch):
     compiles, measurements = [], []
-    compile_step = _Search.compile
-    monkeypatch.setattr(_Search, "compile", lambda self, configs: (compiles.append(configs), compile_step(self, configs))[1])
-    monkeypatch.setattr(context_tuning, "_compare", lambda *a, **k: (measurements.append(k["first"]), _compare(*a, **k))[1])
+    compile_step = Search.compile
+    monkeypatch.setattr(Search, "compile", lambda self, configs: (compiles.append(configs), compile_step(self, configs))[1])
+    monkeypatch.setattr(tuning.search, "compare", lambda *a, **k: (measurements.append(k["first"]), compare(*a, **k))[1])
     report = tune(both_step, X, budget_s=1e-3, skip_slower_in_isolation=False)
     # Only what always runs ran: the floor (compiled, timed once) and the final check.
     assert len(compiles) == 1 and measurements == [6, 12]
@@ -285,7 +277,7 @@ def test_report_says_where_the_time_went(monkeypatch, clock):
     # The isolated ranking takes 40 s and one confirmation 70 s on the fake clock: the report's
     # stages say so, in order, and add up to the run's wall time.
     jump_after(monkeypatch, Autotuner, "_measure", clock, 40.0)
-    jump_after(monkeypatch, _Search, "_try", clock, 70.0)
+    jump_after(monkeypatch, Search, "_try", clock, 70.0)
     report = tune(fast_step, X, budget_s=None)
     stages = report.stages_s
     assert list(stages) == ["calls and floor", "isolated ranking", "confirmations", "final check", "storing"]
@@ -295,9 +287,9 @@ def test_report_says_where_the_time_went(monkeypatch, clock):
 
 
 def test_measured_candidates_of_a_cut_ranking_still_rank_but_are_not_reused(monkeypatch, clock):
-    # _timed_runs runs twice per timed candidate (warm-up, timing): jump once the floor and one
+    # timed_runs runs twice per timed candidate (warm-up, timing): jump once the floor and one
     # alternative were timed, past the ranking's deadline but not the run's.
-    jump_after(monkeypatch, tuning, "_timed_runs", clock, 600.0, after=4)
+    jump_after(monkeypatch, tuning.halving, "timed_runs", clock, 600.0, after=4)
     report = tune(lambda x: two_alternatives(x).sum(), X, budget_s=1000.0, policy=dataclasses.replace(FAST, compile_workers=1))
     (call,) = report.calls
     statuses = {row["cfg"]: row["status"] for row in call.candidates}
@@ -410,11 +402,11 @@ def test_rule_depends_on_the_pairs_not_their_order(pairs, rng: random.Random):
 def test_runs_per_sample_make_a_sample_last_long_enough():
     assert _runs_per_sample(33.6) == 1 and _runs_per_sample(20.0) == 1
     assert _runs_per_sample(5.0) == 4 and _runs_per_sample(0.3) == 67
-    assert _runs_per_sample(0.0) == context_tuning.MAX_RUNS_PER_SAMPLE
+    assert _runs_per_sample(0.0) == tuning.paired.MAX_RUNS_PER_SAMPLE
 
 
 def test_undecided_comparison_takes_more_blocks_up_to_the_cap_while_the_budget_allows(monkeypatch):
-    monkeypatch.setattr(context_tuning, "MIN_SAMPLE_MS", 0.0)  # one run per sample
+    monkeypatch.setattr(tuning.paired, "MIN_SAMPLE_MS", 0.0)  # one run per sample
     order: list[str] = []
     programs = [lambda: order.append("I"), lambda: order.append("C")]
     looks: list[int] = []
@@ -423,15 +415,15 @@ def test_undecided_comparison_takes_more_blocks_up_to_the_cap_while_the_budget_a
         looks.append(len(incumbent))
         return dataclasses.replace(_decide([1.0] * len(incumbent), [1.0] * len(incumbent), 0.0, cap), verdict="more" if len(incumbent) < cap else "reject")
 
-    monkeypatch.setattr(context_tuning, "_decide", undecided)
+    monkeypatch.setattr(tuning.paired, "_decide", undecided)
     options = {"first": 4, "block": 3, "cap": 12, "warmup": 1, "min_gain": 0.01}
-    timings, verdict = _compare(programs, (), fits=lambda seconds: True, **options)
+    timings, verdict = compare(programs, (), fits=lambda seconds: True, **options)
     assert looks == [4, 7, 10, 12] and verdict.rounds == 12 and verdict.verdict == "reject"
     assert [t.count for t in timings] == [12, 12]
     rounds = ["".join(order[2 + 2 * r: 4 + 2 * r]) for r in range(12)]  # after one warm-up run each
     assert rounds == ["IC", "CI"] * 6  # the order keeps alternating across blocks
     looks.clear()
-    _, verdict = _compare(programs, (), fits=lambda seconds: False, **options)
+    _, verdict = compare(programs, (), fits=lambda seconds: False, **options)
     assert looks == [4] and verdict.verdict == "reject" and "no time left" in verdict.why
 
 
@@ -471,10 +463,10 @@ def test_plan_tries_every_calls_best_candidate_before_any_runner_up():
     many = ("cpu", "attention@v1", "a")
     one = ("cpu", "loss@v1", "b")
     calls = {
-        many: context_tuning.CallPick(*many, sites=12, floor_cfg="xla", cfg="xla", floor_isolated_ms=1.0),
-        one: context_tuning.CallPick(*one, sites=1, floor_cfg="xla", cfg="xla", floor_isolated_ms=6.0),
+        many: CallPick(*many, sites=12, floor_cfg="xla", cfg="xla", floor_isolated_ms=1.0),
+        one: CallPick(*one, sites=1, floor_cfg="xla", cfg="xla", floor_isolated_ms=6.0),
     }
     isolated = {many: {"xla": 1.0, "fast": 0.3, "second": 0.4, "third": 0.5}, one: {"xla": 6.0, "fused": 5.3, "other": 5.9}}
-    trials = context_tuning._plan(calls, isolated, per_call=3, skip_slower=True)
+    trials = tuning.in_context._plan(calls, isolated, per_call=3, skip_slower=True)
     assert [t.cfg for t in trials] == ["fast", "fused", "second", "other", "third"]
     assert trials[1].expected_gain_ms < trials[2].expected_gain_ms  # the order is not by gain alone

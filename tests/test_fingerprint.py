@@ -25,7 +25,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import ejlabel.utils.fingerprint as fp
+from ejlabel import examples, find_labels_in_lowered
+from ejlabel.utils.fingerprint import keys as fp_keys
+from ejlabel.utils.fingerprint import table as fp_table
+from ejlabel.utils.fingerprint.encoding import encode
+from ejlabel.utils.version import VERSION
 from ejlabel.utils.fingerprint import (
     FINGERPRINT_VERSION,
     abstractify,
@@ -34,6 +38,7 @@ from ejlabel.utils.fingerprint import (
     device_kind,
     get_device_platform,
     register_fingerprint,
+    scalar_memo_key,
     sharding_fingerprint,
     short_hash,
     stable_json,
@@ -150,6 +155,84 @@ def test_same_hash_in_other_processes_and_hash_seeds() -> None:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         assert json.loads(out.strip().splitlines()[-1]) == expected
+
+
+
+# --- call keys pinned ----------------------------------------------------------
+#
+# Computed before the fingerprint was split into modules, under library version 0.1.0 and key
+# format 1 (both are in the salt): a change of the code that moves, renames or restructures the
+# hasher must leave every key as it was, or every cache in the field goes cold. A new library
+# version or key format changes them all by design; re-pin them then.
+
+PINNED_UNDER = ("0.1.0", 1)
+
+
+def pinned_values() -> dict[str, Any]:
+    """Values whose keys depend on no module of this file and no Python or jax version."""
+    return {
+        "int": 7, "big_int": 2**80, "neg_zero": -0.0, "float": 1.5, "str": "block_q", "bytes": b"ab",
+        "none": None, "bool": True, "complex": 1 + 2j,
+        "nested": {"b": [1, 2.5, ("x", None)], "a": {3: "three", (1, 2): frozenset({4, 5})}},
+        "ints": tuple(range(20)),
+        "dtype": jnp.dtype(jnp.bfloat16),
+        "spec": jax.ShapeDtypeStruct((4, 128), jnp.float32),
+        "weak": jax.ShapeDtypeStruct((), jnp.float32, weak_type=True),
+        "builtins": (len, math.sqrt, json, str.upper, slice(1, 2, None), ..., range(3), type(None)),
+        "np_scalar": np.float32(0.25),
+    }
+
+
+PINNED_KEYS = {
+    "int": "a25cfb1cee96885b",
+    "big_int": "7143f21a7834d79c",
+    "neg_zero": "f9dc5f18284ee4d9",
+    "float": "d3279d6668c46a79",
+    "str": "5da616ddd6153109",
+    "bytes": "fd04613515883c89",
+    "none": "095968f2ca2b64d3",
+    "bool": "73e27e35e7491893",
+    "complex": "87bd49a63de831ee",
+    "nested": "1fea9be830441944",
+    "ints": "657e090595a03814",
+    "dtype": "193b2b626dedcfc2",
+    "spec": "25273cf4461f8e7f",
+    "weak": "c96a3b36b661545d",
+    "builtins": "98ccbc987538d48a",
+    "np_scalar": "5142e148fa4b3e9b",
+    "call:matmul": "656b4d2b86897f9a",
+}
+
+PINNED_TINY_TRAIN_LABELS = [
+    "ejkernel_ops#flash_attention@v1:328e1597e5b907e0",
+    "ejkernel_ops#linear_cross_entropy@v6:e75c1a0402b9204e",
+    "ejkernel_ops#matmul@v1:12976a181e727540",
+    "ejkernel_ops#matmul@v1:a3355011042fc757",
+    "ejkernel_ops#matmul@v1:d72331d86e452057",
+    "ejkernel_ops#matmul@v1:f903ed8484ac6631",
+    "ejkernel_ops#rms_norm@v1:7c4405c588317727",
+]
+
+
+def test_call_keys_are_the_pinned_ones() -> None:
+    assert (VERSION, FINGERPRINT_VERSION) == PINNED_UNDER, "a new library or key-format version changes every key: re-pin"
+    keys = {name: short_hash(value) for name, value in pinned_values().items()}
+    matmul = Invocation(
+        "matmul@v1", (jax.ShapeDtypeStruct((8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)),
+        {"precision": None, "transpose": False},
+    )
+    matmul.kernel_version = "1"  # type: ignore[attr-defined]
+    keys["call:matmul"] = default_key_builder_with_sharding(matmul)
+    assert keys == PINNED_KEYS
+
+
+def test_example_model_call_keys_are_the_pinned_ones() -> None:
+    # Every kernel call of the example model's training step: the keys its caches are filled under.
+    cfg = examples.TINY
+    params = jax.eval_shape(lambda: examples.init_params(cfg, jax.random.key(0)))
+    batch = jax.eval_shape(lambda: examples.example_batch(cfg, jax.random.key(1)))
+    lowered = jax.jit(examples.make_train_step(cfg)).lower(params, batch)
+    assert sorted(set(find_labels_in_lowered(lowered))) == PINNED_TINY_TRAIN_LABELS
 
 
 json_leaves = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)
@@ -507,9 +590,9 @@ def test_register_fingerprint_and_subclasses() -> None:
         register_fingerprint(Point3, lambda p: "three")
         assert short_hash(Point3(1, 2)) == short_hash(Point3(5, 6))
     finally:
-        fp._REGISTRY.pop(Point, None)
-        fp._REGISTRY.pop(Point3, None)
-        fp._REDUCER_CACHE.clear()
+        fp_table._REGISTRY.pop(Point, None)
+        fp_table._REGISTRY.pop(Point3, None)
+        fp_table._REDUCER_CACHE.clear()
     with pytest.raises(ValueError):
         register_fingerprint(int, str)
 
@@ -525,7 +608,7 @@ def test_deep_and_long_inputs() -> None:
     long = list(range(1_000_000))
     assert short_hash(long) != short_hash(long[:-1] + [0])
     mixed = [1, "a"] * 50
-    assert fp._encode(mixed) == fp._encode(mixed, fast=False)
+    assert encode(mixed) == encode(mixed, fast=False)
 
 
 def test_cycles_terminate_and_are_deterministic() -> None:
@@ -579,8 +662,8 @@ def test_salt_changes_every_hash(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(a != b for a, b in zip(before, salted))
     monkeypatch.delenv("EJLABEL_CACHE_SALT")
     assert [short_hash(v) for v in values] == before
-    monkeypatch.setattr(fp, "FINGERPRINT_VERSION", FINGERPRINT_VERSION + 1)
-    monkeypatch.setattr(fp, "_SALTS", {})
+    monkeypatch.setattr(fp_keys, "FINGERPRINT_VERSION", FINGERPRINT_VERSION + 1)
+    monkeypatch.setattr(fp_keys, "_SALTS", {})
     assert all(a != b for a, b in zip(before, [short_hash(v) for v in values]))
 
 
@@ -631,13 +714,13 @@ def test_stable_json_is_canonical_and_tagged() -> None:
 @HYPOTHESIS
 @given(json_values)
 def test_fast_path_writes_the_tables_bytes(value: Any) -> None:
-    assert fp._encode(value) == fp._encode(value, fast=False)
+    assert encode(value) == encode(value, fast=False)
     json.loads(stable_json(value))
 
 
 def test_fast_path_on_samples() -> None:
     for value in sample_values():
-        assert fp._encode(value) == fp._encode(value, fast=False)
+        assert encode(value) == encode(value, fast=False)
 
 
 # --- the memo key in front of the fingerprint -----------------------------
@@ -660,16 +743,16 @@ def test_scalar_memo_key_equal_exactly_when_the_fingerprint_is(a: Any, b: Any) -
     # A memo keyed on (type, value) took 0.0 == -0.0 as one entry, so a call key depended on
     # whether eps=0.0 or eps=-0.0 was traced first. Equal keys must mean equal fingerprints;
     # the converse may fail only for NaN payloads of numpy scalars (a missed memo hit, harmless).
-    same_key = fp.scalar_memo_key(a) == fp.scalar_memo_key(b)
+    same_key = scalar_memo_key(a) == scalar_memo_key(b)
     same_hash = short_hash(a) == short_hash(b)
     assert not same_key or same_hash, (a, b)
     if same_hash and not isinstance(a, np.generic):
         assert same_key, (a, b)
-    hash(fp.scalar_memo_key(a))
+    hash(scalar_memo_key(a))
 
 
 def test_scalar_memo_key_zeros_and_nans() -> None:
-    key = fp.scalar_memo_key
+    key = scalar_memo_key
     assert key(0.0) != key(-0.0) and key(0j) != key(complex(0.0, -0.0))
     assert key(float("nan")) == key(-float("nan"))  # every Python NaN fingerprints as "nan"
     assert key(np.float64(0.0)) != key(np.float64(-0.0)) and key(np.float64(0.0)) != key(0.0)

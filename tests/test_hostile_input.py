@@ -93,7 +93,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import ejlabel.config.persistent as persistent_module
+import ejlabel.config.persistent.exchange as persistent_module
 from conftest import run_python, subprocess_env
 from ejlabel.config.persistent import CacheError, PersistentCache
 from ejlabel.config.selection import ConfigSelectorChain

@@ -3,7 +3,8 @@
 Every ``import`` statement of every module is read with ``ast`` (function-level imports too,
 so a lazy import cannot hide a circle). Layers, bottom up: ``utils`` < ``core`` < ``config``
 < ``execution`` < the ``ejlabel`` facade (``ejlabel/__init__.py``) < ``kernels`` and
-``analysis`` < ``cli``. A module may import from its own layer or below, never above.
+``analysis`` < ``examples`` (the example model, built from the kernels) < ``cli``. A module may
+import from its own layer or below, never above.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from conftest import REPO_ROOT
 
-LAYERS = {"utils": 0, "core": 1, "config": 2, "execution": 3, "": 4, "kernels": 5, "analysis": 5, "cli": 6}
+LAYERS = {"utils": 0, "core": 1, "config": 2, "execution": 3, "": 4, "kernels": 5, "analysis": 5, "examples": 6, "cli": 7}
 FOLDERS = {"ejlabel": "ejlabel", "kernels": "ejlabel.kernels", "analysis": "ejlabel.analysis"}
 
 
@@ -75,7 +76,7 @@ def _graph() -> nx.DiGraph:
 
 def test_the_scan_sees_the_layers():
     graph = _graph()
-    assert {"ejlabel.core.kernel", "ejlabel.config.selection", "ejlabel.execution.executor", "ejlabel.kernels.matmul", "ejlabel.analysis.graph"} <= set(graph)
+    assert {"ejlabel.core.kernel", "ejlabel.config.selection", "ejlabel.execution.executor", "ejlabel.kernels.matmul", "ejlabel.analysis.graph", "ejlabel.examples.model"} <= set(graph)
     assert graph.has_edge("ejlabel.execution.executor", "ejlabel.config.selection")
 
 
@@ -100,4 +101,4 @@ def test_no_import_circles():
 def test_the_core_never_imports_kernels_or_analysis(module: str):
     graph = _graph()
     reached = {dst for src in graph if src.startswith(module) for dst in nx.descendants(graph, src)}
-    assert not {m for m in reached if m.startswith(("ejlabel.kernels", "ejlabel.analysis", "ejlabel.cli"))}
+    assert not {m for m in reached if m.startswith(("ejlabel.kernels", "ejlabel.analysis", "ejlabel.examples", "ejlabel.cli"))}

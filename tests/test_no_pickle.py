@@ -64,7 +64,7 @@ def test_checker_catches_each_form(tmp_path: pathlib.Path) -> None:
 
 # Modules that decode data (cache rows, export files, call descriptions): they resolve names
 # through the registry only, so none of them may import a module by a name computed at run time.
-DECODERS = ("ejlabel/utils/serialize.py", "ejlabel/config/persistent.py", "ejlabel/core/calls.py")
+DECODERS = ("ejlabel/utils/serialize.py", *(f"ejlabel/config/persistent/{name}.py" for name in ("cache", "entry", "exchange", "store")), "ejlabel/core/calls.py")
 
 
 def _dynamic_imports(path: pathlib.Path) -> list[str]:

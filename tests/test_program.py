@@ -22,7 +22,7 @@ from ejlabel.analysis import (
 
 import ejlabel
 import ejlabel.execution.executor as executor_module
-from ejlabel.cli import examples
+from ejlabel import examples
 from ejlabel.core.labels import label_scope
 
 # The models of these tests, as source: the test process lowers them, a child process that

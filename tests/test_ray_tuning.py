@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 from ejlabel.analysis import read_program, tune_unseen
-from ejlabel.analysis.remote_tuning import result_from_data, result_to_data
 from jax import lax
 from jaxtyping import Array, Float
 
@@ -29,6 +28,7 @@ from ejlabel import AutotunePolicy, Invocation, Kernel
 from ejlabel.config.persistent import PersistentCache
 from ejlabel.config.selection import ConfigSelectorChain
 from ejlabel.execution.tuning import CandidateResult, Timing, TuneResult
+from ejlabel.execution.tuning.remote import result_from_data, result_to_data
 from ejlabel.utils.serialize import DecodeError
 
 # The ``ray`` extra (in the test extra, so CI has it); the GPU machine's image lacks it.

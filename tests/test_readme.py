@@ -35,7 +35,7 @@ def test_readme_python_snippet_runs_verbatim_from_the_root(tmp_path):
 @pytest.mark.parametrize(
     "args",
     [
-        ("-c", "import ejlabel.analysis, ejlabel.kernels, ejlabel.cli.examples; print(ejlabel.analysis.__file__)"),
+        ("-c", "import ejlabel.analysis, ejlabel.kernels, ejlabel.examples; print(ejlabel.analysis.__file__)"),
         ("-m", "ejlabel", "cache", "stats"),
         ("-m", "ejlabel.cli", "cache", "stats"),
     ],

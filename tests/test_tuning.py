@@ -251,7 +251,7 @@ def test_max_configs_keeps_the_heuristic_and_xla_candidates():
 def test_max_configs_takes_candidates_round_robin_over_implementations() -> None:
     import dataclasses
 
-    from ejlabel.execution.tuning import _spread_over_implementations
+    from ejlabel.execution.tuning.candidates import spread_over_implementations
 
     @dataclasses.dataclass(frozen=True)
     class Cfg:
@@ -260,6 +260,6 @@ def test_max_configs_takes_candidates_round_robin_over_implementations() -> None
 
     floor = [Cfg("xla")]
     space = [Cfg("pallas", t) for t in range(5)] + [Cfg("mosaic", t) for t in range(2)]
-    picked = _spread_over_implementations(floor + space, 1, 5)
+    picked = spread_over_implementations(floor + space, 1, 5)
     assert picked == [Cfg("xla"), Cfg("pallas", 0), Cfg("mosaic", 0), Cfg("pallas", 1), Cfg("mosaic", 1)]
-    assert _spread_over_implementations(floor + space, 1, 20) == floor + space  # no cap hit: order kept
+    assert spread_over_implementations(floor + space, 1, 20) == floor + space  # no cap hit: order kept

@@ -13,7 +13,7 @@ import pytest
 
 import ejlabel
 from ejlabel.analysis import parse_hlo
-from ejlabel.cli import examples
+from ejlabel import examples
 from ejlabel.core.label_format import LABEL_ATTRIBUTE
 
 CFG = examples.TINY

@@ -1,5 +1,5 @@
-"""The ``ejlabel`` command, its demo and the example model.
+"""The ``ejlabel`` command and its demo.
 
-The top layer: it may import everything, including ``ejlabel.kernels`` and ``ejlabel.analysis``;
-nothing in the core imports it.
+The top layer: it may import everything, including ``ejlabel.kernels``, ``ejlabel.analysis`` and
+the example model (:mod:`ejlabel.examples`, which the demo runs); nothing below imports it.
 """

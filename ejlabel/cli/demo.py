@@ -47,8 +47,8 @@ def _run(dump_dir: Path) -> int:
 
     import ejlabel
     from ejlabel.analysis import audit
-    from ejlabel.cli import examples
-    from ejlabel.execution.context_tuning import tune_in_context
+    from ejlabel import examples
+    from ejlabel.execution.tuning import tune_in_context
 
     cfg = examples.TINY
     params = examples.init_params(cfg, jax.random.key(0))

@@ -165,7 +165,7 @@ def _tune_step_in_context(args: argparse.Namespace) -> int:
     """``ejlabel tune module:function --example-args ...``: whole-step tuning from the all-XLA floor."""
     import dataclasses
 
-    from ejlabel.execution.context_tuning import tune_in_context
+    from ejlabel.execution.tuning import tune_in_context
 
     if args.example_args is None:
         raise UsageError("--example-args is required to tune a module:function step")

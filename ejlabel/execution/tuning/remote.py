@@ -1,8 +1,9 @@
 """Tuning one call from plain data: what a remote tuning worker runs, and how its answer returns.
 
-The Ray backend of :func:`~ejlabel.analysis.tune_unseen` (:mod:`.ray_tuning`) sends each distinct
-unseen call to a worker process, usually on another machine. Only plain data crosses between the
-driver and a worker (str, numbers, lists and dicts):
+The Ray backend of :func:`~ejlabel.analysis.tune_unseen` (the driver,
+:mod:`ejlabel.analysis.ray_tuning`) sends each distinct unseen call to a worker process, usually
+on another machine, which tunes it with the isolated tuner (:mod:`.isolated`). Only plain data
+crosses between the driver and a worker (str, numbers, lists and dicts):
 
 * the request (:func:`call_request`): the call's label and its description text exactly as the
   program carries them, and the tuning policy as its plain fields;
@@ -11,12 +12,12 @@ driver and a worker (str, numbers, lists and dicts):
   error and timing samples, and the worker that did it.
 
 Never a pickled ``Invocation`` or config: the worker rebuilds the call from the description
-through the registry, after importing only the modules the user named, and the driver decodes the
+through the registry, after importing only the modules it was given, and the driver decodes the
 configs of the answer through its own registry (:func:`result_from_data`). Nothing found in a
 program or an answer is ever imported, on either side.
 
 :class:`TuningWorker` needs no Ray: the Ray backend wraps it in an actor, and it can be driven
-in-process too (the tests do, to check the round trip).
+in-process too (the tests check the round trip of its answers).
 """
 
 from __future__ import annotations
@@ -31,13 +32,9 @@ from typing import Any
 from ejlabel.config.cache import AutotunePolicy
 from ejlabel.core.calls import invocation_from_description
 from ejlabel.core.registry import import_user_modules
-from ejlabel.execution.tuning import (
-    AutotuneError,
-    Autotuner,
-    CandidateResult,
-    Timing,
-    TuneResult,
-)
+from ejlabel.execution.tuning.candidates import AutotuneError, CandidateResult, TuneResult
+from ejlabel.execution.tuning.isolated import Autotuner
+from ejlabel.execution.tuning.measure import Timing
 from ejlabel.utils.fingerprint import device_fingerprint
 from ejlabel.utils.serialize import DecodeError, from_json, to_json
 
@@ -129,14 +126,14 @@ class TuningWorker:
     """Tunes calls described by plain-data requests, one at a time, in one process.
 
     Args:
-      modules: the modules the user named (``--import``), imported once here (after the
-        library's own kernels, as the command line does) so that their kernels and config types
-        are registered; never a name read from a request.
+      modules: the modules to import once here so that their kernels and config types are
+        registered: the Ray pool names the library's kernels, then the modules the user named
+        (``--import``), as the command line imports them; never a name read from a request.
       node: the cluster node this process runs on, for the worker's name (None outside a cluster).
     """
 
     def __init__(self, modules: Sequence[str] = (), node: str | None = None) -> None:
-        import_user_modules(["ejlabel.kernels", *modules])
+        import_user_modules(list(modules))
         self._where = {"host": socket.gethostname(), "pid": os.getpid(), "node": node}
 
     def identity(self) -> dict[str, Any]:

@@ -34,7 +34,10 @@ from ejlabel.kernels.linear_cross_entropy import linear_cross_entropy
 from ejlabel.kernels.matmul import matmul
 from ejlabel.kernels.norms import rms_norm
 
-__all__ = ["ModelConfig", "TINY", "TINY_PACKED", "GPU_125M", "GPU_125M_PACKED", "Ops", "KERNEL_OPS", "PLAIN_OPS", "init_params", "example_batch", "loss_fn", "make_train_step", "make_serve_step"]
+__all__ = [
+    "ModelConfig", "TINY", "TINY_PACKED", "GPU_125M", "GPU_125M_PACKED", "Ops", "KERNEL_OPS", "PLAIN_OPS", "Params",
+    "init_params", "example_batch", "hidden_fn", "logits_fn", "loss_fn", "make_train_step", "make_serve_step",
+]
 
 Params = dict[str, Any]
 

@@ -1,20 +1,20 @@
-"""Autotuning: compile every candidate ahead of time, check it, time only the executable.
+"""Tuning one call in isolation: compile every candidate ahead of time, check it, time only the executable.
 
-For one call (an :class:`~ejlabel.kernel.Invocation`) the tuner
+For one call (an :class:`~ejlabel.core.kernel.Invocation`) the :class:`Autotuner`
 
-1. lowers and compiles each candidate config on the abstract arguments, several at once in a
-   thread pool (XLA compiles outside the GIL); compile time is reported, never timed;
+1. lowers and compiles each candidate config (:mod:`.candidates`) on the abstract arguments,
+   several at once in a thread pool (XLA compiles outside the GIL); compile time is reported,
+   never timed;
 2. builds concrete inputs once (``kernel.make_inputs``), outside any trace;
 3. checks each candidate's output against the reference (``kernel.reference`` if defined, else
    the heuristic config's output) by relative error with a dtype-appropriate tolerance;
-4. times the compiled executables with successive halving: every survivor gets a few timed
-   runs, the slower half is dropped, the rest get twice as many, until one round at the full
-   ``num_iters`` decides. A large config space then costs far less than timing every config
-   fully, and the final decision is still made on full-length measurements.
+4. times the compiled executables with successive halving (:mod:`.halving`).
 
 Candidates that fail to compile, run out of memory, give NaN or a wrong result are recorded with
 the reason and skipped. The winner goes to the memory cache and the persistent cache with
-provenance ``autotuned``, its statistics and every candidate's result.
+provenance ``autotuned``, its statistics and every candidate's result (:func:`store_result`).
+The same engine serves a selector's cache miss (:func:`tune_invocation`, registered as the
+default tuner), ``autotune``, ``autotune_recorded`` and ejkernel's :class:`Tuner`.
 
 The time budget (``AutotunePolicy.time_budget_s``, per call) is spent in this order and never
 buys a worse pick:
@@ -39,288 +39,44 @@ running finishes. Calls are measured one after the other, in the given order, so
 cut leaves the first calls fully ranked. A call cut after some of its candidates were timed
 comes back as a ``TuneResult`` with ``cut`` set (the untimed ones ``skipped``, the timed ones
 ranked, perhaps on fewer runs than ``num_iters``): usable, but not a finished ranking. A call cut
-before any was timed comes back as a :class:`TuningCut` in place.
+before any was timed comes back as a :class:`~.candidates.TuningCut` in place.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import math
-import statistics
-import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from ejlabel.config.cache import AutotunePolicy, ConfigCache
 from ejlabel.config.selection import ConfigSelectorChain, set_default_tuner
 from ejlabel.core.kernel import Invocation, Kernel, abstract_invocation, random_inputs
-from ejlabel.execution.executor import get_default_executor, run_labelled
+from ejlabel.execution.executor import get_default_executor
 from ejlabel.execution.recording import get_invocations
-from ejlabel.utils.fingerprint import device_fingerprint, get_device_platform
-from ejlabel.utils.serialize import to_jsonable
+from ejlabel.execution.tuning.candidates import (
+    DEADLINE_COMPILE,
+    DEADLINE_TIMING,
+    AutotuneError,
+    CandidateResult,
+    Job,
+    TuneResult,
+    TuningCut,
+    candidate_function,
+    floor_configs,
+    output_spec,
+    spread_over_implementations,
+)
+from ejlabel.execution.tuning.halving import race
+from ejlabel.execution.tuning.measure import Progress, benchmark, describe_error, output_tolerance, relative_error
+from ejlabel.utils.fingerprint import device_fingerprint
 
-__all__ = [
-    "Timing",
-    "benchmark",
-    "CandidateResult",
-    "TuneResult",
-    "Autotuner",
-    "AutotuneError",
-    "TuningCut",
-    "Tuner",
-    "autotune",
-    "autotune_recorded",
-    "tune_invocation",
-    "random_inputs",
-]
-
-
-class Timing(float):
-    """A median time in milliseconds that also carries the full statistics."""
-
-    median_ms: float
-    mean_ms: float
-    min_ms: float
-    iqr_ms: float
-    count: int
-    samples_ms: tuple[float, ...]
-
-    def __new__(cls, samples_ms: Sequence[float]) -> Timing:
-        if not samples_ms:
-            raise ValueError("samples_ms: expected at least one sample")
-        ordered = sorted(samples_ms)
-        timing = super().__new__(cls, statistics.median(ordered))
-        timing.median_ms = float(timing)
-        timing.mean_ms = statistics.fmean(ordered)
-        timing.min_ms = ordered[0]
-        quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
-        timing.iqr_ms = quartiles[2] - quartiles[0]
-        timing.count = len(ordered)
-        timing.samples_ms = tuple(samples_ms)
-        return timing
-
-    def to_dict(self) -> dict[str, float | int]:
-        return {k: getattr(self, k) for k in ("median_ms", "mean_ms", "min_ms", "iqr_ms", "count")}
-
-    def __repr__(self) -> str:
-        return f"Timing(median={self.median_ms:.4g} ms, iqr={self.iqr_ms:.3g} ms, n={self.count})"
-
-
-def _timed_runs(fn: Callable[[], Any], count: int) -> list[float]:
-    samples = []
-    for _ in range(count):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append((time.perf_counter() - start) * 1e3)
-    return samples
-
-
-def benchmark(
-    fn: Callable[..., Any],
-    *args: Any,
-    num_warmup: int = 3,
-    num_iters: int = 10,
-    warmup: int | None = None,
-    iters: int | None = None,
-    **kwargs: Any,
-) -> Timing:
-    """Median wall time of ``fn(*args, **kwargs)`` in milliseconds, device synchronised.
-
-    At least one untimed call runs first, so compilation is never timed. Every output leaf is
-    waited on (``jax.block_until_ready``) before the clock stops. The result is a ``float``
-    carrying ``median_ms``, ``mean_ms``, ``min_ms``, ``iqr_ms``, ``count`` and ``samples_ms``.
-    ``warmup=`` and ``iters=`` (ejkernel's names) are ``num_warmup`` and ``num_iters``; they are
-    never passed to ``fn`` (bind such arguments of ``fn`` with ``functools.partial``).
-    """
-    if warmup is not None:
-        if num_warmup != 3:
-            raise TypeError("give either num_warmup or warmup (the same count), not both")
-        num_warmup = warmup
-    if iters is not None:
-        if num_iters != 10:
-            raise TypeError("give either num_iters or iters (the same count), not both")
-        num_iters = iters
-    if num_iters < 1:
-        raise ValueError(f"num_iters: expected >= 1, got {num_iters}")
-    if num_warmup < 0:
-        raise ValueError(f"num_warmup: expected >= 0, got {num_warmup}")
-    call = lambda: fn(*args, **kwargs)
-    _timed_runs(call, max(1, num_warmup))
-    return Timing(_timed_runs(call, num_iters))
-
-
-_CLEAR_LOSS = 1.5  # a candidate this many times slower than the best is dropped at once
-# A candidate in the slower half stays while its median is within this fraction of the best:
-# after a few noisy runs it may still be the fastest, and more runs tell.
-_TOO_CLOSE_TO_DROP = 0.03
-
-_TOLERANCE = {"float64": 1e-9, "float32": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
-
-
-def _relative_error(out: Any, ref: Any) -> float:
-    errors = []
-    for o, r in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref), strict=True):
-        if getattr(o, "dtype", None) == jax.dtypes.float0:  # cotangent of an integer input
-            continue
-        o64, r64 = np.asarray(o, dtype=np.float64), np.asarray(r, dtype=np.float64)
-        if o64.shape != r64.shape:
-            return math.inf
-        if not np.all(np.isfinite(o64)):
-            return math.nan
-        scale = np.linalg.norm(r64)
-        errors.append(float(np.linalg.norm(o64 - r64) / scale) if scale > 0 else float(np.linalg.norm(o64)))
-    return max(errors, default=0.0)
-
-
-def _tolerance(out: Any) -> float:
-    leaves = [leaf for leaf in jax.tree_util.tree_leaves(out) if hasattr(leaf, "dtype")]
-    floats = [np.dtype(leaf.dtype).name for leaf in leaves if leaf.dtype != jax.dtypes.float0 and jnp.issubdtype(leaf.dtype, jnp.inexact)]
-    return max((_TOLERANCE.get(name, 3e-2) for name in floats), default=0.0)
-
-
-@dataclasses.dataclass
-class CandidateResult:
-    """What happened to one candidate config.
-
-    ``status`` is ``ok``, ``compile_error``, ``runtime_error``, ``out_of_memory``, ``nan``,
-    ``wrong`` (relative error over tolerance), ``pruned`` (dropped by successive halving after
-    timing) or ``skipped`` (never timed: the time budget was spent first). ``floor`` marks the
-    heuristic and XLA candidates, which the budget never skips.
-    """
-
-    cfg: Any
-    status: str = "pending"
-    reason: str | None = None
-    compile_s: float | None = None
-    error: float | None = None
-    timing: Timing | None = None
-    floor: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "cfg": to_jsonable(self.cfg),
-            "status": self.status,
-            "reason": self.reason,
-            "compile_s": self.compile_s,
-            "relative_error": self.error,
-            "timing": self.timing.to_dict() if self.timing is not None else None,
-            "floor": self.floor,
-        }
-
-
-@dataclasses.dataclass
-class TuneResult:
-    """The outcome of tuning one call."""
-
-    op_id: str
-    call_key: str
-    best_cfg: Any
-    best: CandidateResult
-    candidates: list[CandidateResult]
-    wall_s: float
-    measure_s: float  # the part of wall_s spent checking and timing compiled candidates
-    cut: bool = False  # the caller's deadline stopped the timing before it finished
-
-    @property
-    def skipped(self) -> list[CandidateResult]:
-        """Candidates never timed because the time budget was spent (in candidate order)."""
-        return [c for c in self.candidates if c.status == "skipped"]
-
-    def stats(self) -> dict[str, Any]:
-        """The statistics stored with the winner in the persistent cache."""
-        assert self.best.timing is not None
-        return {
-            **self.best.timing.to_dict(),
-            "wall_s": self.wall_s,
-            "measure_s": self.measure_s,
-            "skipped": len(self.skipped),
-            "candidates": [c.to_dict() for c in self.candidates],
-        }
-
-
-class AutotuneError(RuntimeError):
-    """Every candidate of a call failed; the message lists each one's reason."""
-
-
-class TuningCut(AutotuneError):
-    """The caller's deadline passed before any candidate of this call was timed.
-
-    Not a failure of the call: nothing was measured. ``candidates`` says what each got to
-    (``skipped``, or a compile error found before the cut).
-    """
-
-    def __init__(self, message: str, candidates: list[CandidateResult]) -> None:
-        super().__init__(message)
-        self.candidates = candidates
-
-
-_DEADLINE_COMPILE = "deadline: the run's time budget was spent before it was compiled"
-_DEADLINE_TIMING = "deadline: the run's time budget was spent before it was timed"
-
-
-def _describe_error(err: BaseException) -> tuple[str, str]:
-    text = f"{type(err).__name__}: {err}".strip()
-    lowered = text.lower()
-    status = "out_of_memory" if ("resource_exhausted" in lowered or "out of memory" in lowered) else "runtime_error"
-    return status, text.splitlines()[0][:500]
-
-
-class _Progress:
-    """A progress bar on a terminal (rich), silence otherwise."""
-
-    def __init__(self, total: int, description: str, enabled: bool | None) -> None:
-        self._bar = None
-        if enabled is None:
-            enabled = sys.stderr.isatty()
-        if enabled and total > 0:
-            try:
-                from rich.progress import Progress
-            except ImportError:
-                return
-            self._bar = Progress(transient=False)
-            self._task = self._bar.add_task(description, total=total)
-            self._bar.start()
-
-    def advance(self, amount: int = 1) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._task, amount)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-
-@dataclasses.dataclass
-class _Job:
-    """One call being tuned: its spec, candidates and compiled executables."""
-
-    inv: Invocation[Any, Any]
-    candidates: list[CandidateResult]
-    cotangent: Any = None  # output spec when the backward pass is timed too, else None
-    executables: dict[int, Any] = dataclasses.field(default_factory=dict)
-    start: float = dataclasses.field(default_factory=time.perf_counter)
-    budget_s: float | None = None  # per call: compile seconds + timing seconds
-    compile_spent_s: float = 0.0  # compile seconds of this call's candidates, summed
-    deadline: float = math.inf  # the caller's: no timing starts after it (perf_counter time)
-    compile_deadline: float = math.inf  # no compile starts after it
-    cut: bool = False  # the deadline made a candidate skip
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-    def over_budget(self, measured_from: float | None = None) -> bool:
-        """Whether compiling (and, given when timing began, timing) has spent the budget."""
-        if self.budget_s is None:
-            return False
-        timing = 0.0 if measured_from is None else time.perf_counter() - measured_from
-        return self.compile_spent_s + timing >= self.budget_s
+__all__ = ["Autotuner", "Tuner", "autotune", "autotune_recorded", "store_result", "tune_invocation"]
 
 
 class Autotuner:
@@ -401,7 +157,7 @@ class Autotuner:
     def _tune_each(
         self, invocations: list[Invocation[Any, Any]], configs: dict[int, list[Any]], deadline: float | None
     ) -> list[TuneResult | AutotuneError]:
-        jobs: list[_Job | AutotuneError] = []
+        jobs: list[Job | AutotuneError] = []
         for i, inv in enumerate(invocations):
             try:
                 jobs.append(self._job(abstract_invocation(inv), configs.get(i)))
@@ -411,23 +167,23 @@ class Autotuner:
             now = time.perf_counter()
             compile_deadline = now + (deadline - now) / 2  # the other half is for timing
             for job in jobs:
-                if isinstance(job, _Job):
+                if isinstance(job, Job):
                     job.deadline, job.compile_deadline = deadline, compile_deadline
-        live = [job for job in jobs if isinstance(job, _Job)]
-        progress = _Progress(2 * sum(len(job.candidates) for job in live), "autotuning", self.progress)
+        live = [job for job in jobs if isinstance(job, Job)]
+        progress = Progress(2 * sum(len(job.candidates) for job in live), "autotuning", self.progress)
         try:
             self._compile_all(live, progress)
             return [job if isinstance(job, AutotuneError) else self._measure_or_error(job, progress) for job in jobs]
         finally:
             progress.close()
 
-    def _measure_or_error(self, job: _Job, progress: _Progress) -> TuneResult | AutotuneError:
+    def _measure_or_error(self, job: Job, progress: Progress) -> TuneResult | AutotuneError:
         try:
             return self._measure(job, progress)
         except AutotuneError as err:
             return err
 
-    def _job(self, inv: Invocation[Any, Any], configs: list[Any] | None) -> _Job:
+    def _job(self, inv: Invocation[Any, Any], configs: list[Any] | None) -> Job:
         """The call's candidates: the floor (heuristic, then XLA) first, then the config space.
 
         Given ``configs``, only those are tried (in their order, the floor among them first).
@@ -435,7 +191,7 @@ class Autotuner:
         round-robin over their implementations, so a cap never leaves a whole implementation out.
         """
         kernel = inv.kernel
-        floor = _floor_configs(inv)
+        floor = floor_configs(inv)
         if configs is None:
             unique = list(dict.fromkeys([*floor, *kernel.config_space(inv)]))
         else:
@@ -444,15 +200,15 @@ class Autotuner:
         unique = [cfg for cfg in unique if kernel.candidate_is_valid(inv, cfg)]
         floored = sum(cfg in floor for cfg in unique)
         if self.policy.max_configs is not None:
-            unique = _spread_over_implementations(unique, floored, max(self.policy.max_configs, floored))
+            unique = spread_over_implementations(unique, floored, max(self.policy.max_configs, floored))
         if not unique:
             raise AutotuneError(f"{inv.op_id} call {inv.call_key}: no valid candidate configs")
-        job = _Job(inv, [CandidateResult(cfg, floor=cfg in floor) for cfg in unique], budget_s=self.policy.time_budget_s)
+        job = Job(inv, [CandidateResult(cfg, floor=cfg in floor) for cfg in unique], budget_s=self.policy.time_budget_s)
         if self.policy.tune_backward and kernel.has_custom_vjp:
-            job.cotangent = _output_spec(inv, unique)
+            job.cotangent = output_spec(inv, unique)
         return job
 
-    def _compile_all(self, jobs: list[_Job], progress: _Progress) -> None:
+    def _compile_all(self, jobs: list[Job], progress: Progress) -> None:
         # Every call's floor first, so a budget spent on compiling never starves it.
         work = [(job, i) for job in jobs for i, c in enumerate(job.candidates) if c.floor]
         work += [(job, i) for job in jobs for i, c in enumerate(job.candidates) if not c.floor]
@@ -466,10 +222,10 @@ class Autotuner:
                 progress.advance()
 
     @staticmethod
-    def _compile(job: _Job, candidate: CandidateResult) -> Any:
+    def _compile(job: Job, candidate: CandidateResult) -> Any:
         inv = job.inv
         if time.perf_counter() > job.compile_deadline:
-            candidate.status, candidate.reason = "skipped", _DEADLINE_COMPILE
+            candidate.status, candidate.reason = "skipped", DEADLINE_COMPILE
             job.cut = True
             return None
         if not candidate.floor and job.over_budget():
@@ -478,9 +234,9 @@ class Autotuner:
         operands = (inv.args, inv.array_kwargs) + ((job.cotangent,) if job.cotangent is not None else ())
         start = time.perf_counter()
         try:
-            executable = jax.jit(_candidate_function(inv, candidate.cfg, job.cotangent is not None)).lower(*operands).compile()
+            executable = jax.jit(candidate_function(inv, candidate.cfg, job.cotangent is not None)).lower(*operands).compile()
         except Exception as err:  # any failure of one candidate is recorded, not raised
-            candidate.status, candidate.reason = "compile_error", _describe_error(err)[1]
+            candidate.status, candidate.reason = "compile_error", describe_error(err)[1]
             return None
         finally:
             candidate.compile_s = time.perf_counter() - start
@@ -488,7 +244,7 @@ class Autotuner:
                 job.compile_spent_s += candidate.compile_s
         return executable
 
-    def _measure(self, job: _Job, progress: _Progress) -> TuneResult:
+    def _measure(self, job: Job, progress: Progress) -> TuneResult:
         inv = job.inv
         measure_start = time.perf_counter()
         if measure_start > job.deadline:
@@ -510,10 +266,10 @@ class Autotuner:
             try:
                 out = jax.block_until_ready(executable(*operands))
             except Exception as err:
-                candidate.status, candidate.reason = _describe_error(err)
+                candidate.status, candidate.reason = describe_error(err)
                 continue
-            candidate.error = _relative_error(out, reference) if reference is not None else 0.0
-            tolerance = _tolerance(out)
+            candidate.error = relative_error(out, reference) if reference is not None else 0.0
+            tolerance = output_tolerance(out)
             if math.isnan(candidate.error):
                 candidate.status, candidate.reason = "nan", "output has NaN or Inf"
             elif candidate.error > tolerance:
@@ -522,7 +278,7 @@ class Autotuner:
             else:
                 alive.append(i)
         progress.advance(len(job.candidates) - len(alive))
-        winner = self._race(job, alive, rotation, progress, measure_start)
+        winner = race(job, alive, rotation, progress, measure_start, self.policy)
         if winner is None and job.cut:
             self._cut(job, progress)
         if winner is None:
@@ -533,18 +289,18 @@ class Autotuner:
         return TuneResult(inv.op_id, inv.call_key, best.cfg, best, job.candidates, now - job.start, now - measure_start, job.cut)
 
     @staticmethod
-    def _cut(job: _Job, progress: _Progress) -> None:
+    def _cut(job: Job, progress: Progress) -> None:
         """Mark every candidate not yet decided ``skipped`` and raise :class:`TuningCut`."""
         pending = [c for c in job.candidates if c.status == "pending"]
         for candidate in pending:
-            candidate.status, candidate.reason = "skipped", _DEADLINE_TIMING
+            candidate.status, candidate.reason = "skipped", DEADLINE_TIMING
         progress.advance(len(pending))
         raise TuningCut(
             f"{job.inv.op_id} call {job.inv.call_key}: the run's time budget was spent before any candidate was timed",
             job.candidates,
         )
 
-    def _reference(self, job: _Job, operands: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _reference(self, job: Job, operands: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The kernel's reference output (and gradients), else the first working candidate's."""
         reference = getattr(job.inv.kernel, "reference", None)
         if callable(reference):
@@ -556,7 +312,7 @@ class Autotuner:
                 return jax.block_until_ready((out, pullback(operands[2])))
             except Exception as err:  # a plain reference can need memory a tiled kernel does not
                 warnings.warn(
-                    f"{job.inv.op_id} call {job.inv.call_key}: the reference failed ({_describe_error(err)[1]}); "
+                    f"{job.inv.op_id} call {job.inv.call_key}: the reference failed ({describe_error(err)[1]}); "
                     "checking candidates against the first one that runs instead",
                     stacklevel=2,
                 )
@@ -567,135 +323,6 @@ class Autotuner:
                 continue
         return None
 
-    def _race(
-        self, job: _Job, alive: list[int], rotation: tuple[tuple[Any, ...], ...], progress: _Progress, measure_start: float
-    ) -> int | None:
-        """Successive halving over the correct candidates; returns the winner's index.
-
-        Round one times every survivor ``num_iters // 8`` times (at least 2); each round drops
-        the slower half (except candidates within 3% of the best median) and anything over
-        ``_CLEAR_LOSS`` times the best median, and doubles the runs. Samples accumulate across rounds, so no measurement is wasted, and the last two
-        candidates are topped up to ``num_iters`` samples each before the final ranking. Once
-        compile and timing seconds reach the budget, candidates not yet timed are skipped
-        (never the floor, which is timed first and in full) and every timing so far ranks. The
-        caller's deadline (``job.deadline``) skips them the same way.
-        """
-        policy = self.policy
-        if not alive:
-            return None
-        samples: dict[int, list[float]] = {i: [] for i in alive}
-        halving = policy.early_stop and len(alive) > 2
-        runs = max(2, policy.num_iters // 8) if halving else policy.num_iters
-        if job.budget_s is None:
-            deadline = math.inf
-        else:
-            deadline = measure_start + max(0.0, job.budget_s - job.compile_spent_s)
-        deadline = min(deadline, job.deadline)
-
-        per_sample = policy.calls_per_sample
-
-        def measure(i: int, count: int) -> None:
-            calls = [functools.partial(job.executables[i], *operands) for operands in rotation]
-            run = lambda: [calls[k % len(calls)]() for k in range(per_sample)]
-            _timed_runs(run, max(1, policy.num_warmup) if not samples[i] else 1)  # warm-up / re-warm caches
-            samples[i].extend(t / per_sample for t in _timed_runs(run, count))
-            job.candidates[i].timing = Timing(samples[i])
-
-        def drop(i: int, status: str, reason: str) -> None:
-            job.candidates[i].status, job.candidates[i].reason = status, reason
-            alive.remove(i)
-            progress.advance()
-
-        def skip(i: int) -> None:
-            if time.perf_counter() > job.deadline:
-                job.cut = True
-                drop(i, "skipped", _DEADLINE_TIMING)
-            else:
-                drop(i, "skipped", "time budget spent before it was timed")
-
-        # The floor is timed first and in full: it is what every other candidate must beat.
-        for i in alive:
-            if job.candidates[i].floor:
-                measure(i, policy.num_iters)
-        while True:
-            for i in list(alive):
-                in_time = time.perf_counter() <= deadline  # one reading: an untimed candidate is timed or skipped
-                if not in_time and not samples[i]:
-                    skip(i)
-                elif len(samples[i]) < runs and in_time:
-                    measure(i, runs - len(samples[i]))
-            alive.sort(key=lambda i: job.candidates[i].timing)
-            if len(alive) <= 2 or runs >= policy.num_iters or time.perf_counter() > deadline:
-                break
-            best = job.candidates[alive[0]].timing
-            for i in alive[math.ceil(len(alive) / 2):]:
-                if job.candidates[i].floor:
-                    continue  # timed in full already; it stays in the ranking
-                if job.candidates[i].timing > (1 + _TOO_CLOSE_TO_DROP) * best:
-                    drop(i, "pruned", f"in the slower half after {len(samples[i])} timed runs")
-            for i in [i for i in alive if job.candidates[i].timing > _CLEAR_LOSS * best and not job.candidates[i].floor]:
-                drop(i, "pruned", f"over {_CLEAR_LOSS}x the best median after {len(samples[i])} timed runs")
-            runs = min(policy.num_iters, runs * 2)
-        for i in alive:
-            if len(samples[i]) >= policy.num_iters:
-                continue
-            if time.perf_counter() <= deadline:
-                measure(i, policy.num_iters - len(samples[i]))
-            elif time.perf_counter() > job.deadline:
-                job.cut = True  # ranked on fewer runs than a finished ranking takes
-        alive.sort(key=lambda i: job.candidates[i].timing)
-        for i in alive:
-            job.candidates[i].status = "ok"
-        progress.advance(len(alive))
-        return alive[0]
-
-
-def _floor_configs(inv: Invocation[Any, Any]) -> list[Any]:
-    """The heuristic config and the kernel's XLA config of ``inv`` (one if they are the same)."""
-    kernel = inv.kernel
-    floor = [kernel.heuristic_cfg(inv)]
-    try:
-        xla = kernel.config_for(inv, "xla")
-    except Exception:  # noqa: BLE001 - a kernel's own hook failing only loses the XLA candidate
-        xla = None
-    if xla is not None and xla not in floor:
-        floor.append(xla)
-    return floor
-
-
-def _candidate_function(inv: Invocation[Any, Any], cfg: Any, backward: bool) -> Callable[..., Any]:
-    """What one candidate compiles to: the forward call, or forward and backward together."""
-    impl = inv.kernel.implementation(_platform())
-    static = inv.static_kwargs
-
-    def forward(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> Any:
-        return impl(*args, cfg=cfg, **array_kwargs, **static)
-
-    if not backward:
-        return forward
-    def forward_and_backward(args: tuple[Any, ...], array_kwargs: dict[str, Any], cotangent: Any) -> Any:
-        def labelled(*primals: Any) -> Any:
-            call = Invocation(inv.kernel, primals, {**array_kwargs, **static}, known_call_key=inv.call_key)
-            return run_labelled(call, cfg)
-
-        out, pullback = jax.vjp(labelled, *args)
-        return out, pullback(cotangent)
-
-    return forward_and_backward
-
-
-def _output_spec(inv: Invocation[Any, Any], configs: list[Any]) -> Any:
-    """The abstract output of ``inv`` (the same for every config), or None if none traces."""
-    for cfg in configs:
-        try:
-            return jax.eval_shape(_candidate_function(inv, cfg, backward=False), inv.args, inv.array_kwargs)
-        except Exception:
-            continue
-    return None
-
-
-def _platform() -> str:
-    return get_device_platform()
 
 
 def store_result(result: TuneResult, inv: Invocation[Any, Any], cache: ConfigCache | None, persistent: Any) -> None:
@@ -844,24 +471,3 @@ def autotune_recorded(
         # The calls that did tune are stored already; the error names the others.
         raise AutotuneError(f"{len(failures)} of {len(unique)} calls could not be tuned: " + " | ".join(failures))
     return winners
-
-
-def _spread_over_implementations(configs: list[Any], floored: int, limit: int) -> list[Any]:
-    """The first ``limit`` of ``configs``: the ``floored`` leading ones, then the rest taken
-    round-robin over their ``impl`` field (in order within each), so a space that lists one
-    implementation's thirty tilings before another's six still gets both ranked under a cap."""
-    if len(configs) <= limit:
-        return configs
-    groups: dict[Any, list[Any]] = {}
-    for cfg in configs[floored:]:
-        groups.setdefault(getattr(cfg, "impl", None), []).append(cfg)
-    picked = list(configs[:floored])
-    queues = [iter(group) for group in groups.values()]
-    while len(picked) < limit and queues:
-        for queue in list(queues):
-            cfg = next(queue, None)
-            if cfg is None:
-                queues.remove(queue)
-            elif len(picked) < limit:
-                picked.append(cfg)
-    return picked

@@ -1,0 +1,236 @@
+"""Whole programs for tuning in context: tracing a step under an assignment, and the greedy search.
+
+A step is traced with an *assignment* (a config for every distinct kernel call) served through
+an overlay cache that also counts what the trace asked for, so the counts are the call sites
+per key. :func:`discover` traces the step once, recording, to find its distinct calls and their
+invocations. Traces run in a fresh ``contextvars`` context, so the caller's overlays,
+``use_implementation`` and policy overrides do not leak into the assignment being measured.
+JAX caches traces by function: every trace goes through a new wrapper function, and a trace
+that did not consult the assignment for every call (an inner ``jax.jit`` served from JAX's
+cache) is redone after ``jax.clear_caches()``.
+
+:class:`Search` compiles assignments of one step ahead of time and runs the greedy
+confirmation: each trial is the incumbent with one call changed, compiled (a few at once, in
+threads) and timed against the incumbent in paired rounds (:mod:`.paired`); an accepted trial
+becomes the incumbent. Every step is checked against the time left before it starts.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import contextvars
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from ejlabel.config.cache import overlay_cache, policy_override
+from ejlabel.core.kernel import Invocation
+from ejlabel.core.label_format import is_backward, parse_label
+from ejlabel.core.labels import find_labels_in_lowered
+from ejlabel.execution.recording import get_invocations, recording
+from ejlabel.execution.tuning.measure import Progress, Timing, describe_error
+from ejlabel.execution.tuning.paired import ROUND_CAP, Comparison, compare
+from ejlabel.execution.tuning.report import Assignment, CallPick, Key, Trial
+from ejlabel.utils.fingerprint import device_fingerprint
+
+__all__ = ["Search", "discover"]
+
+# Tracing is Python work that holds the GIL anyway; one at a time keeps jax.clear_caches()
+# (which a stale trace needs) from racing another trace. Compiling runs outside the lock.
+_TRACE_LOCK = threading.Lock()
+
+
+class _Overlay:
+    """An assignment as an overlay cache: serves its configs and counts what the trace asked for.
+
+    The selector consults overlays once per call site (unless the call passed ``cfg=``), so the
+    counts are the number of sites per key.
+    """
+
+    def __init__(self, configs: Assignment) -> None:
+        self.configs = dict(configs)
+        self.lookups: collections.Counter[Key] = collections.Counter()
+
+    def get(self, dev: Any, op_id: str | None = None, call_key: str | None = None) -> Any | None:
+        key = tuple(dev) if op_id is None else (dev, op_id, call_key)
+        self.lookups[key] += 1  # type: ignore[index]
+        return self.configs.get(key)  # type: ignore[arg-type]
+
+
+def _lower_once(fn: Callable[..., Any], args: Sequence[Any], configs: Assignment, record: bool) -> tuple[Any, collections.Counter[Key]]:
+    overlay = _Overlay(configs)
+
+    def step(*a: Any) -> Any:  # a new function object per trace: JAX caches traces by function
+        return fn(*a)
+
+    def trace() -> Any:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(overlay_cache(overlay))
+            stack.enter_context(policy_override(autotune=False))  # a miss must not start tuning mid-trace
+            if record:
+                stack.enter_context(recording())
+            return jax.jit(step).lower(*args)
+
+    # A fresh context: the caller's overlays and use_implementation must not leak in.
+    return contextvars.Context().run(trace), overlay.lookups
+
+
+def _lower(fn: Callable[..., Any], args: Sequence[Any], configs: Assignment, sites: Mapping[Key, int]) -> Any:
+    """Lower ``fn`` with ``configs``; retrace after clearing JAX's caches if a trace was stale."""
+    with _TRACE_LOCK:
+        lowered, lookups = _lower_once(fn, args, configs, record=False)
+        if lookups != sites:
+            jax.clear_caches()  # an inner jax.jit reused a trace made under another assignment
+            lowered, lookups = _lower_once(fn, args, configs, record=False)
+        if lookups != sites:
+            raise RuntimeError(
+                f"fn made different kernel calls from one trace to the next (sites {dict(sites)} then "
+                f"{dict(lookups)}); tune_in_context needs a step whose calls depend only on argument shapes"
+            )
+    return lowered
+
+
+def discover(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[dict[Key, int], dict[Key, Invocation[Any, Any]]]:
+    """The distinct kernel calls of ``fn`` (with their site counts) and their invocations."""
+    dev = device_fingerprint()
+
+    def unseen(lowered: Any, lookups: Mapping[Key, int]) -> bool:
+        labelled = {(dev, *parse_label(lab)) for lab in find_labels_in_lowered(lowered)}
+        return bool({key for key in labelled if not is_backward(key[1])} - set(lookups))
+
+    with _TRACE_LOCK:
+        lowered, lookups = _lower_once(fn, args, {}, record=True)
+        if unseen(lowered, lookups):
+            # A cached inner trace hid its calls from the selector. Labels still unseen after a
+            # clean trace are calls made with cfg=, which no assignment can change.
+            jax.clear_caches()
+            lowered, lookups = _lower_once(fn, args, {}, record=True)
+    recorded = {inv.cache_key: inv for inv in get_invocations()}
+    missing = [key for key in lookups if key not in recorded]
+    if missing:
+        raise RuntimeError(f"calls {missing} were selected but not recorded while tracing fn")
+    return dict(lookups), {key: recorded[key] for key in lookups}
+
+
+class Search:
+    """Compiles assignments of one step and runs the greedy confirmation within the budget.
+
+    The budget is checked against estimates: a batch of compiles starts only if one compile
+    (they run in parallel) plus the batch's measurements fit in the time left, a measurement
+    only if its first block of rounds fits, and each further block only if it fits; the
+    estimates start from the floor and follow what batches really cost.
+    """
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], sites: Mapping[Key, int], samples: int, warmup: int, min_gain: float, workers: int, deadline: float) -> None:
+        self.fn, self.args, self.sites = fn, args, sites
+        self.samples, self.warmup, self.min_gain = samples, warmup, min_gain
+        # XLA compiles on CPU threads: more compiles at once than cores only slows each down.
+        self.workers = max(1, min(workers, os.cpu_count() or 1))
+        self.deadline = deadline
+        self.compile_s = 0.0  # summed over threads: compile work, not wall time
+        self.compile_wall_s = 0.0  # estimate: wall time of one batch of compiles
+        self.pair_s = 0.0  # estimate: wall time of a comparison's first block of rounds, warm-up included
+        self._lock = threading.Lock()
+
+    def compile(self, configs: Assignment) -> Any:
+        began = time.perf_counter()
+        try:
+            return _lower(self.fn, self.args, configs, self.sites).compile()
+        finally:
+            with self._lock:
+                self.compile_s += time.perf_counter() - began
+
+    def compile_floor(self, floor: Assignment) -> Any:
+        began = time.perf_counter()
+        executable = self.compile(floor)
+        self.compile_wall_s = time.perf_counter() - began
+        began = time.perf_counter()
+        self.compare([executable], first=self.samples, judge=False)  # warms it up, sizes a measurement
+        self.pair_s = 2 * (time.perf_counter() - began)
+        return executable
+
+    def compare(self, executables: Sequence[Any], first: int, judge: bool = True) -> tuple[list[Timing], Comparison | None]:
+        """:func:`compare` with this search's rounds, cap, rule and budget."""
+        return compare(
+            executables, self.args, first=first, block=self.samples, cap=max(first, ROUND_CAP * self.samples),
+            warmup=self.warmup, min_gain=self.min_gain, fits=self._fits, judge=judge,
+        )
+
+    def compile_plain(self, fn: Callable[..., Any]) -> Any:
+        began = time.perf_counter()
+        executable = contextvars.Context().run(lambda: jax.jit(lambda *a: fn(*a)).lower(*self.args).compile())
+        self.compile_s += time.perf_counter() - began
+        return executable
+
+    def _fits(self, seconds: float) -> bool:
+        return time.perf_counter() + seconds <= self.deadline
+
+    def confirm(self, floor: Assignment, floor_exe: Any, trials: list[Trial], calls: Mapping[Key, CallPick], progress: bool | None) -> tuple[dict[Key, Any], Any]:
+        """Greedy confirmation; returns the final assignment and its executable.
+
+        Trials compile in batches against the current incumbent, all before any timing (compiling
+        while timing would skew the timing). Once a trial is accepted the incumbent changes, and
+        the rest of its batch, compiled against the old one, goes back to the queue.
+        """
+        incumbent, incumbent_exe = dict(floor), floor_exe
+        queue = list(trials)
+        bar = Progress(len(trials), "confirming in context", progress)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=self.workers) as pool:
+                while queue:
+                    size = min(self.workers, len(queue))
+                    while size and not self._fits(self.compile_wall_s + size * self.pair_s):
+                        size -= 1
+                    if not size:
+                        break
+                    batch, queue = queue[:size], queue[size:]
+                    base = dict(incumbent)
+                    began = time.perf_counter()
+                    futures = [pool.submit(self.compile, {**base, t.key: t.cfg}) for t in batch]
+                    concurrent.futures.wait(futures)
+                    self.compile_wall_s = max(self.compile_wall_s, time.perf_counter() - began)
+                    for n, (trial, future) in enumerate(zip(batch, futures)):
+                        if incumbent != base or not self._fits(self.pair_s):
+                            queue = batch[n:] + queue
+                            break
+                        began = time.perf_counter()
+                        incumbent_exe = self._try(trial, future, incumbent, incumbent_exe, calls[trial.key])
+                        # Scaled to a first block: extra rounds one trial needed say little about the next.
+                        rounds = trial.comparison.rounds if trial.comparison is not None else self.samples
+                        self.pair_s = max(self.pair_s, (time.perf_counter() - began) * self.samples / max(rounds, self.samples))
+                        bar.advance()
+        finally:
+            bar.close()
+        for trial in queue:
+            trial.status, trial.reason = "skipped", "time budget spent"
+        return incumbent, incumbent_exe
+
+    def _try(self, trial: Trial, future: concurrent.futures.Future[Any], incumbent: dict[Key, Any], incumbent_exe: Any, call: CallPick) -> Any:
+        """Time one compiled trial against the incumbent; on a win, update both. Returns the
+        incumbent's executable."""
+        try:
+            executable = future.result()
+        except Exception as err:  # one assignment failing to compile is recorded, not raised
+            trial.status, trial.reason = "compile_error", describe_error(err)[1]
+            return incumbent_exe
+        try:
+            (trial.incumbent, trial.candidate), trial.comparison = self.compare([incumbent_exe, executable], first=self.samples)
+        except Exception as err:
+            trial.status, trial.reason = describe_error(err)
+            return incumbent_exe
+        if trial.comparison is not None and trial.comparison.accepted:
+            trial.status = "accepted"
+            incumbent[trial.key] = trial.cfg
+            call.cfg, call.isolated_ms = trial.cfg, trial.isolated_ms
+            call.step_ms, call.compared_to_ms = trial.candidate.median_ms, trial.incumbent.median_ms
+            return executable
+        trial.status, trial.reason = "rejected", trial.comparison.why if trial.comparison is not None else None
+        if not call.changed:
+            call.step_ms = trial.incumbent.median_ms
+        return incumbent_exe
