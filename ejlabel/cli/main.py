@@ -2,6 +2,10 @@
 
 Exit codes: 0 success, 1 failure (an error, or calls that could not be tuned), 2 bad usage.
 Errors go to stderr as one line; ``--debug`` shows the traceback instead.
+
+What the command prints from data (cache entries, errors and warnings that quote a program, a
+dump or a cache) goes through :func:`~ejlabel.utils.sanitize.sanitize` first, so no escape code
+from a file reaches the terminal.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import ejlabel.kernels  # noqa: F401  (registers the library's kernels and their config types)
 from ejlabel.core.registry import import_user_modules
+from ejlabel.utils.sanitize import sanitize
 from ejlabel.utils.version import VERSION
 
 __all__ = ["main", "build_parser"]
@@ -124,12 +130,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     on_ray = {} if args.ray is None else {"backend": "ray", "address": args.ray or None, "modules": args.imports, "progress": True}
     report = tune_unseen(_program(args.path, args.example_args), selector=selector, policy=policy, **on_ray)
     for (op_id, call_key), result in report.results.items():
-        where = f"  on {report.worker_of[op_id, call_key]}" if on_ray else ""
+        where = f"  on {sanitize(report.worker_of[op_id, call_key])}" if on_ray else ""
         print(f"tuned  {op_id}:{call_key}  {result.best.timing.median_ms:.4g} ms  {result.best_cfg!r}{where}")
         if result.skipped:
             print(f"       {_skipped_line(result)}")
     for lab, error in report.errors.items():
-        print(f"error  {lab}  {error}", file=sys.stderr)
+        print(f"error  {lab}  {sanitize(error)}", file=sys.stderr)
     print(report.summary())
     print(
         "these picks come from isolated timings (each call alone, outside its program), not "
@@ -186,7 +192,7 @@ def _tune_step_in_context(args: argparse.Namespace) -> int:
     )
     print(f"stored {len(report.calls)} picks with provenance 'in-context' in {selector.persistent.path}")
     for what, error in report.errors.items():
-        print(f"error  {what}  {error}", file=sys.stderr)
+        print(f"error  {what}  {sanitize(error)}", file=sys.stderr)
     return 1 if report.errors else 0
 
 
@@ -202,8 +208,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         for entry in entries:
             median = (entry.stats or {}).get("median_ms")
             timing = f"{median:.4g} ms" if isinstance(median, (int, float)) else "-"
-            config = repr(entry.config) if entry.status == "ok" else f"UNDECODABLE: {entry.error}"
-            print(f"{entry.op_id:28} {entry.call_key}  {entry.provenance:10} {timing:>12}  {entry.device}  {config}")
+            config = _shown_config(entry)
+            op_id, provenance, device = (sanitize(text) for text in (entry.op_id, entry.provenance, entry.device))
+            print(f"{op_id:28} {entry.call_key}  {provenance:10} {timing:>12}  {device}  {config}")
     elif action == "show":
         matches = [e for e in cache.entries(include_undecodable=True) if _names_entry(args.key, e.op_id, e.call_key)]
         if not matches:
@@ -220,7 +227,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     elif action == "stats":
         print(json.dumps(cache.stats(), indent=2, default=str))
     elif action == "export":
-        print(f"exported {cache.export(args.file)} entries to {args.file}")
+        print(f"exported {cache.export(args.file, device=args.device, op_id=args.op_id)} entries to {args.file}")
     elif action == "import":
         count = cache.import_(args.file, overwrite=args.overwrite)
         kept = "" if count or args.overwrite else " (entries already in the cache are kept; --overwrite replaces them)"
@@ -230,6 +237,18 @@ def _cmd_cache(args: argparse.Namespace) -> int:
             raise UsageError(f"clear removes every entry of {cache.path}; pass --yes to confirm")
         print(f"removed {cache.clear()} entries from {cache.path}")
     return 0
+
+
+def _shown_config(entry: Any) -> str:
+    """The config column of ``cache ls``: the config, or why it cannot serve its call."""
+    from ejlabel.core.registry import config_type_problem
+
+    if entry.status != "ok":
+        return sanitize(f"UNDECODABLE: {entry.error}")
+    problem = config_type_problem(entry.op_id, entry.config)
+    if problem is not None:  # never served: the call counts as unseen, and tuning replaces it
+        return sanitize(f"WRONG TYPE: {entry.config!r} ({problem})")
+    return sanitize(repr(entry.config))
 
 
 def _names_entry(key: str, op_id: str, call_key: str) -> bool:
@@ -304,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     actions.add_parser("stats", help="counts by op and device")
     export = actions.add_parser("export", help="write entries to a JSON file")
     export.add_argument("file")
+    export.add_argument("--device", help="only the entries of this device fingerprint")
+    export.add_argument("--op-id", help="only the entries of this op id (op@vN)")
     imp = actions.add_parser("import", help="read entries from a JSON file")
     imp.add_argument("file")
     imp.add_argument("--overwrite", action="store_true", help="replace existing entries")
@@ -318,6 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: str | None = None) -> None:
+    """``warnings.showwarning`` with the message sanitized (its lines kept)."""
+    text = warnings.formatwarning(sanitize(str(message), multiline=True), category, filename, lineno, line)  # type: ignore[arg-type]
+    try:
+        (file if file is not None else sys.stderr).write(text)
+    except OSError:  # as the default does: a closed or broken stderr loses the warning
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -329,11 +359,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The registry that decoding programs and cache entries consults is filled by the
         # library's own kernels (imported above) and the modules the user named, never by data.
         import_user_modules(args.imports)
-        return args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning  # warnings quote programs and caches too
+            return args.run(args)
     except UsageError as err:
         if args.debug:
             raise
-        print(f"ejlabel {args.command}: error: {err}", file=sys.stderr)
+        print(f"ejlabel {args.command}: error: {sanitize(str(err))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `ejlabel cache ls | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -341,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (Exception, KeyboardInterrupt) as err:  # the command line reports, it does not crash
         if args.debug:
             raise
-        print(f"ejlabel {args.command}: error: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"ejlabel {args.command}: error: {type(err).__name__}: {sanitize(str(err))}", file=sys.stderr)
         return 1
 
 

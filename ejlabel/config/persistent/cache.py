@@ -54,7 +54,9 @@ from ejlabel.config.persistent.store import (
     open_connection,
     resolve_file,
 )
+from ejlabel.core.label_format import check_op_id
 from ejlabel.core.registry import register_config_type
+from ejlabel.utils.sanitize import sanitize
 from ejlabel.utils.serialize import DecodeError, check_json, from_json, from_jsonable, import_path, loads_strict, to_json
 
 __all__ = ["PersistentCache", "open_default_persistent"]
@@ -180,6 +182,7 @@ class PersistentCache:
         if tag in self._warned:
             return
         self._warned.add(tag)
+        message = sanitize(message)  # it quotes rows of the file: data, shown on a terminal
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
@@ -313,6 +316,7 @@ class PersistentCache:
             key = normalize_key(dev, op_id_or_cfg, call_key)
         if cfg is None:
             raise TypeError("cfg: missing; a config of None cannot be cached")
+        check_op_id(key[1])
         if not isinstance(provenance, str) or not provenance:
             raise ValueError(f"provenance: expected a non-empty string, got {provenance!r}")
         if stats is not None and not isinstance(stats, dict):
@@ -347,8 +351,12 @@ class PersistentCache:
 
     # ------------------------------------------------------------------ export / import
 
-    def export(self, path: str | os.PathLike[str]) -> int:
+    def export(self, path: str | os.PathLike[str], *, device: str | None = None, op_id: str | None = None) -> int:
         """Write every row (decodable here or not) to a JSON document at ``path``; returns the count.
+
+        ``device`` and/or ``op_id`` export only the rows of that device / op id: a cache too large
+        for one document (more than :data:`~.exchange.MAX_IMPORT_BYTES`, which is refused, since
+        no import could read it) moves in parts.
 
         The target is resolved through symlinks, and the document written to a temporary file
         next to the real target, flushed to disk and renamed over it: readers never see half a
@@ -358,8 +366,16 @@ class PersistentCache:
         to embed (config not JSON, a non-finite time written by an older version) are skipped
         with a warning rather than failing the export.
         """
+        where, params = [], []
+        for column, value in (("device", device), ("op_id", op_id)):
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"{column}: expected a non-empty string or None, got {value!r}")
+                where.append(f"{column} = ?")
+                params.append(value)
+        sql = SELECT + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY device, op_id, call_key"
         with self._db() as conn:
-            rows = conn.execute(SELECT + " ORDER BY device, op_id, call_key").fetchall()
+            rows = conn.execute(sql, params).fetchall()
         entries = []
         for row in rows:
             fields = dict(zip(COLUMNS, row))
