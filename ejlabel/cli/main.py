@@ -24,6 +24,7 @@ from typing import Any
 import ejlabel.kernels  # noqa: F401  (registers the library's kernels and their config types)
 from ejlabel.core.registry import import_user_modules
 from ejlabel.utils.sanitize import sanitize
+from ejlabel.utils.serialize import check_array_size
 from ejlabel.utils.version import VERSION
 
 __all__ = ["main", "build_parser"]
@@ -63,7 +64,12 @@ def _parse_example_args(text: str) -> list[Any]:
         if match is None or match.group("dtype") not in _DTYPES:
             raise UsageError(f"--example-args: expected specs like 'f32[8,16] i32[8]', got {token!r}")
         dims = tuple(int(d) for d in match.group("dims").replace(" ", "").split(",") if d)
-        specs.append(jax.ShapeDtypeStruct(dims, jnp.dtype(_DTYPES[match.group("dtype")])))
+        dtype = jnp.dtype(_DTYPES[match.group("dtype")])
+        try:
+            check_array_size(dims, dtype, "--example-args")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        specs.append(jax.ShapeDtypeStruct(dims, dtype))
     return specs
 
 

@@ -132,7 +132,7 @@ def tune_in_context(
 
     # 1. Discover the calls; 2. compile and time the floor.
     sites, invocations = discover(fn, args)
-    floor: dict[Key, Any] = {key: _floor_cfg(inv, selector) for key, inv in invocations.items()}
+    floor: dict[Key, Any] = {key: _floor_cfg(inv, selector, errors) for key, inv in invocations.items()}
     deadline = start + budget_s if budget_s is not None else math.inf
     search = Search(fn, args, sites, samples, warmup, min_gain, policy.compile_workers, deadline)
     floor_exe = search.compile_floor(floor)
@@ -212,9 +212,17 @@ def _settle(calls: Iterable[CallPick], reverted: bool, step_ms: float) -> None:
             call.step_ms = step_ms
 
 
-def _floor_cfg(inv: Invocation[Any, Any], selector: ConfigSelectorChain) -> Any:
-    """What ``use_implementation("xla")`` selects for ``inv``: the XLA config, else the usual one."""
-    cfg = inv.kernel.config_for(inv, "xla")
+def _floor_cfg(inv: Invocation[Any, Any], selector: ConfigSelectorChain, errors: dict[str, str]) -> Any:
+    """What ``use_implementation("xla")`` selects for ``inv``: the XLA config, else the usual one.
+
+    A kernel whose ``config_for`` raises on this call keeps its usual config, and the error is
+    reported under the call: one call's failure does not stop the others' tuning.
+    """
+    try:
+        cfg = inv.kernel.config_for(inv, "xla")
+    except Exception as err:  # noqa: BLE001 - the kernel's code, on this call alone
+        errors[f"{inv.op_id}:{inv.call_key}"] = f"no XLA config ({type(err).__name__}: {err}); its usual config stays"
+        cfg = None
     if cfg is not None:
         return cfg
     found = selector.lookup(inv.cache_key)
@@ -238,15 +246,21 @@ class _Ranking:
         """``{key: {cfg: isolated ms}}`` over each call's correct candidates (the floor's included)."""
         isolated: dict[Key, dict[Any, float]] = {}
         to_tune: list[Key] = []
+        lists: dict[int, list[Any]] = {}
         for key in invocations:
             stored = self._stored(key)
             if floor[key] in stored and len(stored) > 1:
                 isolated[key] = stored
                 calls[key].isolated_from = "cache"
-            else:
-                to_tune.append(key)
+                continue
+            try:
+                lists[len(to_tune)] = _candidate_list(invocations[key], floor[key])
+            except Exception as err:  # noqa: BLE001 - the kernel's code failed on this call alone
+                errors[f"{key[0]}:{key[1]}"] = f"cannot list its candidates, XLA stays: {type(err).__name__}: {err}"
+                calls[key].isolated_from = "failed"
+                continue
+            to_tune.append(key)
         if to_tune:
-            lists = {i: _candidate_list(invocations[key], floor[key]) for i, key in enumerate(to_tune)}
             tuner = Autotuner(self.policy, progress=self.progress, seed=self.seed)
             outcomes = tuner.tune_each([invocations[key] for key in to_tune], lists, deadline=self.deadline)
             for key, outcome in zip(to_tune, outcomes):
