@@ -50,10 +50,12 @@ from ejlabel.config.persistent.store import (
     KEY_WHERE,
     SELECT,
     UPSERT,
+    can_write,
     is_op_name,
     open_connection,
     resolve_file,
 )
+from ejlabel.config.persistent.wal import log_damage
 from ejlabel.core.label_format import check_op_id
 from ejlabel.core.registry import register_config_type
 from ejlabel.utils.sanitize import sanitize
@@ -110,6 +112,9 @@ class PersistentCache:
         if cfg_type is not None:
             register_config_type(cfg_type)
         self.path: pathlib.Path = resolve_file(path)
+        # A cache that exists but cannot be written (a read-only mount) is still read: listed,
+        # shown, audited; only writing to it fails.
+        self.read_only: bool = self.path.is_file() and not can_write(self.path)
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._pid = os.getpid()
@@ -124,7 +129,11 @@ class PersistentCache:
     # ------------------------------------------------------------------ connection plumbing
 
     def _open(self) -> sqlite3.Connection:
-        return open_connection(self.path)
+        conn, reads_log = open_connection(self.path, read_only=self.read_only)
+        damage = log_damage(self.path, conn, reads_log=reads_log)
+        if damage is not None:
+            self._warn_once("wal", f"cache file {self.path}: {damage}")
+        return conn
 
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -147,6 +156,8 @@ class PersistentCache:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction: all statements inside commit together or not at all."""
+        if self.read_only:
+            raise CacheError(f"cache file {self.path} is read-only (it or its folder cannot be written): nothing can be stored in it")
         with self._db() as conn:
             # IMMEDIATE takes the write lock up front, so a busy writer is waited for
             # (busy timeout) instead of failing later on a read-to-write upgrade.
