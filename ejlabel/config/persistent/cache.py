@@ -9,7 +9,10 @@ read back.
 
 One connection per process, guarded by a lock, reopened after a fork (a child never uses or
 closes its parent's). Each :meth:`PersistentCache.put` is one short transaction; the file, its
-schema and how it is opened safely by many processes at once are :mod:`.store`'s.
+schema and how it is opened safely by many processes at once are :mod:`.store`'s. A cache that
+cannot be written (a read-only mount) opens read-only (``read_only`` is then True): every read
+works, every write raises :class:`CacheError`. Damage found in the write-ahead log when the file
+is opened (:mod:`.wal`) is a warning naming the file and what was lost.
 
 The cache file and export files are data from elsewhere, so one bad entry never breaks the
 cache: an entry whose config does not decode (a type not registered here, nesting deeper than
@@ -55,7 +58,6 @@ from ejlabel.config.persistent.store import (
     open_connection,
     resolve_file,
 )
-from ejlabel.config.persistent.wal import log_damage
 from ejlabel.core.label_format import check_op_id
 from ejlabel.core.registry import register_config_type
 from ejlabel.utils.sanitize import sanitize
@@ -129,8 +131,7 @@ class PersistentCache:
     # ------------------------------------------------------------------ connection plumbing
 
     def _open(self) -> sqlite3.Connection:
-        conn, reads_log = open_connection(self.path, read_only=self.read_only)
-        damage = log_damage(self.path, conn, reads_log=reads_log)
+        conn, damage = open_connection(self.path, read_only=self.read_only)
         if damage is not None:
             self._warn_once("wal", f"cache file {self.path}: {damage}")
         return conn

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ejlabel.config.persistent.entry import CacheError
+from ejlabel.config.persistent.wal import log_damage
 
 __all__ = [
     "BUSY_TIMEOUT_S", "COLUMNS", "DEFAULT_FILENAME", "FILE_SUFFIXES", "INSERT_NEW", "KEY_WHERE", "SCHEMA_VERSION", "SELECT",
@@ -140,13 +141,14 @@ def can_write(path: pathlib.Path) -> bool:
     return folder_ok and (not path.exists() or os.access(path, os.W_OK))
 
 
-def open_connection(path: pathlib.Path, *, read_only: bool = False) -> tuple[sqlite3.Connection, bool]:
+def open_connection(path: pathlib.Path, *, read_only: bool = False) -> tuple[sqlite3.Connection, str | None]:
     """Connect to the cache file ``path``, check that it is ours (or new), and create the schema if new.
 
-    Returns the connection and whether it reads the write-ahead log (False only for an
-    ``immutable`` read-only open). With ``read_only`` the file must exist already and nothing is
-    written to it or next to it. :class:`~.entry.CacheError` naming the file for anything that
-    stops it; a file that is not ours is left byte-for-byte unchanged.
+    Returns the connection and what damage in the write-ahead log cost (:func:`.wal.log_damage`,
+    checked before anything is written, which would overwrite the damaged log), or None. With
+    ``read_only`` the file must exist already and nothing is written to it or next to it.
+    :class:`~.entry.CacheError` naming the file for anything that stops it; a file that is not
+    ours is left byte-for-byte unchanged.
     """
     if read_only:
         return _open_read_only(path)
@@ -166,7 +168,9 @@ def open_connection(path: pathlib.Path, *, read_only: bool = False) -> tuple[sql
         raise CacheError(f"cannot open cache file {path}: {err}") from None
     try:
         # Read-only checks first: nothing is written until the file is known to be ours.
-        if _in_snapshot(conn, lambda c: _inspect(path, c)) == "new":
+        kind = _in_snapshot(conn, lambda c: _inspect(path, c))
+        damage = log_damage(path, conn, reads_log=True, keep_copy=True)
+        if kind == "new":
             _create(path, conn)
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         _ensure_wal(conn)
@@ -185,10 +189,10 @@ def open_connection(path: pathlib.Path, *, read_only: bool = False) -> tuple[sql
     except sqlite3.DatabaseError as err:
         conn.close()
         raise _not_ours(path, str(err)) from None
-    return conn, True
+    return conn, damage
 
 
-def _open_read_only(path: pathlib.Path) -> tuple[sqlite3.Connection, bool]:
+def _open_read_only(path: pathlib.Path) -> tuple[sqlite3.Connection, str | None]:
     """Open an existing cache without writing anything: ``mode=ro``, else ``immutable``.
 
     ``mode=ro`` reads the write-ahead log too, but needs its index (``-shm``) to exist or be
@@ -214,7 +218,7 @@ def _open_read_only(path: pathlib.Path) -> tuple[sqlite3.Connection, bool]:
                     "log's index (-shm) cannot read: open it once where it is writable"
                 )
                 raise CacheError(f"cannot open cache file {path} read-only: it holds no cache yet{unread}")
-            return conn, reads_log
+            return conn, log_damage(path, conn, reads_log=reads_log, keep_copy=False)
         except CacheError:
             conn.close()
             raise

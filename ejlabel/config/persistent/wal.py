@@ -7,7 +7,7 @@ order, checking each frame's salt (which log generation it belongs to) and its r
 and stops at the first frame that fails. Everything from there on is dropped without a word: a
 few bytes of damage in the middle of the log silently lose every transaction committed after it.
 
-:func:`log_damage` compares two counts, without changing anything:
+:func:`log_damage` compares two counts, changing neither the log nor the database:
 
 * what the log holds: from its header (magic, format version, page size, salts, header
   checksum), the frames that belong to the current generation (their salts match the header's),
@@ -19,15 +19,19 @@ More commit frames than SQLite accepted means committed transactions were droppe
 that fails its own check while frames follow it means the whole log was. The file formats are
 SQLite's documented on-disk formats (the WAL file and the wal-index header). A damaged tail that
 ends no transaction (a process killed mid-commit) is not damage: nothing committed was lost.
+The first writer after a damaged log starts the log over it, so a writable cache keeps a copy
+of the damaged log next to it before that happens.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import sqlite3
 import struct
 import sys
+import time
 
 __all__ = ["log_damage"]
 
@@ -88,13 +92,26 @@ def _recovered_frames(shm_path: pathlib.Path) -> int | None:
     return max_frame if is_init else None
 
 
-def log_damage(path: pathlib.Path, conn: sqlite3.Connection, *, reads_log: bool) -> str | None:
+def _keep(log_path: pathlib.Path) -> str:
+    """Copy the damaged log aside; the words that say where (or why not)."""
+    copy = log_path.with_name(f"{log_path.name}.damaged-{int(time.time())}")
+    try:
+        shutil.copyfile(log_path, copy)
+    except OSError as err:
+        return f" (a copy could not be kept: {err.strerror or err})"
+    return f"; a copy of the log is kept at {copy}"
+
+
+def log_damage(path: pathlib.Path, conn: sqlite3.Connection, *, reads_log: bool, keep_copy: bool) -> str | None:
     """What damage in ``path``'s write-ahead log cost, in words, or None when there is none.
 
-    Call it on a freshly opened connection, before anything is written through it: it takes the
-    write lock (``BEGIN IMMEDIATE``) while it compares the log with the index, so that no other
-    process appends to them meanwhile. ``reads_log`` False is a read-only open that cannot read
-    the log at all (``immutable``): then any committed frame in it is reported as unread.
+    Call it on a freshly opened connection, before anything is written through it (the next
+    write starts the log over the damaged frames): it takes the write lock (``BEGIN IMMEDIATE``)
+    while it compares the log with the index, so that no other process appends to them
+    meanwhile. ``reads_log`` False is a read-only open that cannot read the log at all
+    (``immutable``): then any committed frame in it is reported as unread. With ``keep_copy`` a
+    damaged log is copied aside first (``<log>.damaged-<time>``), so what it still holds is not
+    destroyed by the writes that follow.
     """
     log_path = path.with_name(path.name + "-wal")
     try:
@@ -126,7 +143,8 @@ def log_damage(path: pathlib.Path, conn: sqlite3.Connection, *, reads_log: bool)
             os.close(fd)
         if isinstance(found, str):
             if size > _WAL_HEADER:
-                return f"its write-ahead log {log_path} is damaged: {found}, so none of its {size} bytes is read"
+                kept = _keep(log_path) if keep_copy else ""
+                return f"its write-ahead log {log_path} is damaged: {found}, so none of its {size} bytes is read{kept}"
             return None
         if not found:
             return None
@@ -141,9 +159,10 @@ def log_damage(path: pathlib.Path, conn: sqlite3.Connection, *, reads_log: bool)
         lost = [frame for frame in found if recovered is not None and frame > recovered]
         if not lost:
             return None
+        kept = _keep(log_path) if keep_copy else ""
         return (
             f"its write-ahead log {log_path} fails its check after frame {recovered}: the {len(lost)} transactions "
-            f"committed after it (up to frame {lost[-1]}) are not read, and the entries they wrote are lost"
+            f"committed after it (up to frame {lost[-1]}) are not read, and the entries they wrote are lost{kept}"
         )
     finally:
         if locked and conn.in_transaction:
