@@ -13,7 +13,7 @@ For one call (an :class:`~ejlabel.core.kernel.Invocation`) the :class:`Autotuner
 Candidates that fail to compile, run out of memory, give NaN or a wrong result are recorded with
 the reason and skipped. A call whose own kernel code raises (listing its candidates, making its
 inputs or its reference: a malformed call rebuilt from a program, an array too big to make) fails
-alone: :meth:`Autotuner.tune_each` gives its :class:`~.candidates.AutotuneError` in its place, and
+alone: :meth:`Autotuner.tune_each` gives a :class:`~.candidates.CallCodeError` in its place, and
 every other call of the batch is tuned. The winner goes to the memory cache and the persistent cache with
 provenance ``autotuned``, its statistics and every candidate's result (:func:`store_result`).
 The same engine serves a selector's cache miss (:func:`tune_invocation`, registered as the
@@ -68,6 +68,7 @@ from ejlabel.execution.tuning.candidates import (
     DEADLINE_COMPILE,
     DEADLINE_TIMING,
     AutotuneError,
+    CallCodeError,
     CandidateResult,
     Job,
     TuneResult,
@@ -364,10 +365,10 @@ def _check_fits(inv: Invocation[Any, Any]) -> None:
         raise AutotuneError(f"{inv.op_id} call {inv.call_key}: its arguments take {need} bytes, more than the {limit} bytes of memory here")
 
 
-def _call_failed(inv: Invocation[Any, Any], stage: str, err: Exception) -> AutotuneError:
+def _call_failed(inv: Invocation[Any, Any], stage: str, err: Exception) -> CallCodeError:
     """The error of one call whose own code (the kernel's candidate list, inputs, reference)
     raised: that call fails, the batch goes on."""
-    return AutotuneError(f"{inv.op_id} call {inv.call_key}: failed while {stage}: {describe_error(err)[1]}")
+    return CallCodeError(f"{inv.op_id} call {inv.call_key}: failed while {stage}: {describe_error(err)[1]}", err)
 
 
 def store_result(result: TuneResult, inv: Invocation[Any, Any], cache: ConfigCache | None, persistent: Any) -> None:
