@@ -39,9 +39,9 @@ all of its variants, rotating three random input sets; medians of ``--samples`` 
 ``sum(out * probe)`` for a random ``probe``. A variant that fails prints its reason and the run
 goes on. The markdown tables come last. Each section's rows go to
 ``bench/results/bench_attention.<section>.json`` as soon as the section ends
-(``bench/_results.py``): a section e limited by ``--match`` to
-``bench_attention.e.<match>.json``, a ``--tiny`` or ``--quick`` run to ``.tiny`` / ``.quick``
-files, so a partial run never replaces a whole section's figures.
+(``bench/_results.py``); a section e limited by ``--match`` goes to
+``bench_attention.e.<match>.json``, a ``--quick`` check grid to ``bench_attention.check.quick.json``
+and a ``--tiny`` run to ``.tiny`` files, so a partial run never replaces a whole section's figures.
 """
 
 from __future__ import annotations
