@@ -9,7 +9,7 @@ from .cross_entropy import CrossEntropyConfig, CrossEntropyKernel, softmax_cross
 from .linear_cross_entropy import LinearCrossEntropyConfig, LinearCrossEntropyKernel, linear_cross_entropy
 from .matmul import MatmulConfig, MatmulKernel, matmul
 from .norms import LayerNormKernel, NormConfig, RMSNormKernel, layer_norm, rms_norm
-from .sequence import (
+from .ejkernel_compat import (
     chunk_array,
     identity_dtype_convert,
     log_sum_exp,

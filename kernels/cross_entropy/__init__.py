@@ -34,8 +34,8 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import Invocation, Kernel
 
-from ._checks import check_config, check_floating, check_integer
-from ._pallas import MASK_VALUE, compiler_params, fast_exp, interpret_mode, on_gpu, pad_to
+from ..checks import check_config, check_floating, check_integer
+from ..pallas_common import MASK_VALUE, compiler_params, fast_exp, interpret_mode, on_gpu, pad_to
 
 __all__ = ["CrossEntropyConfig", "CrossEntropyKernel", "softmax_cross_entropy"]
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Int
 
-from ._mosaic_plan import Visit, while_tracing
+from .plan import Visit, while_tracing
 
 
 @dataclasses.dataclass(frozen=True)

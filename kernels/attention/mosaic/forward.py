@@ -11,13 +11,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._mosaic_kernel import (
+from .kernel import (
     _CONSUMER_REGISTERS, _LN2, _PRODUCER_REGISTERS, _cast, _consume_items, _fits_exactly, _key_value_items,
     _key_value_streams, _launch, _load, _mma_into, _mma_new, _produce_items, _profiled, _ring_stages, _row_layout,
     _col_layout, _smem_tile, _tile_buffers, _tile_ready, _visibility, plgpu,
 )
-from ._mosaic_plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
-from ._pallas import MASK_VALUE
+from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
+from ...pallas_common import MASK_VALUE
 
 
 def _forward_call(

@@ -69,11 +69,11 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import BwdParams, FwdParams
 
-from ._mosaic_backward import _delta, _dkv_call, _dkv_passes, _dq_call, _fused_bytes
-from ._mosaic_forward import _forward_call
-from ._mosaic_kernel import _LOG2E, _SMEM_BYTES, _ring_stages, plgpu
-from ._mosaic_plan import TILE, WG_ROWS, Shape, Window, visit_plan
-from ._pallas import pad_axis
+from .backward import _delta, _dkv_call, _dkv_passes, _dq_call, _fused_bytes
+from .forward import _forward_call
+from .kernel import _LOG2E, _SMEM_BYTES, _ring_stages, plgpu
+from .plan import TILE, WG_ROWS, Shape, Window, visit_plan
+from ...pallas_common import pad_axis
 
 __all__ = [
     "WG_ROWS",

@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from ._pallas import MASK_VALUE, compiler_params, fast_exp, interpret_mode, next_power_of_2
+from ..pallas_common import MASK_VALUE, compiler_params, fast_exp, interpret_mode, next_power_of_2
 
 __all__ = ["RowLoss", "RowPass", "softmax_rows"]
 

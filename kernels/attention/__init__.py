@@ -66,10 +66,10 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import BwdParams, FwdParams, Invocation, Kernel
 
-from ._attention_blocks import segment_block_ranges, uniform_block_ranges
-from ._checks import check_config, check_floating, check_integer, check_same_dtype
-from .attention_mosaic import mosaic_backward, mosaic_fits, mosaic_forward, mosaic_supports, on_hopper
-from ._pallas import MASK_VALUE, compiler_params, dot, interpret_mode, next_power_of_2, on_gpu, pad_axis, pad_to
+from .blocks import segment_block_ranges, uniform_block_ranges
+from ..checks import check_config, check_floating, check_integer, check_same_dtype
+from .mosaic import mosaic_backward, mosaic_fits, mosaic_forward, mosaic_supports, on_hopper
+from ..pallas_common import MASK_VALUE, compiler_params, dot, interpret_mode, next_power_of_2, on_gpu, pad_axis, pad_to
 
 __all__ = ["AttentionConfig", "AttentionKernel", "cu_seqlens_to_segment_ids", "flash_attention"]
 

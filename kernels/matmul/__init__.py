@@ -30,8 +30,8 @@ from jaxtyping import Array, Float
 
 from ejlabel import Invocation, Kernel
 
-from ._checks import check_config, check_floating
-from ._pallas import compiler_params, dot, interpret_mode, on_gpu, pad_to
+from ..checks import check_config, check_floating
+from ..pallas_common import compiler_params, dot, interpret_mode, on_gpu, pad_to
 
 __all__ = ["MatmulConfig", "MatmulKernel", "matmul"]
 

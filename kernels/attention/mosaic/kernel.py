@@ -20,9 +20,9 @@ from jax import lax
 from jax._src import source_info_util  # no public API sets the location ops are traced with
 from jax.experimental import pallas as pl
 
-from ._mosaic_modules import share_modules_across_call_sites
-from ._mosaic_plan import CONSUMERS, Shape, Visit
-from ._mosaic_work import Items, deal_items
+from .modules import share_modules_across_call_sites
+from .plan import CONSUMERS, Shape, Visit
+from .work import Items, deal_items
 
 try:  # The Mosaic GPU backend may be missing from a JAX build; the modules still import.
     from jax.experimental.pallas import mosaic_gpu as plgpu

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Int
 
-from ._attention_blocks import segment_block_ranges, uniform_block_ranges
+from ..blocks import segment_block_ranges, uniform_block_ranges
 
 Window = tuple[int | None, int | None]
 WG_ROWS = 64  # rows of a tile one consumer warpgroup owns: the M of one wgmma

@@ -32,8 +32,8 @@ from jaxtyping import Array, Float
 
 from ejlabel import Invocation, Kernel
 
-from ._checks import check_config, check_floating
-from ._pallas import compiler_params, interpret_mode, next_power_of_2, on_gpu, pad_axis, pad_to
+from ..checks import check_config, check_floating
+from ..pallas_common import compiler_params, interpret_mode, next_power_of_2, on_gpu, pad_axis, pad_to
 
 __all__ = ["LayerNormKernel", "NormConfig", "RMSNormKernel", "layer_norm", "rms_norm"]
 

@@ -80,9 +80,9 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import Invocation, Kernel
 
-from ._checks import check_config, check_floating, check_integer
-from ._pallas import on_gpu, pad_axis
-from ._softmax_rows import softmax_rows
+from ..checks import check_config, check_floating, check_integer
+from ..pallas_common import on_gpu, pad_axis
+from .triton import softmax_rows
 
 __all__ = ["LinearCrossEntropyConfig", "LinearCrossEntropyKernel", "linear_cross_entropy"]
 

@@ -13,14 +13,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from ._mosaic_kernel import (
+from .kernel import (
     _CONSUMER_REGISTERS, _LOG2E, _PRODUCER_REGISTERS, _SMEM_BYTES, _cast, _col_layout, _consume_items,
     _key_value_items, _key_value_streams, _launch, _load, _mma_into, _mma_new, _mma_sum, _produce_items,
     _ring_stages, _row_layout, _smem_tile, _tile_buffers, _tile_ready, _visibility, plgpu,
 )
-from ._mosaic_plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
-from ._mosaic_work import deal_items
-from ._pallas import pad_axis
+from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
+from .work import deal_items
+from ...pallas_common import pad_axis
 
 
 # Up to this head dim the dq kernel's softmax runs while the tensor cores compute dP; above it,
