@@ -1,9 +1,10 @@
-"""Flash attention on the Pallas Mosaic GPU backend, for Hopper (sm_90a).
+"""Flash attention on the Pallas Mosaic GPU backend, for Hopper (sm_90a): the ``"mosaic"``
+implementation of :func:`ejlabel.kernels.attention.flash_attention`.
 
-Same function and conventions as :mod:`kernels.attention` (``[batch, seq, heads, dim]``,
-grouped-query attention, causal, sliding window, segment ids with ids ``<= 0`` as padding; a
-query that sees nothing gets output 0 and gradient 0; the log-sum-exp is kept in base 2 for
-the backward), written for what the Triton backend cannot express:
+Same function and conventions as :mod:`ejlabel.kernels.attention` (``[batch, seq, heads,
+dim]``, grouped-query attention, causal, sliding window, segment ids with ids ``<= 0`` as
+padding; a query that sees nothing gets output 0 and gradient 0; the log-sum-exp is kept in
+base 2 for the backward), written for what the Triton backend cannot express:
 
 - **Warp specialisation.** Each program (CTA) runs three warpgroups: two consumers that each
   own 64 rows of the program's 128-row tile and do the math with ``wgmma``, and one producer
@@ -19,15 +20,14 @@ the backward), written for what the Triton backend cannot express:
   walks the blocks that need the segment ids' mask first, then those masked by positions alone
   (a document's diagonal; up to head dim 64, where the registers allow a third loop), then
   ``[a, c)`` without a mask: one loop per kind of mask, so the step's code is in the kernel
-  once per kind, not once per range. Blocks outside ``[lo, hi)``
-  are never loaded. With packed documents that skips every block pair of two different
-  documents. Without segment ids the plan is a constant of the program. The plans, the kinds of
-  mask and the walk live in :mod:`._mosaic_plan`.
-
+  once per kind, not once per range. Blocks outside ``[lo, hi)`` are never loaded. With packed
+  documents that skips every block pair of two different documents. Without segment ids the
+  plan is a constant of the program. The plans, the kinds of mask and the walk live in
+  :mod:`.plan`.
 - **Persistent programs.** At most one program per SM, each walking several tiles (dealt in
-  sections whose blocks stay in L2, the costliest first within each, see :mod:`._mosaic_work`);
+  sections whose blocks stay in L2, the costliest first within each, see :mod:`.work`);
   the ring runs on from one tile to the next, and the next tile loads while the last one's
-  results are written (:class:`._mosaic_work.Items`).
+  results are written (:class:`.work.Items`).
 
 Kernels (an item is one tile of one head of one batch row):
 
@@ -37,22 +37,22 @@ Kernels (an item is one tile of one head of one batch row):
   per-query-head partials): ``dq`` over query tiles walking key/value blocks, and ``dk, dv``
   over key/value tiles of 128 rows walking, for each query head of its group, the query blocks
   that see it (above head dim 128, where a consumer cannot hold both accumulators, one walk
-  for ``dv`` and one for ``dk``: :func:`._mosaic_backward._dkv_passes`). Where its tiles fit,
-  the ``dq`` kernel also computes the softmax backward's row term ``delta = sum_d out * dO`` from
-  the tiles it loads and hands it to ``dk, dv`` (see :func:`._mosaic_backward._dq_call`). The
-  fused alternative (``fused_backward=True``) saves recomputing ``q k^T`` and ``dO v^T`` by
-  adding each step's share of ``dq`` to float32 in global memory with TMA reduce-adds; it
-  measured slower (see :func:`mosaic_backward`), so the split is the default.
+  for ``dv`` and one for ``dk``: :func:`.backward.dkv_passes`). Where its tiles fit, the
+  ``dq`` kernel also computes the softmax backward's row term ``delta = sum_d out * dO`` from
+  the tiles it loads and hands it to ``dk, dv`` (see :func:`.backward.dq_call`).
 
 The head dimension is padded to a multiple of 64 (the width of a 128-byte swizzled row of 16-bit
 elements) outside the kernels. Sequences are walked in whole tiles without being copied to them:
-TMA reads a tile's rows past the end as zeros and does not write them back (see :func:`_pad`).
-Keys past the end are masked; queries past the end are never written.
+TMA reads a tile's rows past the end as zeros and does not write them back (see
+:func:`pad_operands`). Keys past the end are masked; queries past the end are never written.
 
-The forward kernel is in :mod:`._mosaic_forward`, the backward ones in :mod:`._mosaic_backward`,
-the pieces they share (layouts, the mask, the producer's and consumers' walks, the launch) in
-:mod:`._mosaic_kernel`. This module checks what the kernels take, pads the operands, and binds
-the public functions and their gradient.
+The forward kernel is in :mod:`.forward`, the backward ones in :mod:`.backward`, the pieces
+they share (layouts, the mask, the producer's and consumers' walks, the launch) in
+:mod:`.kernel`. This module checks what the kernels take, pads the operands, and binds the
+entry points :func:`mosaic_forward` and :func:`mosaic_backward`, whose gradient the attention
+kernel wires (``AttentionKernel.fwd_with_residuals`` and ``vjp``). Schedules kept for
+experiments (a differentiable entry point with every knob, the fused backward) are in
+:mod:`.experimental`, which nothing in the product imports.
 """
 
 from __future__ import annotations
@@ -69,21 +69,27 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import BwdParams, FwdParams
 
-from .backward import _delta, _dkv_call, _dkv_passes, _dq_call, _fused_bytes
-from .forward import _forward_call
-from .kernel import _LOG2E, _SMEM_BYTES, _ring_stages, plgpu
-from .plan import TILE, WG_ROWS, Shape, Window, visit_plan
 from ...pallas_common import pad_axis
+from .backward import dkv_call, dkv_passes, dq_call
+from .forward import forward_call
+from .kernel import LOG2E, SMEM_BYTES, plgpu, ring_stages
+from .plan import TILE, WG_ROWS, Shape, Window, visit_plan
 
 __all__ = [
+    "TILE",
     "WG_ROWS",
-    "mosaic_attention",
+    "Padded",
+    "check_operands",
     "mosaic_available",
     "mosaic_backward",
     "mosaic_fits",
     "mosaic_forward",
     "mosaic_supports",
     "on_hopper",
+    "pad_operands",
+    "padded_head_dim",
+    "tile_blocks",
+    "traced_once",
 ]
 
 _DIM_MULTIPLE = 64  # 128-byte swizzle of 16-bit elements
@@ -103,11 +109,16 @@ def on_hopper() -> bool:
     return capability.startswith("9.")
 
 
+def padded_head_dim(dim: int) -> int:
+    """The head dimension the kernels run at: ``dim`` padded to a multiple of 64."""
+    return -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
+
+
 def mosaic_supports(dtype: Any, dim: int) -> bool:
     """Whether the kernels, forward and backward, take this dtype and head dimension: 16-bit
     inputs, head dims up to 256 (above 128 the dk/dv kernel walks twice, see
-    :func:`._mosaic_backward._dkv_passes`)."""
-    padded = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
+    :func:`.backward.dkv_passes`)."""
+    padded = padded_head_dim(dim)
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and 0 < padded <= _MAX_DIM
 
 
@@ -117,8 +128,8 @@ _TMA_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class _Padded:
-    """The operands of one call, padded (see :func:`_pad`), and the lengths they came with."""
+class Padded:
+    """The operands of one call, padded (see :func:`pad_operands`), and the lengths they came with."""
 
     q: jax.Array
     k: jax.Array
@@ -136,46 +147,44 @@ class _Padded:
         return pad_axis(pad_axis(x, 3, self.q.shape[3]), 1, self.q.shape[1])
 
 
-def _pad(
+def pad_operands(
     q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
     *, scale: float, bounds: Window, block_k: int, interpret: bool = False,
-) -> _Padded:
+) -> Padded:
     """Pad the head dimension to a multiple of 64, and take the sequences in whole tiles (queries
     of 128 rows, keys of ``block_k`` and of 128). On the GPU a sequence is padded only to a
     multiple of 8 rows (:data:`_TMA_ROWS`): TMA reads a tile's rows past the end as zeros and does
     not write them back, which is what padding with zeros to whole tiles gave. At B8 S1000 H16
-    D128 those copies in and out took as long as the forward kernel (H100, bench/RESULTS.md run
-    139). The interpreter clamps such slices, so there the sequences are padded to whole tiles.
+    D128 those copies in and out took as long as the forward kernel (H100). The interpreter clamps such slices, so there the sequences are padded to whole tiles.
     The segment ids are padded to whole tiles everywhere: they are small, and the padding's ids
     of 0 are the ids the tiles' tails must see."""
     seq_q, dim = q.shape[1], q.shape[3]
     seq_kv = k.shape[1]
     kv_tile = math.lcm(block_k, TILE)  # the backward tiles keys by 128
     rows, cols = -(-seq_q // TILE) * TILE, -(-seq_kv // kv_tile) * kv_tile
-    padded_dim = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
+    padded_dim = padded_head_dim(dim)
     q_rows, kv_rows = (rows, cols) if interpret else (-(-n // _TMA_ROWS) * _TMA_ROWS for n in (seq_q, seq_kv))
     q = pad_axis(pad_axis(q, 3, padded_dim), 1, q_rows)
     k, v = (pad_axis(pad_axis(t, 3, padded_dim), 1, kv_rows) for t in (k, v))
     if segment_ids is not None:
         segment_ids = pad_axis(segment_ids.astype(jnp.int32), 1, max(rows, cols))
     kv_len = seq_kv if segment_ids is None and cols != seq_kv else None
-    shape = Shape(scale * _LOG2E, bounds, kv_len, q.shape[2] // k.shape[2], segment_ids is not None, interpret)
-    return _Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim, rows, cols)
+    shape = Shape(scale * LOG2E, bounds, kv_len, q.shape[2] // k.shape[2], segment_ids is not None, interpret)
+    return Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim, rows, cols)
 
 
-def _forward_padded(p: _Padded, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True) -> tuple[jax.Array, jax.Array]:
+def _forward_padded(p: Padded, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True) -> tuple[jax.Array, jax.Array]:
     batch, rows, cols = p.q.shape[0], p.rows, p.cols
     plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
-    return _forward_call(p.q, p.k, p.v, plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
+    return forward_call(p.q, p.k, p.v, plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
 
 
-def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int | None]:
+def tile_blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int | None]:
     """``(q block, kv block, stages)`` from launch parameters; unset block sizes get defaults
     that fit shared memory at this head dimension (128-row blocks up to dim 128, 64-key blocks
     above, since a wgmma's contraction takes 64 elements at least) and, in the backward,
     registers: above dim 64 the dq kernel's tiles of 128 keys spilled 412 bytes per thread and 64
-    keys spill none (H100, bench/RESULTS.md run 44: fwd+bwd 5% and 9% faster at dim 128, causal
-    and 4 documents). Unset stages stay None: each kernel takes :func:`_ring_stages` of what it
+    keys spill none (H100: fwd+bwd 5% and 9% faster at dim 128, causal and 4 documents). Unset stages stay None: each kernel takes :func:`ring_stages` of what it
     holds."""
     backward = isinstance(params, BwdParams)
     widest = 64 if backward else 128
@@ -187,33 +196,34 @@ def _blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int | No
     return block_q, block_k, params.num_stages
 
 
-def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams, *, fused_backward: bool = False) -> bool:
+def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams) -> bool:
     """Whether the kernels' shared memory fits at this head dim and these tiles (and the
-    tiles are ones the kernels take), with the fused backward if ``fused_backward``."""
-    padded = -(-dim // _DIM_MULTIPLE) * _DIM_MULTIPLE
+    tiles are ones the kernels take)."""
+    padded = padded_head_dim(dim)
     try:
-        _, fwd_k, fwd_stages = _blocks(fwd, padded)
-        bwd_q, bwd_k, bwd_stages = _blocks(bwd, padded)
+        _, fwd_k, fwd_stages = tile_blocks(fwd, padded)
+        bwd_q, bwd_k, bwd_stages = tile_blocks(bwd, padded)
     except ValueError:
         return False
     row = padded * 2  # bytes of one 16-bit row
-    fused = _fused_bytes(padded) if fused_backward and bwd_q == WG_ROWS else 0
     kernels = (  # (resident bytes, bytes per stage, stages asked for)
         (TILE * row, 2 * fwd_k * row, fwd_stages),  # the forward
         (2 * TILE * row, 2 * bwd_k * row, bwd_stages),  # the dq kernel
-        (2 * TILE * row + fused, 2 * bwd_q * row, bwd_stages),  # the widest dk/dv walk
+        (2 * TILE * row, 2 * bwd_q * row, bwd_stages),  # the widest dk/dv walk
     )
-    return all(tile + _ring_stages(stages, tile, stage) * stage <= _SMEM_BYTES for tile, stage, stages in kernels)
+    return all(tile + ring_stages(stages, tile, stage) * stage <= SMEM_BYTES for tile, stage, stages in kernels)
 
 
-def _check(q: jax.Array, k: jax.Array) -> None:
+def check_operands(q: jax.Array, k: jax.Array) -> None:
+    """Raise unless this JAX has the kernels and they take ``q``'s dtype and head dimension."""
+    del k  # its dtype and head dim are q's (the attention op checks them)
     if plgpu is None:
         raise NotImplementedError("this JAX has no Pallas Mosaic GPU backend")
     if not mosaic_supports(q.dtype, q.shape[3]):
         raise ValueError(f"q: the mosaic kernels take bfloat16 or float16 with head dim <= {_MAX_DIM}, got {q.dtype} dim {q.shape[3]}")
 
 
-def _traced_once(fn: Any) -> Any:
+def traced_once(fn: Any) -> Any:
     """``fn`` (whose keyword-only arguments are all static) under ``jax.jit``, so every call site
     with the same shapes, arguments and label reuses one trace and one lowering: a model's
     layers then lower each kernel once (the packed example model, 12 layers, lowered for CUDA
@@ -231,7 +241,7 @@ def _traced_once(fn: Any) -> Any:
     return call
 
 
-@_traced_once
+@traced_once
 def mosaic_forward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, *, scale: float, bounds: Window, params: FwdParams, interpret: bool = False,
@@ -240,134 +250,43 @@ def mosaic_forward(
     """``(out, lse)``: the attention output and its base-2 log-sum-exp ``[batch, heads, sq]``.
 
     ``pingpong`` alternates the two consumer warpgroups between matrix products and softmax
-    (see :func:`_forward_call`). On by default: on the H100 (jax 0.11.2, 2026-11-25) it ran the
+    (see :func:`.forward.forward_call`). On by default: on the H100 (jax 0.11.2) it ran the
     causal B4 S4096 H16 D128 forward 1.06x and the packed-documents forward 1.08x faster than
-    the plain schedule, in one interleaved run (bench/RESULTS.md). ``persistent``: at most one
-    program per SM, each walking several tiles (see :class:`Items`); False: one per tile.
+    the plain schedule, in one interleaved run. ``persistent``: at most one program per SM,
+    each walking several tiles (see :class:`.work.Items`); False: one per tile.
     """
-    _check(q, k)
-    _, block_k, stages = _blocks(params, q.shape[3])
-    p = _pad(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
+    check_operands(q, k)
+    _, block_k, stages = tile_blocks(params, q.shape[3])
+    p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
     out, lse = _forward_padded(p, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
     return out[:, : p.seq_q, :, : p.dim], lse[:, :, : p.seq_q]
 
 
-@_traced_once
+@traced_once
 def mosaic_backward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, out: Float[Array, "batch sq heads dim"], lse: Float[Array, "batch heads sq"],
     g: Float[Array, "batch sq heads dim"], *, scale: float, bounds: Window, params: BwdParams, interpret: bool = False,
-    persistent: bool = True, fused: bool = False,
+    persistent: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` from the forward's output and base-2 log-sum-exp and the cotangent ``g``
-    (``persistent``: as in :func:`mosaic_forward`).
-
-    ``fused`` (with a ``q_blocksize`` of 64): one kernel computes all three, adding ``dq`` up
-    in float32 (see :func:`_dkv_call`); else a dq kernel and a dk/dv kernel. The split is the
-    default because it measured faster: on the H100 (jax 0.11.2, 2026-11-25, interleaved runs,
-    bench/RESULTS.md) the backward alone at causal B4 S4096 H16 D128 took 1.85 ms split and 2.88
-    fused, at the packed model shape 0.331 and 0.354 ms (run 19). The reduce-adds are the cost:
-    without them the fused backward took 0.300 ms at the packed shape (bench/probe_fused_backward.py).
-    Run 18 sent one share per consumer (1.69x and 1.07x the split's time); since run 19 the
-    consumers take turns sending one share per block pair (:func:`_pair_share`): 1.56x and
-    1.07x. Half the reduce-adds, but the turns add a wait of their own (without reduce-adds the
-    fused backward went from 1.02x to 1.15x the split at D128).
-    """
-    _check(q, k)
-    block_q, block_k, stages = _blocks(params, q.shape[3])
-    p = _pad(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
+    (``persistent``: as in :func:`mosaic_forward`): a dq kernel, then a dk/dv kernel (two walks
+    of it above head dim 128)."""
+    check_operands(q, k)
+    block_q, block_k, stages = tile_blocks(params, q.shape[3])
+    p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
     batch, dim, rows, cols = p.q.shape[0], p.q.shape[3], p.rows, p.cols
     do, out = p.like_q(g.astype(p.q.dtype)), p.like_q(out)
     lse = pad_axis(lse.astype(jnp.float32), 2, rows)  # row terms over whole tiles: TMA strides
-    fused = fused and block_q == WG_ROWS and len(_dkv_passes(dim)) == 1
-    if fused:
-        delta = _delta(out, do, rows)
-    else:  # the dq kernel first: it may compute delta for the dk/dv kernel
-        rows_plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
-        dq, delta = _dq_call(p.q, p.k, p.v, do, lse, out, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent)
+    # The dq kernel first: it may compute delta for the dk/dv kernel.
+    rows_plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
+    dq, delta = dq_call(p.q, p.k, p.v, do, lse, out, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent)
     cols_plan = visit_plan(cols, rows, TILE, block_q, p.shape, p.segment_ids, batch, transpose=True)
     got: dict[str, jax.Array] = {}
-    for grads in _dkv_passes(dim):
-        dk, dv, fused_dq = _dkv_call(
-            p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape,
-            block_q=block_q, stages=stages, persistent=persistent, fused=fused, grads=grads,
+    for grads in dkv_passes(dim):
+        dk, dv, _ = dkv_call(
+            p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages, persistent=persistent, grads=grads,
         )
         got.update((name, x) for name, x in (("dk", dk), ("dv", dv)) if x is not None)
-    dk, dv = got["dk"], got["dv"]
-    if fused:
-        dq = (fused_dq * scale).astype(p.q.dtype)
     seq_kv = p.seq_kv
-    return dq[:, : p.seq_q, :, : p.dim], dk[:, :seq_kv, :, : p.dim], dv[:, :seq_kv, :, : p.dim]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Schedule:
-    """How the kernels run, apart from tile sizes (see :func:`mosaic_forward`)."""
-
-    interpret: bool
-    pingpong: bool
-    persistent: bool
-    fused_backward: bool
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, scale: float, bounds: Window,
-               fwd: FwdParams, bwd: BwdParams, schedule: _Schedule) -> jax.Array:
-    return _attention_fwd(q, k, v, segment_ids, scale, bounds, fwd, bwd, schedule)[0]
-
-
-def _attention_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, scale: float, bounds: Window,
-                   fwd: FwdParams, bwd: BwdParams, schedule: _Schedule) -> tuple[jax.Array, tuple[Any, ...]]:
-    out, lse = mosaic_forward(
-        q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=schedule.interpret, pingpong=schedule.pingpong,
-        persistent=schedule.persistent,
-    )
-    return out, (q, k, v, segment_ids, out, lse)
-
-
-def _attention_bwd(scale: float, bounds: Window, fwd: FwdParams, bwd: BwdParams, schedule: _Schedule,
-                   residuals: tuple[Any, ...], g: jax.Array) -> tuple[Any, ...]:
-    q, k, v, segment_ids, out, lse = residuals
-    dq, dk, dv = mosaic_backward(
-        q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=bwd, interpret=schedule.interpret,
-        persistent=schedule.persistent, fused=schedule.fused_backward,
-    )
-    return dq, dk, dv, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-def mosaic_attention(
-    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
-    *, scale: float | None = None, causal: bool = False, window: tuple[int, int] | None = None,
-    segment_ids: Int[Array, "batch seq"] | None = None, params: tuple[FwdParams, BwdParams] | None = None,
-    interpret: bool = False, pingpong: bool = True, persistent: bool = True, fused_backward: bool = False,
-) -> Float[Array, "batch sq heads dim"]:
-    """Attention on the Mosaic GPU kernels, differentiable (the forward's output and log-sum-exp
-    are kept for the backward).
-
-    Args:
-      q: ``[batch, seq_q, heads, dim]`` bfloat16 or float16, dim <= 256.
-      k, v: ``[batch, seq_kv, kv_heads, dim]``; ``kv_heads`` divides ``heads``.
-      scale: multiplies ``q k^T``; default ``1 / sqrt(dim)``.
-      causal: query ``i`` sees keys ``j <= i``.
-      window: ``(left, right)``: query ``i`` sees keys ``i - left .. i + right``.
-      segment_ids: ``[batch, seq]`` int, ``seq_q == seq_kv``; equal ids see each other, ids <= 0
-        are padding (output 0).
-      params: forward and backward launch parameters (kv/q block 64 or 128, stages).
-      interpret: run in the Mosaic GPU interpreter (CPU tests).
-      pingpong: alternate the forward's two consumer warpgroups (see :func:`mosaic_forward`).
-      persistent: at most one program per SM, each walking several tiles (see :class:`Items`).
-      fused_backward: one backward kernel for dq, dk and dv (see :func:`mosaic_backward`).
-    """
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with kv heads dividing heads, got {q.shape}, {k.shape}, {v.shape}")
-    if segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
-        raise ValueError(f"segment_ids: expected shape {q.shape[:2]} with equal q and kv lengths, got {segment_ids.shape}")
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    fwd, bwd = params if params is not None else (FwdParams(), BwdParams())
-    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, _Schedule(interpret, pingpong, persistent, fused_backward))
+    return dq[:, : p.seq_q, :, : p.dim], got["dk"][:, :seq_kv, :, : p.dim], got["dv"][:, :seq_kv, :, : p.dim]

@@ -8,7 +8,7 @@ whole, and around that ``[u_lo, u_hi)``, the blocks holding the tile's one docum
 Blocks outside ``[lo, hi)`` are never loaded; the others come in three kinds (:class:`Mask`),
 and :func:`walk` gives each kind the loop whose mask it needs (:func:`mask_loops`).
 
-Nothing here touches the GPU: the kernels (:mod:`._mosaic_forward`, :mod:`._mosaic_backward`)
+Nothing here touches the GPU: the kernels (:mod:`.forward`, :mod:`.backward`)
 read the plans and call :func:`walk` with their step.
 """
 
