@@ -70,10 +70,11 @@ from jaxtyping import Array, Float, Int
 from ejlabel import BwdParams, FwdParams
 
 from ...pallas_common import pad_axis
+from ..masks import Window
 from .backward import dkv_call, dkv_passes, dq_call
 from .forward import forward_call
 from .kernel import LOG2E, SMEM_BYTES, plgpu, ring_stages
-from .plan import TILE, WG_ROWS, Shape, Window, visit_plan
+from .plan import TILE, WG_ROWS, Shape, visit_plan
 
 __all__ = [
     "TILE",

@@ -7,8 +7,8 @@ op's tuning space and config checks never see it).
   as arguments. With the defaults it runs the product's kernels, as
   ``flash_attention(..., cfg=AttentionConfig("mosaic", fwd, bwd))`` does without the
   executor, labels or tuning. The CPU tests drive the kernels in the Mosaic GPU interpreter
-  through it, and ``bench/module_texts.py`` lowers it to check that a change left the kernels'
-  modules alone.
+  through it, and the module-texts check (``module_texts.py``) lowers it to show that a change
+  left the kernels' modules alone.
 - The fused backward (:func:`fused_backward`): one kernel for ``dq``, ``dk`` and ``dv``. The
   dk/dv kernel's walk already has each step's ``ds``; the fused backward adds that step's
   share of ``dq``, ``ds^T k`` over the tile's 128 keys, to a float32 ``dq`` in global memory
@@ -39,12 +39,13 @@ from jaxtyping import Array, Float, Int
 from ejlabel import BwdParams, FwdParams
 
 from ...pallas_common import pad_axis
+from ..masks import Window
 from . import (
     check_operands, mosaic_backward, mosaic_fits, mosaic_forward, pad_operands, padded_head_dim, tile_blocks, traced_once,
 )
 from .backward import DkvSite, dkv_call, dkv_passes, softmax_delta
 from .kernel import SMEM_BYTES, mma_sum, plgpu, ring_stages, smem_tile
-from .plan import CONSUMERS, TILE, WG_ROWS, Shape, Window, visit_plan
+from .plan import CONSUMERS, TILE, WG_ROWS, Shape, visit_plan
 
 __all__ = [
     "FusedDq",
