@@ -23,6 +23,12 @@ from .modules import share_modules_across_call_sites
 from .plan import CONSUMERS, Shape, Visit
 from .work import Items, deal_items
 
+__all__ = [
+    "CONSUMER_REGISTERS", "LN2", "LOG2E", "PRODUCER_REGISTERS", "SMEM_BYTES", "cast", "col_layout", "consume_items", "fits_exactly",
+    "interpret_params", "key_value_items", "key_value_streams", "launch", "load_smem", "mma_into", "mma_new", "mma_sum", "plgpu",
+    "produce_items", "ring_stages", "row_layout", "smem_tile", "tile_buffers", "tile_ready", "visibility",
+]
+
 try:  # The Mosaic GPU backend may be missing from a JAX build; the modules still import.
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover - depends on the JAX build

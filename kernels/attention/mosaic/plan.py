@@ -28,6 +28,11 @@ from jaxtyping import Array, Int
 from ..blocks import segment_block_ranges, uniform_block_ranges
 from ..masks import Window
 
+__all__ = [
+    "CONSUMERS", "MAX_CONSTANT", "POSITIONS_APART_MAX_DIM", "TILE", "WG_ROWS", "Mask", "Shape", "Visit", "mask_loops",
+    "plan_from_tables", "positional_visibility", "visit_plan", "walk", "while_tracing",
+]
+
 WG_ROWS = 64  # rows of a tile one consumer warpgroup owns: the M of one wgmma
 CONSUMERS = 2
 TILE = WG_ROWS * CONSUMERS  # rows per program

@@ -18,6 +18,10 @@ from jaxtyping import Array, Int
 
 from .plan import Visit, while_tracing
 
+__all__ = [
+    "L2_SECTION_BYTES", "Items", "deal_items", "decode_item", "program_count", "section_length", "snake_count", "snake_position", "work_order",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Items:
