@@ -274,9 +274,9 @@ def dkv_call(
     plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_q: int, stages: int | None, persistent: bool = True,
     grads: tuple[str, ...] = ("dk", "dv"), extension: DkvExtension | None = None,
 ) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
-    """``(dk, dv [batch, seq_kv, kv_heads, dim], dq)``: items are 128-row key/value tiles of one
-    key/value head, walking the planned query blocks once per query head of its group, so the
-    group's sum stays in registers (no per-query-head partials, no atomics).
+    """``(dk, dv, extra)``, the gradients ``[batch, seq_kv, kv_heads, dim]``: items are 128-row
+    key/value tiles of one key/value head, walking the planned query blocks once per query head
+    of its group, so the group's sum stays in registers (no per-query-head partials, no atomics).
 
     ``grads``: which of ``dk`` and ``dv`` the walk accumulates (None for the other; see
     :func:`dkv_passes`). ``dv`` alone needs neither the value tile nor ``delta``.
@@ -284,7 +284,7 @@ def dkv_call(
     ``extension`` (with both gradients): more work each step with its ``ds`` (see
     :class:`DkvExtension`); the third result is its :meth:`~DkvExtension.result`, else None.
     """
-    batch, seq_kv, kv_heads, dim = k.shape
+    kv_heads, dim = k.shape[2], k.shape[3]
     seq_q, heads = q.shape[1], q.shape[2]
     dtype = k.dtype
     segmented = segment_ids is not None
