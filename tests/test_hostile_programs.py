@@ -467,3 +467,116 @@ def test_audit_and_tune_of_a_program_naming_modules_import_nothing(tmp_path: pat
     for tune in tunes:
         assert tune.returncode == 1 and "Traceback" not in tune.stderr
         assert f"{module}:" in tune.stderr and "is not registered" in tune.stderr and "decoding never imports" in tune.stderr
+
+
+# ================================================================ the second round (issue 45)
+# ---------------------------------------------------------------- 1 and 3. one bad call stops nothing, no abort in jaxlib
+
+GOOD_LABEL = "ejkernel_ops#scale@v1:c0417bbf50206eff"
+GOOD_CALL = [1, "toy_kernels:ScaleKernel", [{"$array": "float32[8,16]"}], {}, None, None]
+
+
+def described_program(calls: list[tuple[str, list]]) -> str:
+    """An HLO module with one labelled instruction per ``(label, description data)``, in a chain."""
+    body = ["%p = f32[4]{0} parameter(0)"]
+    for i, (lab, data) in enumerate(calls):
+        text = b64(json.dumps(data, separators=(",", ":")).encode())
+        body.append(f'%a{i} = f32[4]{{0}} add(%{"p" if i == 0 else f"a{i - 1}"}, %p), frontend_attributes={{ejcall="{text}",ejlabel="{lab}"}}')
+    body.append(f"ROOT %r = f32[4]{{0}} negate(%a{len(calls) - 1})")
+    return hlo_module(*body)
+
+
+BAD_CALLS = {
+    # matmul's candidate_is_valid unpacked a 1-d shape: "not enough values to unpack" for the whole run
+    "a malformed call": ("ejkernel_ops#matmul@v1:00000000000000cc",
+                         [1, "ejlabel.kernels.matmul:MatmulKernel", [{"$array": "float32[8]"}, {"$array": "float32[8]"}], {}, None, None],
+                         "matmul@v1 call 00000000000000cc: failed while listing its candidates"),
+    # numpy's "array is too big" for the whole run
+    "an array too big to exist": ("ejkernel_ops#scale@v1:00000000000000bb",
+                                  [1, "toy_kernels:ScaleKernel", [{"$array": "float32[10000000000,1000000000]"}], {}, None, None],
+                                  "over the 1125899906842624-byte limit of one array"),
+    # jaxlib aborted the process (rc 134): "overflow in static extent product"
+    "an element count past int64": ("ejkernel_ops#scale@v1:00000000000000aa",
+                                    [1, "toy_kernels:ScaleKernel", [{"$array": "float32[4000000000,4000000000]"}], {}, None, None],
+                                    "over the 1125899906842624-byte limit of one array"),
+    # would be made on the host, or end the process by the kernel's memory killer
+    "more than this machine's memory": ("ejkernel_ops#scale@v1:00000000000000ee",
+                                        [1, "toy_kernels:ScaleKernel", [{"$array": "float32[100000000000000]"}], {}, None, None],
+                                        "its arguments take 400000000000000 bytes, more than the"),
+}
+
+
+def test_one_malformed_call_does_not_stop_the_others(tmp_path: pathlib.Path) -> None:
+    from ejlabel.execution.tuning import TuningWorker, call_request
+    from ejlabel.config.cache import AutotunePolicy
+    from hostile import run_cli
+
+    program = tmp_path / "calls.hlo"
+    program.write_text(described_program([(GOOD_LABEL, GOOD_CALL), *((lab, data) for lab, data, _ in BAD_CALLS.values())]))
+    proc = run_cli(["--import", "toy_kernels", "--cache-dir", str(tmp_path / "c"), "tune", "--iters", "1", str(program)])
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the exit code says some failed ...
+    assert f"tuned  {GOOD_LABEL.split('#')[1]}" in proc.stdout and "Traceback" not in proc.stderr  # ... the good call is tuned
+    assert "tuned 1 distinct calls (1 labels)" in proc.stdout and f"{len(BAD_CALLS)} errors" in proc.stdout
+    for lab, _, reason in BAD_CALLS.values():
+        assert f"error  {lab}  " in proc.stderr and reason in proc.stderr, (lab, proc.stderr)
+    # A Ray worker tunes the same way: a call whose kernel code raises is raised again, so that
+    # the driver retries it alone elsewhere and then reports it (test_ray_tuning.py); the others tune.
+    worker = TuningWorker(["ejlabel.kernels", "toy_kernels"])
+    policy = AutotunePolicy(num_warmup=0, num_iters=1)
+
+    def request(name: str) -> dict:
+        lab, data, _ = BAD_CALLS[name] if name in BAD_CALLS else (GOOD_LABEL, GOOD_CALL, "")
+        return call_request(lab, b64(json.dumps(data).encode()), policy)
+
+    with pytest.raises((IndexError, ValueError)):  # matmul's own error, for the driver to retry
+        worker.tune_many([request("good"), request("a malformed call")])
+    good, huge = worker.tune_many([request("good"), request("more than this machine's memory")])
+    assert good["status"] == "tuned" and huge["status"] == "failed" and "more than the" in huge["error"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PickyConfig:
+    mode: str = "mul"
+
+
+class PickyKernel(Kernel[PickyConfig, object]):
+    """``2 x`` two ways; listing the candidates of a call whose ``x`` has 3 columns raises, as a
+    kernel with a bug that one call of a model hits."""
+
+    def __init__(self) -> None:
+        super().__init__("picky")
+
+    def run(self, x, *, cfg: PickyConfig):
+        return x * 2.0 if cfg.mode == "mul" else x + x
+
+    def heuristic_cfg(self, inv: Invocation) -> PickyConfig:
+        return PickyConfig()
+
+    def config_space(self, inv: Invocation) -> list[PickyConfig]:
+        if inv.args[0].shape[-1] == 3:
+            raise ValueError("not enough values to unpack (expected 2, got 1)")
+        return [PickyConfig("mul"), PickyConfig("add")]
+
+
+def test_in_context_tuning_reports_a_failing_call_and_tunes_the_rest(tmp_path: pathlib.Path) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from ejlabel.config.cache import AutotunePolicy
+    from ejlabel.execution.tuning import tune_in_context
+
+    picky = PickyKernel()
+    step = lambda a, b: picky(a).sum() + picky(b).sum()  # noqa: E731
+    args = (jax.ShapeDtypeStruct((16, 16), jnp.float32), jax.ShapeDtypeStruct((16, 3), jnp.float32))
+    with PersistentCache(tmp_path / "c") as pc:
+        selector = ConfigSelectorChain(persistent=pc)
+        report = tune_in_context(step, *args, selector=selector, policy=AutotunePolicy(num_warmup=0, num_iters=2), budget_s=120,
+                                 samples=2, warmup=0, progress=False, verbose=False)
+        (failed,) = report.errors
+        assert failed.startswith("picky@v1:") and "cannot list its candidates" in report.errors[failed]
+        assert "not enough values to unpack" in report.errors[failed]
+        assert len(report.calls) == 2 and [call.isolated_from == "failed" for call in report.calls].count(True) == 1
+        (ranked,) = [call for call in report.calls if call.isolated_from != "failed"]
+        assert failed == f"picky@v1:{next(c.call_key for c in report.calls if c is not ranked)}"
+        assert len(ranked.candidates) == 2  # the other call was ranked on both candidates ...
+        assert pc.get_entry(ranked.key).provenance == "in-context"  # ... and its pick stored

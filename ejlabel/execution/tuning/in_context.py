@@ -256,7 +256,7 @@ class _Ranking:
             try:
                 lists[len(to_tune)] = _candidate_list(invocations[key], floor[key])
             except Exception as err:  # noqa: BLE001 - the kernel's code failed on this call alone
-                errors[f"{key[0]}:{key[1]}"] = f"cannot list its candidates, XLA stays: {type(err).__name__}: {err}"
+                errors[f"{calls[key].op_id}:{calls[key].call_key}"] = f"cannot list its candidates, XLA stays: {type(err).__name__}: {err}"
                 calls[key].isolated_from = "failed"
                 continue
             to_tune.append(key)
