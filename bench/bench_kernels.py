@@ -38,7 +38,7 @@ from _results import write_results
 
 import ejlabel
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
-from ejlabel.kernels.attention_mosaic import on_hopper
+from ejlabel.kernels.attention.mosaic import on_hopper
 from ejlabel.kernels.cross_entropy import CrossEntropyConfig, CrossEntropyKernel, softmax_cross_entropy
 from ejlabel.kernels.matmul import MatmulConfig, MatmulKernel, matmul
 from ejlabel.kernels.norms import LayerNormKernel, NormConfig, RMSNormKernel, layer_norm, rms_norm

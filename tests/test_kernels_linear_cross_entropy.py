@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import ejlabel
-from ejlabel.kernels._softmax_rows import softmax_rows
-from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, _Loss, linear_cross_entropy
+from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linear_cross_entropy
+from ejlabel.kernels.linear_cross_entropy.loss import Loss
+from ejlabel.kernels.linear_cross_entropy.triton import softmax_rows
 
 from kernel_checks import ON_GPU, assert_close, gpu, needs_gpu, rel_error
 
@@ -160,7 +161,7 @@ def test_rows_kernel_against_the_gradient_of_the_loss(block: int, options: dict)
         picked = jnp.take_along_axis(c, labels[:, None], axis=1)[:, 0]
         return jax.nn.logsumexp(c, axis=1) - picked + eps * (picked - jnp.mean(c, axis=1))
 
-    row_loss = _Loss(None, eps, cap)
+    row_loss = Loss(None, eps, cap)
     out = softmax_rows(z, labels, g, row_loss, block=block)
     raw = z.astype(jnp.float32)
     grad = jax.grad(lambda raw: jnp.sum(g * loss(raw)))(raw)

@@ -1,6 +1,10 @@
-"""One pass over a chunk's logits: each token's loss and the gradient with respect to them.
+"""The ``"chunked_tokens_triton"`` implementation of
+:func:`ejlabel.kernels.linear_cross_entropy.linear_cross_entropy`: the token chunks of
+:mod:`.xla_chunked_tokens`, each chunk's logits read once by a kernel on Pallas's Triton
+backend (:func:`softmax_rows`) that writes the gradient over them (:func:`triton_tokens_pass`).
 
-The token-chunked linear cross-entropy (:mod:`kernels.linear_cross_entropy`) multiplies a
+One pass over a chunk's logits: each token's loss and the gradient with respect to them.
+The token-chunked linear cross-entropy multiplies a
 chunk of hidden states by the whole unembedding, ``z = h W`` (``[chunk, vocab]`` in the input
 dtype, the library's product), and needs from ``z`` each token's loss and the ``[chunk,
 vocab]`` gradient its two products read. Written in XLA that is two passes over ``z``
@@ -9,7 +13,7 @@ vocab]`` gradient its two products read. Written in XLA that is two passes over 
 its blocks keeps the online max, the sums of exponentials (all, and off the label) and the
 sum of logits (the label's logit is one load); a second walk (the row's 64 KB were just
 read, so from the L2 cache) writes the gradient over ``z``: the output aliases ``z``'s
-buffer, one ``[chunk, vocab]`` array in all. H100 (bench/RESULTS.md, run 105): 18-19%
+buffer, one ``[chunk, vocab]`` array in all. H100: 18-19%
 faster than the XLA passes it replaces (+244 us over a 4096-token chunk's product against
 +302), and half their memory.
 
@@ -35,16 +39,15 @@ strided vectors whose reductions across warps go through shared memory), and its
 boxes of at most 256 elements a side, rows 16-byte aligned: a row would need a ``[125, 256]``
 view padded to 128 rows and a reduction across warps written by hand, and a vocabulary that
 is not a multiple of 8 could not be copied at all. The kernel is bound by its arithmetic per
-element (it ran as fast on an H200, with 1.4x the H100's memory bandwidth, run 102; ``exp2``
-for ``exp`` and one load for the label's logit made it 15% faster, run 103), never by the
+element (it ran as fast on an H200, with 1.4x the H100's memory bandwidth; ``exp2`` for
+``exp`` and one load for the label's logit made it 15% faster), never by the
 tensor cores Mosaic GPU exists to reach.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,31 +56,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from ._pallas import MASK_VALUE, compiler_params, fast_exp, interpret_mode, next_power_of_2
+from ..pallas_common import MASK_VALUE, compiler_params, fast_exp, interpret_mode, next_power_of_2
+from .loss import Loss, TokenPass, over_token_chunks
 
-__all__ = ["RowLoss", "RowPass", "softmax_rows"]
-
-
-class RowLoss(Protocol):
-    """What the kernel takes from the loss (``kernels.linear_cross_entropy._Loss``), so that the
-    cap and the per-token formula keep one home; read while tracing, on float32 values."""
-
-    label_smoothing: float
-
-    def cap(self, z: jax.Array) -> jax.Array: ...
-
-    def cap_grad(self, capped: jax.Array) -> jax.Array | float: ...
-
-    def per_token(self, lse: jax.Array, picked: jax.Array, mean_logit: Callable[[], jax.Array]) -> jax.Array: ...
+__all__ = ["RowPass", "softmax_rows", "triton_tokens_pass"]
 
 
 class RowPass(NamedTuple):
+    """What :func:`softmax_rows` gives: the gradient over ``z``'s buffer and each token's loss."""
+
     dense: Float[Array, "tokens vocab"]  # the gradient, in z's dtype, over z's buffer
     per_token: Float[Array, "tokens"]  # float32
 
 
 def _row_kernel(
-    z_ref: Any, labels_ref: Any, token_g_ref: Any, dense_ref: Any, per_token_ref: Any, *, vocab: int, block: int, loss: RowLoss,
+    z_ref: Any, labels_ref: Any, token_g_ref: Any, dense_ref: Any, per_token_ref: Any, *, vocab: int, block: int, loss: Loss,
 ) -> None:
     """One program's row of ``z`` (a ``[1, width]`` block), walked twice in blocks of ``block``
     columns."""
@@ -125,7 +118,7 @@ def _row_kernel(
 
 
 def softmax_rows(
-    z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"], loss: RowLoss, *,
+    z: Float[Array, "tokens vocab"], labels: Int[Array, "tokens"], token_g: Float[Array, "tokens"], loss: Loss, *,
     block: int = 8192, num_warps: int = 4,
 ) -> RowPass:
     """Each row's loss, and the gradient of ``sum(token_g * loss)``, from raw logits ``z`` (see
@@ -134,7 +127,7 @@ def softmax_rows(
     ``labels`` must lie in ``[0, vocab)`` (the caller maps ignored tokens to a real class and
     gives them a zero ``token_g``). ``z``'s buffer becomes the result's where nothing else holds
     it. A program per row (more rows per program ran slower), ``block`` columns per step,
-    ``num_warps``: the defaults ran fastest on the H100 (``bench/probe_softmax_rows.py``).
+    ``num_warps``: the defaults ran fastest on the H100.
     """
     tokens, vocab = z.shape
     if labels.shape != (tokens,) or token_g.shape != (tokens,):
@@ -156,3 +149,21 @@ def softmax_rows(
         name="softmax_rows",
     )(z, labels.astype(jnp.int32)[:, None], token_g.astype(jnp.float32)[:, None])
     return RowPass(dense, per_token[:, 0])
+
+
+def triton_tokens_pass(
+    hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss: Loss, chunk: int, token_g: jax.Array,
+) -> TokenPass:
+    """:func:`.xla_chunked_tokens.tokens_pass` with each chunk's logits read once by :func:`softmax_rows`, which
+    writes over them the gradient itself, ``token_g`` and the smoothing inside, rounded once as
+    the plain program's: the two products are the plain program's own, ``d_hidden = dense @
+    w^T`` and ``d_weight += h^T @ dense`` (float32 across chunks), with nothing around them."""
+
+    def step(d_weight: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        h_c, y_c, g_c = xs
+        rows = softmax_rows(h_c @ weight, y_c, g_c, loss)
+        d_weight = d_weight + jnp.dot(h_c.T, rows.dense, preferred_element_type=jnp.float32)
+        return d_weight, (rows.per_token, rows.dense @ weight.T)
+
+    d_weight, per_token, d_hidden = over_token_chunks(step, jnp.zeros(weight.shape, jnp.float32), hidden, labels, loss, chunk, token_g)
+    return TokenPass(per_token, d_hidden, d_weight)

@@ -2,36 +2,31 @@
 
 Two implementations, chosen by :class:`MatmulConfig.impl`:
 
-- ``"xla"``: ``a @ b``, the expression a JAX user writes, differentiated by JAX itself (XLA's
-  GPU dot accumulates half-precision inputs in float32); with it the compiled program is the
-  one plain JAX gives;
-- ``"pallas"``: a tiled Pallas kernel (Triton backend). Each program computes one
-  ``block_m x block_n`` output tile, looping over ``k`` in ``block_k`` steps with a float32
-  accumulator. Programs are numbered so that ``group_m`` consecutive ones share a column band
-  of ``b``: tiles that run together then read the same ``b`` tiles, which stay in L2.
+- ``"xla"``: ``a @ b``, the expression a JAX user writes, differentiated by JAX itself
+  (:mod:`.xla`); with it the compiled program is the one plain JAX gives;
+- ``"pallas"``: a tiled Pallas kernel on the Triton backend (:mod:`.triton`), any shape (the
+  operands are padded to whole tiles).
 
-Operands are zero-padded to whole blocks (zeros add nothing to a dot product) and the result
-sliced back, so any shape works. The Pallas backward pass is two more matmuls through the same
-implementation and config: ``da = g @ b^T`` and ``db = a^T @ g``.
+The Pallas backward pass is two more matmuls through the same implementation and config:
+``da = g @ b^T`` and ``db = a^T @ g``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from ejlabel import Invocation, Kernel
 
-from ._checks import check_config, check_floating
-from ._pallas import compiler_params, dot, interpret_mode, on_gpu, pad_to
+from ..checks import check_config, check_floating
+from ..pallas_common import on_gpu
+from .triton import matmul_triton
+from .xla import matmul_xla
 
 __all__ = ["MatmulConfig", "MatmulKernel", "matmul"]
 
@@ -66,69 +61,14 @@ class MatmulConfig:
             raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
 
 
-def _tile_coordinates(pid: jax.Array, num_m: int, num_n: int, group_m: int) -> tuple[jax.Array, jax.Array]:
-    """Grouped ("swizzled") order: program ``pid`` -> output tile ``(i, j)``.
-
-    Programs walk down ``group_m`` rows of tiles before moving one column right, instead of
-    along a whole row: the ``group_m`` programs in flight together reuse one ``b`` column band
-    and ``group_m`` ``a`` row bands, instead of one ``a`` band and ``num_n`` ``b`` bands.
-    """
-    per_group = group_m * num_n
-    group = lax.div(pid, per_group)
-    first_m = group * group_m
-    rows_in_group = jnp.minimum(num_m - first_m, group_m)
-    within = lax.rem(pid, per_group)
-    return first_m + lax.rem(within, rows_in_group), lax.div(within, rows_in_group)
-
-
-def _matmul_kernel(a_ref: Any, b_ref: Any, o_ref: Any, *, block_k: int) -> None:
-    # a_ref is a [block_m, k] band, b_ref a [k, block_n] band; k is a multiple of block_k.
-    steps = a_ref.shape[1] // block_k
-
-    def step(i: jax.Array, acc: jax.Array) -> jax.Array:
-        cols = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
-        return acc + dot(a_ref[:, cols], b_ref[cols, :])
-
-    acc = jnp.zeros(o_ref.shape, jnp.float32)
-    o_ref[...] = lax.fori_loop(0, steps, step, acc).astype(o_ref.dtype)
-
-
-def _matmul_pallas(
-    a: Float[Array, "batch m k"], b: Float[Array, "batch k n"], cfg: MatmulConfig
-) -> Float[Array, "batch m n"]:
-    batch, m, _ = a.shape
-    n = b.shape[2]
-    a = pad_to(pad_to(a, 1, cfg.block_m), 2, cfg.block_k)
-    b = pad_to(pad_to(b, 1, cfg.block_k), 2, cfg.block_n)
-    padded_k = a.shape[2]
-    num_m, num_n = a.shape[1] // cfg.block_m, b.shape[2] // cfg.block_n
-    tile = functools.partial(_tile_coordinates, num_m=num_m, num_n=num_n, group_m=cfg.group_m)
-
-    out = pl.pallas_call(
-        functools.partial(_matmul_kernel, block_k=cfg.block_k),
-        grid=(batch, num_m * num_n),
-        in_specs=[
-            pl.BlockSpec((None, cfg.block_m, padded_k), lambda z, p: (z, tile(p)[0], 0)),
-            pl.BlockSpec((None, padded_k, cfg.block_n), lambda z, p: (z, 0, tile(p)[1])),
-        ],
-        out_specs=pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda z, p: (z, *tile(p))),
-        out_shape=jax.ShapeDtypeStruct((batch, a.shape[1], b.shape[2]), a.dtype),
-        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret_mode(),
-        name="matmul",
-    )(a, b)
-    return out[:, :m, :n]
-
-
-def _matmul_xla(a: Float[Array, "*batch m k"], b: Float[Array, "*batch k n"]) -> Float[Array, "*batch m n"]:
-    return a @ b
-
-
 def _matmul(a: Float[Array, "*batch m k"], b: Float[Array, "*batch k n"], cfg: MatmulConfig) -> Float[Array, "*batch m n"]:
     if cfg.impl == "xla":
-        return _matmul_xla(a, b)
+        return matmul_xla(a, b)
     batch = a.shape[:-2]
-    flat = _matmul_pallas(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), cfg)
+    flat = matmul_triton(
+        a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]),
+        block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, group_m=cfg.group_m,
+    )
     return flat.reshape(*batch, *flat.shape[-2:])
 
 

@@ -1,9 +1,9 @@
-"""The pieces every Mosaic GPU attention kernel shares (see :mod:`.attention_mosaic`).
+"""The pieces every Mosaic GPU attention kernel shares (see :mod:`ejlabel.kernels.attention.mosaic`).
 
 Register layouts and loads, the attention mask of a block, the producer's and the consumers'
 walks over a program's items, the shared-memory budget, the wgmma products, the compiler and
-interpreter parameters, and the launch. The kernels themselves are in :mod:`._mosaic_forward`
-and :mod:`._mosaic_backward`.
+interpreter parameters, and the launch. The kernels themselves are in :mod:`.forward`
+and :mod:`.backward`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 from typing import Any
 
 import jax
@@ -20,9 +19,15 @@ from jax import lax
 from jax._src import source_info_util  # no public API sets the location ops are traced with
 from jax.experimental import pallas as pl
 
-from ._mosaic_modules import share_modules_across_call_sites
-from ._mosaic_plan import CONSUMERS, Shape, Visit
-from ._mosaic_work import Items, deal_items
+from .modules import share_modules_across_call_sites
+from .plan import CONSUMERS, Shape, Visit
+from .work import Items, deal_items
+
+__all__ = [
+    "CONSUMER_REGISTERS", "LN2", "LOG2E", "PRODUCER_REGISTERS", "SMEM_BYTES", "cast", "col_layout", "consume_items", "fits_exactly",
+    "interpret_params", "key_value_items", "key_value_streams", "launch", "load_smem", "mma_into", "mma_new", "mma_sum", "plgpu",
+    "produce_items", "ring_stages", "row_layout", "smem_tile", "tile_buffers", "tile_ready", "visibility",
+]
 
 try:  # The Mosaic GPU backend may be missing from a JAX build; the modules still import.
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -30,28 +35,28 @@ except ImportError:  # pragma: no cover - depends on the JAX build
     plgpu = None
 
 if plgpu is not None:
-    # Every layer's launch of a kernel shares one compiled module (see _mosaic_modules).
+    # Every layer's launch of a kernel shares one compiled module (see .modules).
     share_modules_across_call_sites()
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
-def _smem_tile(shape: tuple[int, ...], dtype: Any) -> Any:
+def smem_tile(shape: tuple[int, ...], dtype: Any) -> Any:
     """A shared-memory buffer laid out for TMA and wgmma: 8-row tiles, 128-byte swizzle."""
     elems = 128 // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128)))
 
 
-def _row_layout() -> Any:
+def row_layout() -> Any:
     return plgpu.Layout.WGMMA.reduce(1)
 
 
-def _col_layout() -> Any:
+def col_layout() -> Any:
     return plgpu.Layout.WGMMA.reduce(0)
 
 
-def _cast(shape: Shape, x: jax.Array, layout: Any) -> jax.Array:
+def cast(shape: Shape, x: jax.Array, layout: Any) -> jax.Array:
     """``x`` in a register layout; the interpreter has no layouts, so there it is ``x``."""
     return x if shape.interpret else plgpu.layout_cast(x, layout)
 
@@ -62,21 +67,21 @@ _LOAD_INDEX = None if plgpu is None else inspect.signature(plgpu.load).parameter
 _LOAD_INDEX_OPTIONAL = _LOAD_INDEX is None or _LOAD_INDEX.default is not inspect.Parameter.empty
 
 
-def _load(shape: Shape, ref: Any, layout: Any) -> jax.Array:
+def load_smem(shape: Shape, ref: Any, layout: Any) -> jax.Array:
     """A whole shared-memory ref, loaded into ``layout``."""
     if shape.interpret:
         return ref[...]
     return plgpu.load(ref, layout=layout) if _LOAD_INDEX_OPTIONAL else plgpu.load(ref, (), layout=layout)
 
 
-def _visibility(
+def visibility(
     shape: Shape, q_start: jax.Array, k_start: jax.Array, rows: int, cols: int,
     segments: tuple[jax.Array, jax.Array] | None, *, transpose: bool,
 ) -> jax.Array | None:
     """``[rows, cols]`` mask in the wgmma layout: rows are queries (keys with ``transpose``);
     ``segments`` are the query and key ids, in the row and column layouts of that matrix."""
-    r = _cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 0), plgpu.Layout.WGMMA)
-    c = _cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 1), plgpu.Layout.WGMMA)
+    r = cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 0), plgpu.Layout.WGMMA)
+    c = cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 1), plgpu.Layout.WGMMA)
     q_pos, k_pos = (c + q_start, r + k_start) if transpose else (r + q_start, c + k_start)
     conditions = []
     left, right = shape.bounds
@@ -95,21 +100,22 @@ def _visibility(
     return functools.reduce(jnp.logical_and, conditions) if conditions else None
 
 
-def _tile_ready(barriers: Any, buf: jax.Array, wg: jax.Array) -> Any:
+def tile_ready(barriers: Any, buf: jax.Array, wg: jax.Array) -> Any:
     """The barrier of consumer ``wg``'s tile in buffer ``buf`` (``buffers x consumers`` of them)."""
     return barriers.at[buf * CONSUMERS + wg]
 
 
 def _wait_for_tile(barriers: Any, buf: jax.Array, wg: jax.Array) -> None:
-    """Wait until consumer ``wg``'s tile in buffer ``buf`` has arrived (a profiler region)."""
+    """Wait until consumer ``wg``'s tile in buffer ``buf`` has arrived (a named region, so that a
+    profile of the kernel shows the wait)."""
     with jax.named_scope("tile_wait"):
-        plgpu.barrier_wait(_tile_ready(barriers, buf, wg))
+        plgpu.barrier_wait(tile_ready(barriers, buf, wg))
 
 
-def _key_value_streams(
+def key_value_streams(
     k_ref: Any, v_ref: Any, seg_ref: Any, rings: tuple[Any, ...], barriers: tuple[Any, ...], block_k: int, group: int, *, values_first: bool = False,
 ) -> Any:
-    """``streams_of(b, h)`` for :func:`_produce_items` of the kernels that walk key/value blocks
+    """``streams_of(b, h)`` for :func:`produce_items` of the kernels that walk key/value blocks
     (forward and dq): the key, value and (with ``seg_ref``) key segment-id blocks of query head
     ``h``'s key/value head. ``rings``: ``(k, v, kseg)``; ``barriers``: ``(k_ready, v_ready,
     k_used, v_used, kseg_ready)``. Slots of the segment ring are freed with the key slots."""
@@ -141,7 +147,7 @@ def _produce(
     there are freed with the stream before them), in the order of ``streams``. With one stage
     the kernels put first the stream their consumers free mid-step (values in the dq kernel,
     ``dO`` in the dk walk), so its next block loads during the rest of the step, not after it:
-    fwd+bwd 2.8% faster at causal B2 S4096 H8 D256 on the H100 (bench/RESULTS.md run 141).
+    fwd+bwd 2.8% faster at causal B2 S4096 H8 D256 on the H100.
     The planned blocks are walked ``repeats`` times, ``r`` counting the walks (the query heads
     of a group in the backward). ``offset`` counts the steps of the program's earlier items:
     the ring runs on across items.
@@ -176,38 +182,38 @@ def _drain(consumed: list[Any], stages: int, steps: jax.Array) -> None:
     lax.fori_loop(jnp.maximum(steps - stages, 0), steps, body, None)
 
 
-def _key_value_items(plan: jax.Array, heads: int, persistent: bool, shape: Shape, segmented: bool, k: jax.Array) -> tuple[Items, jax.Array]:
+def key_value_items(plan: jax.Array, heads: int, persistent: bool, shape: Shape, segmented: bool, k: jax.Array) -> tuple[Items, jax.Array]:
     """:func:`deal_items` of the kernels that walk key/value blocks (forward and dq): a batch row
     streams its keys and values, ``k`` of ``[batch, seq_kv, kv_heads, dim]`` and as many values."""
     streamed = 2 * math.prod(k.shape[1:]) * jnp.dtype(k.dtype).itemsize
     return deal_items(plan, heads, persistent, shape.interpret, segmented=segmented, kv_heads=k.shape[2], batch_row_bytes=streamed)
 
 
-def _fits_exactly(*buffer_bytes: int) -> bool:
+def fits_exactly(*buffer_bytes: int) -> bool:
     """Whether a kernel's buffers of these sizes (every one of them) fit in shared memory, each
     aligned to 1 KiB as Pallas places them, with 1 KiB to spare for the barriers."""
     return sum(-(-n // 1024) * 1024 for n in buffer_bytes) + 1024 <= _SMEM_LIMIT
 
 
-def _tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
+def tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
     """Buffers for a program's tile: two (the next item's tile loads during this one) when they
     fit in shared memory beside the ring, else one."""
-    return 2 if 2 * tile_bytes + ring_bytes <= _SMEM_BYTES else 1
+    return 2 if 2 * tile_bytes + ring_bytes <= SMEM_BYTES else 1
 
 
-def _consume_items(
+def consume_items(
     items: Items, order_ref: Any, plan_ref: Any, buffers: int, ready: Any, load: Any, process: Any, *, staged_apart: bool = False,
 ) -> None:
     """A consumer warpgroup's walk over its program's items.
 
     ``load(visit, buf)`` starts the copies of an item's tile into buffer ``buf``, completing
-    ``ready`` (see :func:`_tile_ready`); ``process(visit, buf, t0) -> (t1, write)`` walks the
+    ``ready`` (see :func:`tile_ready`); ``process(visit, buf, t0) -> (t1, write)`` walks the
     item's blocks (producer steps ``t0 .. t1``) and returns ``write()``, which puts the item's
     results into the buffer's shared memory and starts their copies out. With two buffers the
     next item's tile is requested as soon as this one has arrived (once the previous item's
     results have left the other buffer), so it loads during this item's walk; with one buffer
     it follows the results. Requesting it early instead of after the walk took the wait for a
-    tile from about 3000 SM cycles per item to 140 (H100, bench/profile_mosaic.py), at the
+    tile from about 3000 SM cycles per item to 140 (H100, profiled), at the
     price of waiting for the previous item's results to leave (about 500).
     With ``staged_apart`` the results have a shared-memory buffer of their own, so the next
     tile is requested without that wait, and the results' buffer is checked free just before
@@ -251,7 +257,7 @@ def _consume_items(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _produce_items(
+def produce_items(
     items: Items, order_ref: Any, plan_ref: Any, stages: int, streams_of: Any, consumed: list[Any], repeats: int = 1,
 ) -> None:
     """The producer warpgroup's walk: ``streams_of(b, h)`` gives an item's streams (see
@@ -271,19 +277,19 @@ def _operand(x: Any) -> jax.Array:
     return x if isinstance(x, jax.Array) else x[...]
 
 
-def _mma_new(shape: Shape, a: Any, b: Any, *, transpose_b: bool, between: Any = None) -> jax.Array | tuple[jax.Array, Any]:
+def mma_new(shape: Shape, a: Any, b: Any, *, transpose_b: bool, between: Any = None) -> jax.Array | tuple[jax.Array, Any]:
     """``a @ b`` (``b^T`` with ``transpose_b``) into a fresh float32 accumulator: ``a`` in
     shared memory or registers, ``b`` in shared memory, the product with wgmma. ``between()``,
     if given, runs after the wgmma is issued and before its result is awaited (CUDA-core work
     beside the tensor cores'); what it returns, if not None, comes back as ``(product, it)``."""
-    return _mma_sum(shape, [(a, b)], transpose_b=transpose_b, between=between)
+    return mma_sum(shape, [(a, b)], transpose_b=transpose_b, between=between)
 
 
-def _mma_sum(
+def mma_sum(
     shape: Shape, products: list[tuple[Any, Any]], *, transpose_b: bool, transpose_a: bool = False, between: Any = None,
 ) -> jax.Array | tuple[jax.Array, Any]:
     """The sum of ``a @ b`` over ``products`` in one fresh float32 accumulator, one wgmma each
-    (operands as in :func:`_mma_new`; ``a^T`` with ``transpose_a``, then from shared memory).
+    (operands as in :func:`mma_new`; ``a^T`` with ``transpose_a``, then from shared memory).
 
     The interpreter cannot take transposed shared-memory operands, so there the same products
     are ordinary dots of the loaded values.
@@ -307,7 +313,7 @@ def _mma_sum(
     return acc if extra is None else (acc, extra)
 
 
-def _mma_into(shape: Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
+def mma_into(shape: Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
     """``acc + a @ b``, the wgmma accumulating in ``acc``'s registers (``run_state``)."""
     if shape.interpret:
         return acc + lax.dot_general(_operand(a), b[...], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -318,33 +324,16 @@ def _mma_into(shape: Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
     return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
-PROFILE_DIR_VARIABLE = "EJLABEL_MOSAIC_PROFILE_DIR"
-
-
-def _profiled() -> bool:
-    """Whether kernels traced now record their named regions (see :func:`_compiler_params`)."""
-    return bool(os.environ.get(PROFILE_DIR_VARIABLE))
-
-
 def _compiler_params() -> Any:
-    """Approximate math for ``exp2``; with ``$EJLABEL_MOSAIC_PROFILE_DIR`` set when a kernel is
-    traced, each call writes a trace of the kernel's named regions (per warpgroup: ``tile_wait``,
-    ``walk`` and the ``masked`` steps inside it, ``k_wait``, ``out_wait``, ``write``, the
-    producer's ``slot_wait``) to that directory (read by bench/profile_mosaic.py). The regions
-    cost nothing when it is unset. The events sit in shared memory, 512 a warpgroup, and more
-    are undefined behaviour: profile short walks only (causal S4096, 32 steps a tile and about
-    15 tiles a program, stopped on an illegal address, bench/RESULTS.md run 120).
-
-    No shared memory is set aside for reductions across warps (Pallas reserves 2 KiB by
-    default): every reduction here runs along the rows of the wgmma layout, whose elements
-    sit in one warp, and a reduction that needed the scratch would fail to lower. The forward
-    at head dim 128 needs those bytes for its results' own buffer (:func:`_forward_call`)."""
-    directory = os.environ.get(PROFILE_DIR_VARIABLE)
-    profile = {"profile_space": 512, "profile_dir": directory} if directory else {}
-    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0, **profile)
+    """Approximate math for ``exp2``, and no shared memory set aside for reductions across
+    warps (Pallas reserves 2 KiB by default): every reduction here runs along the rows of the
+    wgmma layout, whose elements sit in one warp, and a reduction that needed the scratch would
+    fail to lower. The forward at head dim 128 needs those bytes for its results' own buffer
+    (:func:`.forward.forward_call`)."""
+    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 
 
-def _interpret_params() -> Any:
+def interpret_params() -> Any:
     """The Mosaic GPU interpreter's parameters (a private class in the JAX releases we use):
     it simulates shared memory, barriers, TMA and wgmma on the CPU, so values are tested there."""
     public = getattr(plgpu, "InterpretParams", None)
@@ -357,11 +346,11 @@ def _interpret_params() -> Any:
 
 # 24 x 128 + 2 x 240 x 128 = 64512 of the SM's 65536 registers. The producer only issues copies;
 # 240 rather than 232 per consumer cut the dk/dv kernel's spills at head dim 128 by a fifth.
-_CONSUMER_REGISTERS = 240
-_PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
+PRODUCER_REGISTERS = 24
 
 
-def _ring_stages(stages: int | None, tile_bytes: int, stage_bytes: int) -> int:
+def ring_stages(stages: int | None, tile_bytes: int, stage_bytes: int) -> int:
     """``stages`` if set, else the ring's default depth for a kernel that holds ``tile_bytes``
     of resident tiles and streams ``stage_bytes`` per stage: two stages where they fit beside
     one buffer of the tiles, else one. So up to head dim 128 every kernel gets two; above, the
@@ -369,20 +358,20 @@ def _ring_stages(stages: int | None, tile_bytes: int, stage_bytes: int) -> int:
     the dq kernel and the ``dk`` walk (two 128-row tiles) one."""
     if stages:
         return stages
-    return 2 if tile_bytes + 2 * stage_bytes <= _SMEM_BYTES else 1
+    return 2 if tile_bytes + 2 * stage_bytes <= SMEM_BYTES else 1
 
 
 _SMEM_LIMIT = 227 * 1024  # Hopper's per-block limit of shared memory
-_SMEM_BYTES = _SMEM_LIMIT - 4096  # less room for barriers and id rings, where those are not counted
+SMEM_BYTES = _SMEM_LIMIT - 4096  # less room for barriers and id rings, where those are not counted
 
 
-# The source location every op of a kernel carries (see :func:`_launch`): the Mosaic module's
+# The source location every op of a kernel carries (see :func:`launch`): the Mosaic module's
 # hash covers its locations, and one hash per distinct kernel lets the backend compile a kernel
 # once for all its call sites.
 _KERNEL_TRACEBACK = source_info_util.Traceback.get_traceback()
 
 
-def _launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tuple[Any, ...], interpret: bool) -> Any:
+def launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tuple[Any, ...], interpret: bool) -> Any:
     """Run ``body`` on ``programs`` programs of ``consumers + 1`` warpgroups (named ``wg``),
     with ``scratch`` allocated in each program. ``operands`` may hold a ``jax.Ref``: the kernel
     reads and writes it in place (the fused backward's ``dq``).
@@ -392,7 +381,7 @@ def _launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tup
     call sites on different source lines (or a forward seen from two backward sites) got two
     modules of one kernel, each compiled on its own (test_call_sites_share_one_module_per_kernel).
     The other per-launch difference, jaxlib 0.11's dump counter, is removed by
-    :mod:`._mosaic_modules`. Errors raised while tracing keep their Python traceback."""
+    :mod:`.modules`. Errors raised while tracing keep their Python traceback."""
 
     def kernel_body(*refs: Any) -> None:
         pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")
@@ -403,5 +392,5 @@ def _launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tup
             out_type=out_type,
             mesh=plgpu.Mesh(grid=(programs,), grid_names=("programs",), num_threads=CONSUMERS + 1, thread_name="wg"),
             compiler_params=_compiler_params(),
-            interpret=_interpret_params() if interpret else False,
+            interpret=interpret_params() if interpret else False,
         )(*operands)

@@ -1,11 +1,14 @@
-"""Small helpers the Pallas kernels share: backend detection, launch parameters, padding.
+"""Small helpers the Pallas kernels of every op share: backend detection, Triton launch
+parameters, padding, the mask value, a float32-accumulating dot.
 
-Every Pallas kernel here targets the Triton GPU backend. Off the GPU the same ``pallas_call``
-runs with ``interpret=True``, so the kernels' logic (tiling, masking, online softmax) is tested
-on the CPU, just slowly. Kernels pad their operands to whole blocks instead of masking loads:
-it keeps every kernel body free of bounds checks and behaves the same on both backends. The
-exception is an operand whose padding would be a copy as large as the kernel's own traffic
-(``_softmax_rows``, over a chunk of logits): that kernel masks its loads and stores.
+The ``triton`` modules of the op packages target Pallas's Triton GPU backend. Off the GPU the
+same ``pallas_call`` runs with ``interpret=True``, so the kernels' logic (tiling, masking,
+online softmax) is tested on the CPU, just slowly. Kernels pad their operands to whole blocks
+instead of masking loads: it keeps every kernel body free of bounds checks and behaves the same
+on both backends. The exception is an operand whose padding would be a copy as large as the
+kernel's own traffic (the linear cross-entropy's rows kernel, over a chunk of logits): that
+kernel masks its loads and stores. The Mosaic GPU attention kernels use the padding helpers and
+the mask value only.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Shaped
 
 __all__ = [
@@ -42,7 +45,7 @@ _LOG2_E = math.log2(math.e)
 def fast_exp(x: jax.Array) -> jax.Array:
     """``exp(x)`` as ``exp2(x log2 e)``. In a Triton kernel ``exp2`` is the hardware's approximate
     ``ex2`` while ``exp`` lowers to libdevice's accurate ``expf``, a dozen instructions (the rows
-    kernel ran 11% faster for it, bench/RESULTS.md run 103). For values rounded to 16 bits or
+    kernel ran 11% faster for it). For values rounded to 16 bits or
     summed in float32: the two differ by about 1e-6 relatively (for |x| up to ~20)."""
     return jnp.exp2(x * _LOG2_E)
 
@@ -58,7 +61,7 @@ def interpret_mode() -> bool:
 
 
 # The class that carries Triton launch parameters was renamed across JAX releases.
-_COMPILER_PARAMS = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+_COMPILER_PARAMS = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
 
 
 def compiler_params(num_warps: int, num_stages: int) -> Any:

@@ -1,11 +1,16 @@
-"""The Mosaic GPU attention backward (see :mod:`.attention_mosaic`): a ``dq`` kernel over query
-tiles and a ``dk, dv`` kernel over key/value tiles (the split), or one kernel that adds ``dq``
-up in float32 with TMA reduce-adds (the fused alternative, measured slower)."""
+"""The Mosaic GPU attention backward (see :mod:`ejlabel.kernels.attention.mosaic`): a ``dq``
+kernel over query tiles and a ``dk, dv`` kernel over key/value tiles.
+
+The dk/dv kernel takes an optional :class:`DkvExtension`, work its steps do with each step's
+``ds`` besides ``dk`` and ``dv``. The product passes none; the experimental fused backward
+(:mod:`.experimental`, measured slower than this split) adds each step's share of ``dq`` up in
+global memory through one.
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -13,62 +18,66 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from ._mosaic_kernel import (
-    _CONSUMER_REGISTERS, _LOG2E, _PRODUCER_REGISTERS, _SMEM_BYTES, _cast, _col_layout, _consume_items,
-    _key_value_items, _key_value_streams, _launch, _load, _mma_into, _mma_new, _mma_sum, _produce_items,
-    _ring_stages, _row_layout, _smem_tile, _tile_buffers, _tile_ready, _visibility, plgpu,
+from ...pallas_common import pad_axis
+from .kernel import (
+    CONSUMER_REGISTERS, LOG2E, PRODUCER_REGISTERS, SMEM_BYTES, cast, col_layout, consume_items, key_value_items,
+    key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
+    smem_tile, tile_buffers, tile_ready, visibility,
 )
-from ._mosaic_plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
-from ._mosaic_work import deal_items
-from ._pallas import pad_axis
+from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
+from .work import deal_items
+
+__all__ = [
+    "SOFTMAX_BESIDE_DP_MAX_DIM", "DkvExtension", "DkvSite", "dkv_call", "dkv_passes", "dq_call", "dq_tiles", "softmax_delta",
+]
 
 
 # Up to this head dim the dq kernel's softmax runs while the tensor cores compute dP; above it,
 # before dP is issued. Beside dP, the probabilities, dP's accumulator and the 64 x 256 float32 dq
 # exceed a consumer's registers: at head dim 256 the kernel spilled 1352 bytes per thread with
 # the softmax beside dP, 848 with it before, and causal B2 S4096 H8 D256 fwd+bwd ran 2.45 ms
-# against 1.83 (H100, bench/RESULTS.md run 142).
+# against 1.83 (H100).
 SOFTMAX_BESIDE_DP_MAX_DIM = 128
 
 
-def _dq_tiles(dim: int, dtype: Any, block_k: int, stages: int) -> tuple[int, bool]:
+def dq_tiles(dim: int, dtype: Any, block_k: int, stages: int) -> tuple[int, bool]:
     """``(buffers, computes_delta)`` of the dq kernel's tiles: the kernel reads the forward's
     output tile beside ``q`` and ``dO`` and computes ``delta`` itself only where the three
-    still fit twice beside the ring (see :func:`_dq_call`); else ``delta`` comes in."""
+    still fit twice beside the ring (see :func:`dq_call`); else ``delta`` comes in."""
     row_bytes = dim * jnp.dtype(dtype).itemsize
     ring_bytes = stages * 2 * block_k * row_bytes
-    if _tile_buffers(3 * TILE * row_bytes, ring_bytes) == 2:
+    if tile_buffers(3 * TILE * row_bytes, ring_bytes) == 2:
         return 2, True
-    return _tile_buffers(2 * TILE * row_bytes, ring_bytes), False
+    return tile_buffers(2 * TILE * row_bytes, ring_bytes), False
 
 
-def _delta(out: jax.Array, do: jax.Array, rows: int) -> Float[Array, "batch heads rows"]:
+def softmax_delta(out: jax.Array, do: jax.Array, rows: int) -> Float[Array, "batch heads rows"]:
     """``delta_i = sum_d out_id * dO_id``, the row term of the softmax backward, in float32,
     over ``rows`` (whole tiles: a TMA row stride must be a multiple of 16 bytes)."""
     return pad_axis(jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32)), 2, rows)
 
 
-def _dq_call(
+def dq_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, out: jax.Array,
     plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_k: int, stages: int | None, persistent: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dq [batch, seq_q, heads, dim], delta [batch, heads, seq_q])``: items are 128-row query
     tiles of one head, walking the key/value blocks of the plan; ``p`` is rebuilt from the saved
-    log-sum-exp; ``delta`` (see :func:`_delta`) goes on to the dk/dv kernel.
+    log-sum-exp; ``delta`` (see :func:`softmax_delta`) goes on to the dk/dv kernel.
 
-    Where :func:`_dq_tiles` says so, each item computes its rows' ``delta`` from its tile of
+    Where :func:`dq_tiles` says so, each item computes its rows' ``delta`` from its tile of
     ``out`` (loaded beside ``q`` and ``dO``) and writes it out: that replaces a reduction over
     all of ``out`` and ``dO`` before the kernel (18.6 us a layer at the packed model's shape on
-    the H100, run 71). Else that reduction runs first and the kernel loads ``delta``.
+    the H100). Else that reduction runs first and the kernel loads ``delta``.
     """
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     segmented = segment_ids is not None
-    items, order = _key_value_items(plan, heads, persistent, shape, segmented, k)
+    items, order = key_value_items(plan, heads, persistent, shape, segmented, k)
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    stages = _ring_stages(stages, 2 * TILE * row_bytes, 2 * block_k * row_bytes)
-    buffers, computes_delta = _dq_tiles(dim, dtype, block_k, stages)
-    out_or_delta = out if computes_delta else _delta(out, do, lse.shape[2])
+    stages = ring_stages(stages, 2 * TILE * row_bytes, 2 * block_k * row_bytes)
+    buffers, computes_delta = dq_tiles(dim, dtype, block_k, stages)
+    out_or_delta = out if computes_delta else softmax_delta(out, do, lse.shape[2])
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, in_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         refs = list(refs)
@@ -83,13 +92,13 @@ def _dq_call(
 
         @pl.when(wg < CONSUMERS)
         def _consumer() -> None:
-            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
 
             def load(visit: Visit, buf: jax.Array) -> None:
                 b, h = visit.b, visit.h
                 rows = pl.ds(visit.row0(wg), WG_ROWS)
                 # One barrier, several copies: it expects one arrival per copy.
-                ready = _tile_ready(q_ready, buf, wg)
+                ready = tile_ready(q_ready, buf, wg)
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[buf, wg], ready)
                 plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[buf, wg], ready)
                 plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[buf, wg], ready)
@@ -104,9 +113,9 @@ def _dq_call(
                 """This item's rows of ``delta`` from its output and ``dO`` tiles, also sent
                 out to the dk/dv kernel."""
                 with jax.named_scope("delta"):
-                    out = _load(shape, o_smem.at[buf, wg], plgpu.Layout.WGMMA).astype(jnp.float32)
-                    do = _load(shape, do_smem.at[buf, wg], plgpu.Layout.WGMMA).astype(jnp.float32)
-                    delta = _cast(shape, (out * do).sum(axis=1), _row_layout())
+                    out = load_smem(shape, o_smem.at[buf, wg], plgpu.Layout.WGMMA).astype(jnp.float32)
+                    do = load_smem(shape, do_smem.at[buf, wg], plgpu.Layout.WGMMA).astype(jnp.float32)
+                    delta = cast(shape, (out * do).sum(axis=1), row_layout())
                     delta_smem.at[buf, wg][...] = delta
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(delta_smem.at[buf, wg], delta_out_ref.at[visit.b, visit.h, pl.ds(visit.row0(wg), WG_ROWS)])
@@ -116,9 +125,9 @@ def _dq_call(
                 b, h = visit.b, visit.h
                 row0 = visit.row0(wg)
                 my_q, my_do = q_smem.at[buf, wg], do_smem.at[buf, wg]
-                lse = _load(shape, lse_smem.at[buf, wg], _row_layout())
-                delta = own_delta(visit, buf) if computes_delta else _load(shape, delta_smem.at[buf, wg], _row_layout())
-                q_seg = _load(shape, qseg_smem.at[buf, wg], _row_layout()) if segmented else None
+                lse = load_smem(shape, lse_smem.at[buf, wg], row_layout())
+                delta = own_delta(visit, buf) if computes_delta else load_smem(shape, delta_smem.at[buf, wg], row_layout())
+                q_seg = load_smem(shape, qseg_smem.at[buf, wg], row_layout()) if segmented else None
 
                 def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: Mask) -> jax.Array:
                     slot = lax.rem(t, stages)
@@ -126,14 +135,14 @@ def _dq_call(
                     if segmented:
                         plgpu.barrier_wait(kseg_ready.at[slot])
                         if kind is Mask.SEGMENTS:
-                            segments = (q_seg, _load(shape, kseg_ring.at[slot], _col_layout()))
+                            segments = (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout()))
                     plgpu.barrier_wait(k_ready.at[slot])
-                    s = _mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
+                    s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
 
                     def probabilities() -> jax.Array:
                         p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
                         if kind is not Mask.NONE:
-                            mask = _visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False)
+                            mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False)
                             if mask is not None:
                                 p = jnp.where(mask, p, 0.0)
                         return p
@@ -141,50 +150,50 @@ def _dq_call(
                     if dim <= SOFTMAX_BESIDE_DP_MAX_DIM:
                         plgpu.barrier_wait(v_ready.at[slot])
                         # The softmax runs while the tensor cores compute dP.
-                        dp, p = _mma_new(shape, my_do, v_ring.at[slot], transpose_b=True, between=probabilities)
+                        dp, p = mma_new(shape, my_do, v_ring.at[slot], transpose_b=True, between=probabilities)
                     else:
                         p = probabilities()
                         plgpu.barrier_wait(v_ready.at[slot])
-                        dp = _mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
+                        dp = mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
                     plgpu.barrier_arrive(v_used.at[slot])
                     ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
-                    dq = _mma_into(shape, dq, ds, k_ring.at[slot])
+                    dq = mma_into(shape, dq, ds, k_ring.at[slot])
                     plgpu.barrier_arrive(k_used.at[slot])
                     return dq
 
-                zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
+                zeros = cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
                 dq = walk(visit, step, zeros, offset=t0, masks=mask_loops(segmented, dim))
 
                 def write() -> None:
-                    my_q[...] = (dq * (shape.scale / _LOG2E)).astype(dtype)
+                    my_q[...] = (dq * (shape.scale / LOG2E)).astype(dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(my_q, dq_ref.at[b, pl.ds(row0, WG_ROWS), h])
 
                 return t0 + visit.steps, write
 
-            _consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process)
+            consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process)
 
         @pl.when(wg == CONSUMERS)
         def _producer() -> None:
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-            streams_of = _key_value_streams(
+            streams_of = key_value_streams(
                 k_ref, v_ref, seg_ref, (k_ring, v_ring, kseg_ring), (k_ready, v_ready, k_used, v_used, kseg_ready), block_k, shape.group,
                 values_first=stages == 1,  # see _produce
             )
-            _produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
+            produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
 
     copies = 5 if segmented else 4
     scratch = (
-        _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
-        _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
-        _smem_tile((stages, block_k, dim), dtype),
-        _smem_tile((stages, block_k, dim), dtype),
+        smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
+        smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
+        smem_tile((stages, block_k, dim), dtype),
+        smem_tile((stages, block_k, dim), dtype),
         plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.float32),
         plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.float32),
         plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32),
         plgpu.SMEM((stages, block_k), jnp.int32),
-    ) + ((_smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),) if computes_delta else ())
+    ) + ((smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),) if computes_delta else ())
     barriers = (
         plgpu.Barrier(num_arrivals=copies, num_barriers=buffers * CONSUMERS),
         plgpu.Barrier(num_barriers=stages),
@@ -195,39 +204,93 @@ def _dq_call(
     )
     operands = (q, k, v, do, lse, out_or_delta, plan, order) + ((segment_ids,) if segmented else ())
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype),) + ((jax.ShapeDtypeStruct(lse.shape, jnp.float32),) if computes_delta else ())
-    results = _launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
+    results = launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
     return results[0], (results[1] if computes_delta else out_or_delta)
 
 
-def _dkv_call(
+class DkvSite(NamedTuple):
+    """Where a :class:`DkvExtension` works inside the dk/dv kernel: one consumer's item.
+
+    ``inputs``, ``outputs``, ``scratch`` and ``barriers`` are the refs of what the extension
+    asked for (:meth:`DkvExtension.operands` and the rest), in its order; ``k_smem [buffers,
+    consumers, 64, dim]`` holds the item's key tile in buffer ``buf``.
+    """
+
+    shape: Shape
+    wg: jax.Array
+    t0: jax.Array  # the producer's step at the item's start
+    b: jax.Array
+    tile: jax.Array
+    buf: jax.Array
+    block_q: int
+    k_smem: Any
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+    scratch: tuple[Any, ...]
+    barriers: tuple[Any, ...]
+
+
+class DkvExtension(Protocol):
+    """Work the dk/dv kernel's steps do besides ``dk`` and ``dv`` with each step's ``ds`` (in the
+    dtype of the keys, ``[64 keys, block_q queries]`` per consumer), and what it adds to the
+    kernel's launch. Its refs come after the kernel's own: inputs after the segment ids, outputs
+    after the gradients, shared memory and barriers after the kernel's."""
+
+    def smem_bytes(self, dim: int) -> int:
+        """Shared memory it holds per program at this (padded) head dim."""
+        ...
+
+    def operands(self, q: jax.Array) -> tuple[Any, ...]:
+        """Inputs of the kernel (a ``jax.Ref`` is read and written in place); ``q`` padded."""
+        ...
+
+    def out_types(self, q: jax.Array, plan: jax.Array) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Outputs of the kernel."""
+        ...
+
+    def scratch(self, dtype: Any, block_q: int, dim: int) -> tuple[Any, ...]:
+        """Shared-memory buffers of every program."""
+        ...
+
+    def barriers(self) -> tuple[Any, ...]:
+        """Barriers of every program."""
+        ...
+
+    def step(self, site: DkvSite, ds: jax.Array, t: jax.Array, j: jax.Array, head: jax.Array) -> None:
+        """At producer step ``t``, query block ``j`` of query head ``head``: the step's ``ds``."""
+        ...
+
+    def item_done(self, site: DkvSite, steps: jax.Array) -> None:
+        """After the item's ``steps`` steps, before its results overwrite the tiles."""
+        ...
+
+    def result(self, operands: tuple[Any, ...], outputs: tuple[jax.Array, ...], plan: jax.Array, block_q: int) -> jax.Array:
+        """What the call returns for it, from its operands and outputs after the launch."""
+        ...
+
+
+def dkv_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
     plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_q: int, stages: int | None, persistent: bool = True,
-    fused: bool = False, grads: tuple[str, ...] = ("dk", "dv"),
+    grads: tuple[str, ...] = ("dk", "dv"), extension: DkvExtension | None = None,
 ) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
-    """``(dk, dv [batch, seq_kv, kv_heads, dim], dq)``: items are 128-row key/value tiles of one
-    key/value head, walking the planned query blocks once per query head of its group, so the
-    group's sum stays in registers (no per-query-head partials, no atomics).
+    """``(dk, dv, extra)``, the gradients ``[batch, seq_kv, kv_heads, dim]``: items are 128-row
+    key/value tiles of one key/value head, walking the planned query blocks once per query head
+    of its group, so the group's sum stays in registers (no per-query-head partials, no atomics).
 
     ``grads``: which of ``dk`` and ``dv`` the walk accumulates (None for the other; see
-    :func:`_dkv_passes`). ``dv`` alone needs neither the value tile nor ``delta``.
+    :func:`dkv_passes`). ``dv`` alone needs neither the value tile nor ``delta``.
 
-    ``fused`` (``block_q`` 64): each step also computes the query block's share of ``dq``,
-    ``ds^T k`` over the tile's 128 keys, and adds it to a float32 ``dq`` in global memory with a
-    TMA reduce-add; ``dq [batch, seq_q, heads, dim]`` float32 is returned unscaled (times the
-    softmax scale, it is the gradient), else None. That saves the dq kernel's recomputation of
-    ``q k^T``, the softmax and ``dO v^T``, at the price of float32 additions in L2. The two
-    consumers take turns (see :func:`_pair_share`): one share per block pair, not one per
-    consumer, and each consumer's share buffer has two steps to drain. The interpreter has no
-    reduce-add: there each step stores its share in a slot of its own (key/value tile) and the
-    shares of the visited blocks are summed outside.
+    ``extension`` (with both gradients): more work each step with its ``ds`` (see
+    :class:`DkvExtension`); the third result is its :meth:`~DkvExtension.result`, else None.
     """
-    batch, seq_kv, kv_heads, dim = k.shape
+    kv_heads, dim = k.shape[2], k.shape[3]
     seq_q, heads = q.shape[1], q.shape[2]
     dtype = k.dtype
     segmented = segment_ids is not None
     group = shape.group
-    if not grads or set(grads) - {"dk", "dv"} or (fused and grads != ("dk", "dv")):
-        raise ValueError(f"grads: expected dk, dv or both (both when fused), got {grads}")
+    if not grads or set(grads) - {"dk", "dv"} or (extension is not None and grads != ("dk", "dv")):
+        raise ValueError(f"grads: expected dk, dv or both (both with an extension), got {grads}")
     with_dk = "dk" in grads  # dk needs dP = dO v^T, so the value tile and delta
     row_bytes = dim * jnp.dtype(dtype).itemsize
     # A batch row's queries, their gradients, log-sum-exps and deltas.
@@ -235,39 +298,37 @@ def _dkv_call(
         plan, kv_heads, persistent, shape.interpret, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8),
     )
     tile_bytes = (2 if with_dk else 1) * TILE * row_bytes  # key (and value) rows of one tile
-    fused_bytes = _fused_bytes(dim) if fused else 0
-    stages = _ring_stages(stages, tile_bytes + fused_bytes, 2 * block_q * row_bytes)
-    ring_bytes = stages * 2 * block_q * row_bytes + fused_bytes
-    if fused and tile_bytes + ring_bytes > _SMEM_BYTES:
-        raise ValueError(f"num_stages: {stages} stages of the fused backward do not fit shared memory at head dim {dim}")
-    buffers = _tile_buffers(tile_bytes, ring_bytes)
-    shares = fused and shape.interpret
+    extra_bytes = extension.smem_bytes(dim) if extension is not None else 0
+    stages = ring_stages(stages, tile_bytes + extra_bytes, 2 * block_q * row_bytes)
+    ring_bytes = stages * 2 * block_q * row_bytes + extra_bytes
+    if extension is not None and tile_bytes + ring_bytes > SMEM_BYTES:
+        raise ValueError(f"num_stages: {stages} stages of the dk/dv kernel and its extension do not fit shared memory at head dim {dim}")
+    buffers = tile_buffers(tile_bytes, ring_bytes)
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         refs = list(refs)
         seg_ref = refs.pop(0) if segmented else None
-        dq_ref = refs.pop(0) if fused and not shares else None
+        extra_inputs = tuple(refs.pop(0) for _ in extra_operands)
         grad_refs = dict(zip(grads, (refs.pop(0) for _ in grads)))
-        if shares:
-            dq_ref = refs.pop(0)
+        extra_output_refs = tuple(refs.pop(0) for _ in extra_outputs)
         scratch, barriers = refs
         scratch = list(scratch)
         k_smem = scratch.pop(0)
         v_smem = scratch.pop(0) if with_dk else None
         kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch[:6]
-        ds_smem, dq_smem = scratch[6:] if fused else (None, None)
+        extra_scratch = tuple(scratch[6:])
         kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used = barriers[:8]
-        ds_ready, ds_used = barriers[8:] if fused else (None, None)
+        extra_barriers = tuple(barriers[8:])
         wg = lax.axis_index("wg")
 
         @pl.when(wg < CONSUMERS)
         def _consumer() -> None:
-            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
 
             def load(visit: Visit, buf: jax.Array) -> None:
                 b, hk = visit.b, visit.h
                 rows = pl.ds(visit.row0(wg), WG_ROWS)
-                ready = _tile_ready(kv_ready, buf, wg)
+                ready = tile_ready(kv_ready, buf, wg)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[buf, wg], ready)
                 if with_dk:
                     plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], v_smem.at[buf, wg], ready)
@@ -279,23 +340,9 @@ def _dkv_call(
                 row0 = visit.row0(wg)
                 my_k = k_smem.at[buf, wg]
                 my_v = v_smem.at[buf, wg] if with_dk else None
-                k_seg = _load(shape, kseg_smem.at[buf, wg], _row_layout()) if segmented else None
+                k_seg = load_smem(shape, kseg_smem.at[buf, wg], row_layout()) if segmented else None
 
-                def add_dq(ds_t: jax.Array, t: jax.Array, j: jax.Array, head: jax.Array) -> None:
-                    """``dq[block j] += ds^T k`` over both consumers' keys, sent by step ``t``'s turn."""
-
-                    def send(share: jax.Array) -> None:
-                        my_dq = dq_smem.at[wg]
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # my last share has left my_dq
-                        my_dq[...] = share
-                        plgpu.commit_smem()
-                        rows = pl.ds(j * block_q, block_q)
-                        if shares:
-                            plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[b, visit.tile, rows, head])
-                        else:
-                            plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[b, rows, head], reduction_op="add")
-
-                    _pair_share(shape, wg, t, t0, ds_t, ds_smem, k_smem.at[buf], (ds_ready, ds_used), send)
+                site = DkvSite(shape, wg, t0, b, visit.tile, buf, block_q, k_smem, extra_inputs, extra_output_refs, extra_scratch, extra_barriers)
 
                 def step(r: jax.Array, j: jax.Array, t: jax.Array, acc: dict[str, jax.Array], kind: Mask) -> dict[str, jax.Array]:
                     acc = dict(acc)
@@ -303,46 +350,46 @@ def _dkv_call(
                     for barrier in (lse_ready,) + ((delta_ready,) if with_dk else ()) + ((qseg_ready,) if segmented else ()):
                         plgpu.barrier_wait(barrier.at[slot])
                     plgpu.barrier_wait(q_ready.at[slot])
-                    s_t = _mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
-                    lse = _load(shape, lse_ring.at[slot], _col_layout())
+                    s_t = mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
+                    lse = load_smem(shape, lse_ring.at[slot], col_layout())
                     p_t = jnp.exp2(s_t * shape.scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
                     if kind is not Mask.NONE:
-                        segments = (_load(shape, qseg_ring.at[slot], _col_layout()), k_seg) if kind is Mask.SEGMENTS else None
-                        mask = _visibility(shape, j * block_q, row0, WG_ROWS, block_q, segments, transpose=True)
+                        segments = (load_smem(shape, qseg_ring.at[slot], col_layout()), k_seg) if kind is Mask.SEGMENTS else None
+                        mask = visibility(shape, j * block_q, row0, WG_ROWS, block_q, segments, transpose=True)
                         if mask is not None:
                             p_t = jnp.where(mask, p_t, 0.0)
                     # dP before the dV product (delta loaded only now): P and dP in float32 die
                     # into 16-bit P and dS before dV and dK accumulate. Spills at head dim 128:
-                    # 108-128 bytes per thread, 120-188 the other way round (RESULTS.md run 48).
+                    # 108-128 bytes per thread, 120-188 the other way round.
                     plgpu.barrier_wait(do_ready.at[slot])
                     if with_dk:
-                        dp_t = _mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
-                        delta = _load(shape, delta_ring.at[slot], _col_layout())
+                        dp_t = mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
+                        delta = load_smem(shape, delta_ring.at[slot], col_layout())
                         ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
                     if "dv" in acc:
-                        acc["dv"] = _mma_into(shape, acc["dv"], p_t.astype(dtype), do_ring.at[slot])
+                        acc["dv"] = mma_into(shape, acc["dv"], p_t.astype(dtype), do_ring.at[slot])
                     plgpu.barrier_arrive(do_used.at[slot])
                     if with_dk:
-                        acc["dk"] = _mma_into(shape, acc["dk"], ds_t, q_ring.at[slot])
+                        acc["dk"] = mma_into(shape, acc["dk"], ds_t, q_ring.at[slot])
                     plgpu.barrier_arrive(q_used.at[slot])
-                    if fused:
-                        add_dq(ds_t, t, j, hk * group + r)
+                    if extension is not None:
+                        extension.step(site, ds_t, t, j, hk * group + r)
                     return acc
 
-                zeros = _cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
+                zeros = cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
                 n = visit.steps
                 # A loop, not an unrolled one: every copy of the walk is more code to compile.
                 acc = lax.fori_loop(
                     0, group, lambda r, acc: walk(visit, functools.partial(step, r), acc, offset=t0 + r * n, masks=mask_loops(segmented, dim)),
                     {name: zeros for name in grads},
                 )
-                if fused:
-                    _pair_share_done(wg, t0, group * n, ds_used)
+                if extension is not None:
+                    extension.item_done(site, group * n)
 
                 def write() -> None:
                     # The tiles just walked hold the results (dv in the key tile when alone).
                     staging = {"dk": my_k, "dv": my_v if with_dk else my_k}
-                    scales = {"dk": shape.scale / _LOG2E, "dv": 1.0}
+                    scales = {"dk": shape.scale / LOG2E, "dv": 1.0}
                     for name in grads:
                         staging[name][...] = (acc[name] * scales[name]).astype(dtype)
                     plgpu.commit_smem()
@@ -352,11 +399,11 @@ def _dkv_call(
 
                 return t0 + group * n, write
 
-            _consume_items(items, order_ref, plan_ref, buffers, kv_ready, load, process)
+            consume_items(items, order_ref, plan_ref, buffers, kv_ready, load, process)
 
         @pl.when(wg == CONSUMERS)
         def _producer() -> None:
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
             def streams_of(b: jax.Array, hk: jax.Array) -> list[Any]:
                 def block(j: jax.Array) -> Any:
@@ -376,19 +423,19 @@ def _dkv_call(
                     streams.insert(1, (lambda j, r: delta_ref.at[b, head(r), block(j)], delta_ring, delta_ready, None))
                 return streams[-1:] + streams[:-1] if stages == 1 else streams  # dO first: see _produce
 
-            _produce_items(items, order_ref, plan_ref, stages, streams_of, [q_used, do_used], repeats=group)
+            produce_items(items, order_ref, plan_ref, stages, streams_of, [q_used, do_used], repeats=group)
 
-    tile = _smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype)
+    tile = smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype)
     scratch = (tile,) * (2 if with_dk else 1) + (
         plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32),
-        _smem_tile((stages, block_q, dim), dtype),
-        _smem_tile((stages, block_q, dim), dtype),
+        smem_tile((stages, block_q, dim), dtype),
+        smem_tile((stages, block_q, dim), dtype),
         plgpu.SMEM((stages, block_q), jnp.float32),
         plgpu.SMEM((stages, block_q), jnp.float32),
         plgpu.SMEM((stages, block_q), jnp.int32),
     )
-    if fused:
-        scratch += (_smem_tile((CONSUMERS, WG_ROWS, block_q), dtype), _smem_tile((CONSUMERS, block_q, dim), jnp.float32))
+    if extension is not None:
+        scratch += extension.scratch(dtype, block_q, dim)
     ring = functools.partial(plgpu.Barrier, num_barriers=stages)
     barriers = (
         plgpu.Barrier(num_arrivals=1 + with_dk + segmented, num_barriers=buffers * CONSUMERS),
@@ -396,86 +443,21 @@ def _dkv_call(
         ring(num_arrivals=CONSUMERS),
         ring(num_arrivals=CONSUMERS),
     )
-    if fused:  # the turns of _pair_share: ds ready (both consumers), ds and keys read (the sender)
-        barriers += (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=CONSUMERS))
-    operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ())
-    out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for _ in grads]
-    dq_acc = None
-    if shares:
-        out_type.append(jax.ShapeDtypeStruct((batch, plan.shape[2], seq_q, heads, dim), jnp.float32))
-    elif fused:
-        dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-        operands += (dq_acc,)
-    outs = _launch(body, tuple(out_type), (scratch, barriers), items.programs, operands, shape.interpret)
-    if shares:
-        dq = _sum_shares(outs[len(grads)], plan, block_q)
-    else:
-        dq = dq_acc[...] if fused else None
+    if extension is not None:
+        barriers += extension.barriers()
+    extra_outputs = extension.out_types(q, plan) if extension is not None else ()
+    extra_operands = extension.operands(q) if extension is not None else ()
+    operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ()) + extra_operands
+    out_type = tuple(jax.ShapeDtypeStruct(k.shape, dtype) for _ in grads) + extra_outputs
+    outs = launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
+    extra = extension.result(extra_operands, tuple(outs[len(grads):]), plan, block_q) if extension is not None else None
     got = dict(zip(grads, outs))
-    return got.get("dk"), got.get("dv"), dq
+    return got.get("dk"), got.get("dv"), extra
 
 
-def _dkv_passes(dim: int) -> tuple[tuple[str, ...], ...]:
+def dkv_passes(dim: int) -> tuple[tuple[str, ...], ...]:
     """The walks of the dk/dv kernel at this (padded) head dim: one accumulating both up to
     dim 128; above, a consumer's two float32 accumulators of ``64 x dim`` (256 registers per
     thread at dim 256) exceed its 240, so ``dv`` and ``dk`` take a walk each, the ``dv`` walk
     without the value tile, ``dP`` and ``delta``."""
     return (("dk", "dv"),) if dim <= 128 else (("dv",), ("dk",))
-
-
-def _fused_bytes(dim: int) -> int:
-    """Shared memory the fused backward adds per program: each consumer's ``ds`` (16-bit,
-    ``64 x 64``) and its float32 share of ``dq`` (``64 x dim``)."""
-    return CONSUMERS * (WG_ROWS * WG_ROWS * 2 + WG_ROWS * dim * 4)
-
-
-def _pair_share(
-    shape: Shape, wg: jax.Array, t: jax.Array, t0: jax.Array, ds_t: jax.Array, ds_smem: Any, k_tile: Any,
-    barriers: tuple[Any, Any], send: Any,
-) -> None:
-    """One step's share of ``dq``, ``ds^T k`` over the tile's 128 keys, computed and sent by
-    one consumer: the consumers take turns, consumer ``t % 2`` at producer step ``t``.
-
-    Each consumer stores its ``ds [64 keys, 64 queries]`` in ``ds_smem [consumers, ...]`` and
-    arrives on ``ds_ready[turn]``; the sender waits for both, adds ``ds_w^T k_w`` over the
-    consumers ``w`` in one accumulator (two wgmmas), arrives on ``ds_used[turn]`` (its reads of
-    both consumers' ``ds`` and keys are done) and hands the share to ``send``. Before a
-    consumer overwrites its ``ds`` on its own turn it waits for the other's last turn to have
-    read it (on the other turns it was itself the last reader); the item's first step skips
-    that wait, :func:`_pair_share_done` having waited at the end of the item before.
-
-    Against a share per consumer this halves the reduce-adds, and each consumer's float32
-    buffer has two steps, not one, to leave shared memory before it is rewritten.
-    """
-    ds_ready, ds_used = barriers
-    turn = lax.rem(t, CONSUMERS)
-    mine = turn == wg
-    other = 1 - wg
-    pl.when(mine & (t > t0))(lambda: plgpu.barrier_wait(ds_used.at[other]))
-    ds_smem.at[wg][...] = ds_t
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(ds_ready.at[turn])
-
-    @pl.when(mine)
-    def _send() -> None:
-        plgpu.barrier_wait(ds_ready.at[wg])
-        products = [(ds_smem.at[w], k_tile.at[w]) for w in range(CONSUMERS)]
-        share = _mma_sum(shape, products, transpose_a=True, transpose_b=False)
-        plgpu.barrier_arrive(ds_used.at[wg])
-        send(share)
-
-
-def _pair_share_done(wg: jax.Array, t0: jax.Array, steps: jax.Array, ds_used: Any) -> None:
-    """At the end of an item of ``steps`` steps from ``t0``: the consumer whose turn the last
-    step was not waits until that turn has read its ``ds`` and keys, which the item's results
-    (and, with one tile buffer, the next item's keys) are about to overwrite."""
-    last = t0 + steps - 1
-    pl.when((steps > 0) & (lax.rem(last, CONSUMERS) != wg))(lambda: plgpu.barrier_wait(ds_used.at[1 - wg]))
-
-
-def _sum_shares(shares: jax.Array, plan: jax.Array, block_q: int) -> Float[Array, "batch seq_q heads dim"]:
-    """The interpreter's ``dq``: ``shares [batch, kv tiles, seq_q, heads, dim]`` summed over the
-    query blocks each key/value tile visited (the others were never written)."""
-    blocks = jnp.arange(shares.shape[2], dtype=jnp.int32) // block_q
-    visited = (blocks >= plan[0][..., None]) & (blocks < plan[1][..., None])  # [batch, tiles, seq_q]
-    return jnp.where(visited[:, :, :, None, None], shares, 0.0).sum(axis=1)

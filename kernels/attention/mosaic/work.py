@@ -16,7 +16,11 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Int
 
-from ._mosaic_plan import Visit, while_tracing
+from .plan import Visit, while_tracing
+
+__all__ = [
+    "L2_SECTION_BYTES", "Items", "deal_items", "decode_item", "program_count", "section_length", "snake_count", "snake_position", "work_order",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +28,7 @@ class Items:
     """A kernel's work as items (one tile of one head of one batch row) dealt to persistent programs.
 
     With one program per tile, a tile cost a fixed 11.7 us on the H100 (start, its tile's
-    load, filling the ring, writing out: bench/RESULTS.md), about seven blocks' work, which
+    load, filling the ring, writing out), about seven blocks' work, which
     short documents cannot hide. So ``programs`` (one per SM) each walk several items: the
     producer streams the next item's blocks while the consumers finish the current one, the
     next tile loads while the current results are written, and each item's place and plan are
@@ -106,12 +110,12 @@ def work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
     ``batch_row_bytes``: what the items of one batch row stream (its keys and values, say).
     Costliest first over every row, a round of 132 items held one tile of each of 132 heads at
     1024-token documents, so no two programs read the same blocks and the forward waited on HBM
-    (0.266 ms against 0.177 in sections, H100, B16 S1024 H16 D128, bench/RESULTS.md run 121).
+    (0.266 ms against 0.177 in sections, H100, B16 S1024 H16 D128).
     Sections cut the items in id order (batch row, tile, head) into runs of whole pairs of
     rounds (at row tiles' starts), about the rows that fit in :data:`L2_SECTION_BYTES`
     (:func:`section_length`); costliest first within a run of two rounds dealt in snake
     order, every program gets one long and one short item (sections of whole heads instead
-    left programs up to 20% apart, causal S4096, run 119). Ties keep id order, as before
+    left programs up to 20% apart, causal S4096). Ties keep id order, as before
     sections: the heads of one tile together. ``batch_row_bytes=0``: one section."""
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
@@ -122,7 +126,7 @@ def work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
         # sorted element costs time before the kernel starts), each in the section of its first
         # item: sections of whole row tiles would drift from whole pairs of rounds, and the
         # balance with them (B16 S1024 H16 D128 forward and backward: 1.03 ms against 0.90 with
-        # sections cut at items, runs 127 and 125; the dk/dv kernel's items moved).
+        # sections cut at items; the dk/dv kernel's items moved).
         section = jnp.arange(batch * tiles, dtype=jnp.int32) * heads // length
         # One key: section first, then the most blocks (costs lie in [0, most)).
         most = jnp.max(cost, initial=0) + 1
@@ -142,6 +146,6 @@ def deal_items(
     if not segmented and batch * kv_heads <= programs // 2:
         # Every head plans the same blocks: costliest first, each round already holds two tiles
         # of every key/value head, and sections only cost balance (causal S4096: the forward
-        # 1-7% slower in sections, bench/RESULTS.md runs 120-121).
+        # 1-7% slower in sections).
         batch_row_bytes = 0
     return Items(count, programs, heads, tiles), work_order(plan, heads, programs, batch_row_bytes=batch_row_bytes)

@@ -8,7 +8,7 @@ whole, and around that ``[u_lo, u_hi)``, the blocks holding the tile's one docum
 Blocks outside ``[lo, hi)`` are never loaded; the others come in three kinds (:class:`Mask`),
 and :func:`walk` gives each kind the loop whose mask it needs (:func:`mask_loops`).
 
-Nothing here touches the GPU: the kernels (:mod:`._mosaic_forward`, :mod:`._mosaic_backward`)
+Nothing here touches the GPU: the kernels (:mod:`.forward`, :mod:`.backward`)
 read the plans and call :func:`walk` with their step.
 """
 
@@ -25,9 +25,14 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Int
 
-from ._attention_blocks import segment_block_ranges, uniform_block_ranges
+from ..blocks import segment_block_ranges, uniform_block_ranges
+from ..masks import Window
 
-Window = tuple[int | None, int | None]
+__all__ = [
+    "CONSUMERS", "MAX_CONSTANT", "POSITIONS_APART_MAX_DIM", "TILE", "WG_ROWS", "Mask", "Shape", "Visit", "mask_loops",
+    "plan_from_tables", "positional_visibility", "visit_plan", "walk", "while_tracing",
+]
+
 WG_ROWS = 64  # rows of a tile one consumer warpgroup owns: the M of one wgmma
 CONSUMERS = 2
 TILE = WG_ROWS * CONSUMERS  # rows per program
@@ -102,12 +107,12 @@ def visit_plan(
     mask may take the positions' alone (where the kernels give it a loop, see
     :func:`mask_loops`). On the H100, head dim 128, a document's diagonal block took 6925
     cycles with the segment ids' mask, against 4168 for a causal diagonal without segment ids
-    (bench/profile_mosaic.py, bench/RESULTS.md run 113).
+    (profiled).
 
     The positional plan depends on static sizes only, so it is computed while tracing and
     enters the program as a constant (see :func:`while_tracing`): on the device it cost a call
     a dozen small kernels (about 10 us before the causal forward, 35 us around forward and
-    backward; H100, bench/probe_kernel_times.py)."""
+    backward; H100)."""
     with jax.ensure_compile_time_eval():  # [6, 1, row blocks]
         positional = plan_from_tables(*positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose))
     plan_shape = (positional.shape[0], batch, rows // block_r)
@@ -189,7 +194,7 @@ class Visit(NamedTuple):
 # need the segment ids' mask (see mask_loops). The third copy of a step costs registers: at head
 # dim 128 the kernels spilled with it (forward 68 bytes per thread, dq 20, dk/dv 180 against 0,
 # 0, 116 without) and ran 2-3% slower (4 documents of 1024 tokens); at 64 the packed model's
-# shape ran 5-10% faster with it (H100, bench/RESULTS.md run 115).
+# shape ran 5-10% faster with it (H100).
 POSITIONS_APART_MAX_DIM = 64
 
 

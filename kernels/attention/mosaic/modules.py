@@ -6,7 +6,7 @@ stamps every module it lowers with ``mosaic_gpu.dump_basename = "<name>_<n>"``, 
 process-wide counter kept for naming dump files, before the hash is taken. Every launch of a
 kernel then gets its own module: the packed example model's 12 attention layers lowered to 36
 modules for 3 kernels on the H100 (jax 0.11.2), compiled one by one (65 s against 2.5 s for
-the plain step, bench/RESULTS.md "Runs 21-25"). Later JAX releases delete the attribute before
+the plain step). Later JAX releases delete the attribute before
 hashing; :func:`share_modules_across_call_sites` does the same for the releases that do not, by
 wrapping the lowering rule of the Mosaic GPU custom call. The attribute only names dump files
 (``MOSAIC_GPU_DUMP_*`` options), so removing it changes no kernel.

@@ -1,16 +1,16 @@
 """The Mosaic GPU attention kernels as module texts, without source locations, on the CPU.
 
-    python bench/probe_module_texts.py OUT_DIR
+    python bench/module_texts.py OUT_DIR
 
 Lowers the Mosaic attention's gradient for CUDA (no GPU needed) over a grid of configurations
-(head dims 64/128/256; segment ids or not; causal, full, and two windows; the fused backward;
-pingpong off; other tiles) and writes each kernel's Mosaic GPU module, as the backend receives
-it but without locations, to ``OUT_DIR/<config>_<kernel>.mlir``. Run it before and after a
-change and ``diff -r`` the two directories: equal texts mean the change left the GPU code alone,
-which no CPU test can otherwise show. The split of the kernels into ``_mosaic_kernel``,
-``_mosaic_forward`` and ``_mosaic_backward`` was checked this way: 121 modules of 43
-configurations, equal (bench/RESULTS.md, session 17). The texts hold no counters, so two runs
-of the same code are equal.
+(head dims 64/128/256; segment ids or not; causal, full, and two windows; the experimental
+fused backward; pingpong off; other tiles) and writes each kernel's Mosaic GPU module, as the
+backend receives it but without locations, to ``OUT_DIR/<config>_<kernel>.mlir`` (43
+configurations, 121 modules). Run it before and after a change and ``diff -r`` the two
+directories: equal texts mean the change left the GPU code alone, which no CPU test can
+otherwise show. The texts hold no counters, so two runs of the same code are equal. The
+kernels are driven through ``ejlabel.kernels.attention.mosaic.experimental.mosaic_attention``,
+the one entry point with every knob of their schedule.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jax._src.interpreters import mlir
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from ejlabel import BwdParams, FwdParams
-from ejlabel.kernels import attention_mosaic as am
+from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
 
 
 def configurations() -> list[dict[str, Any]]:
@@ -67,7 +67,7 @@ def main() -> None:
         ids = jax.ShapeDtypeStruct((2, 513), jnp.int32) if c["segments"] else None
 
         def loss(q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array | None, c: dict[str, Any] = c) -> jax.Array:
-            out = am.mosaic_attention(
+            out = mosaic_attention(
                 q, k, v, causal=c["causal"], window=c["window"], segment_ids=ids, fused_backward=c["fused"], pingpong=c["pingpong"], params=c["params"]
             )
             return out.astype(jnp.float32).sum()

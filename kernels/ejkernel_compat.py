@@ -1,7 +1,11 @@
-"""Sequence bookkeeping and small numerics shared by the attention kernels.
+"""The ejkernel compatibility helpers: sequence bookkeeping and small numerics that ejkernel's
+``ops`` package gives its users, with the same names and meanings, so that porting code to
+``ejlabel.kernels`` is a change of import (``ejlabel.kernels.prepare_lens``, ...).
 
-Packed (variable-length) batches are described three interchangeable ways, and kernels want
-different ones:
+No kernel here uses them; the attention op takes ``segment_ids`` or ``cu_seqlens`` itself
+(:mod:`ejlabel.kernels.attention.masks`). They are for the code around the kernels.
+
+Packed (variable-length) batches are described three interchangeable ways:
 
 - ``cu_seqlens``: cumulative lengths ``[0, l0, l0 + l1, ...]``, shape ``[n + 1]``;
 - a validity mask ``[batch, seq]`` (True for real tokens);
@@ -9,11 +13,13 @@ different ones:
   ``<= 0`` mark padding.
 
 This module converts between them, recovers segment ids from a dense attention mask, and holds
-the few numerically careful helpers (log-sum-exp, division by zero) that the kernels' reference
-paths rely on. Everything here is traceable: no function branches in Python on array values, so
-all of it runs under :func:`jax.jit` and :func:`jax.vmap`. Shape checks happen at trace time and
-raise :class:`ValueError` naming the argument.
+the few numerically careful helpers (log-sum-exp, division by zero, chunking an axis).
+Everything here is traceable: no function branches in Python on array values, so all of it
+runs under :func:`jax.jit` and :func:`jax.vmap`. Shape checks happen at trace time and raise
+:class:`ValueError` naming the argument.
 """
+
+from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
