@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib
 import time
 import types
 
@@ -275,3 +276,37 @@ def test_a_malformed_memory_is_passed_over(monkeypatch):
     report = tune(lambda x: loser(x).sum(), X)
     (call,) = report.calls
     assert call.isolated_from != "recalled" and not call.skipped_losers and not report.errors
+
+
+def test_library_priors_mosaic_attention_on_hopper_and_the_token_chunked_loss_on_gpus(monkeypatch):
+    # The packages, not the functions ejlabel.kernels exports under the same names.
+    attention = importlib.import_module("ejlabel.kernels.attention")
+    loss = importlib.import_module("ejlabel.kernels.linear_cross_entropy")
+
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    attention_call = Invocation(attention.AttentionKernel(), (q, q, q), {"causal": True})
+    hidden, weight = jax.ShapeDtypeStruct((4096, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 512), jnp.bfloat16)
+    loss_call = Invocation(loss.LinearCrossEntropyKernel(), (hidden, weight), {"labels": jax.ShapeDtypeStruct((4096,), jnp.int32)})
+    assert list(attention_call.kernel.prior_configs(attention_call)) == [] and list(loss_call.kernel.prior_configs(loss_call)) == []  # the CPU: none
+    monkeypatch.setattr(attention, "on_gpu", lambda: True)
+    monkeypatch.setattr(attention, "on_hopper", lambda: False)
+    assert list(attention_call.kernel.prior_configs(attention_call)) == []  # a GPU, not Hopper: none
+    monkeypatch.setattr(attention, "on_hopper", lambda: True)
+    prior = attention_call.kernel.prior_configs(attention_call)
+    assert prior and {cfg.impl for cfg in prior} == {"mosaic"}
+    monkeypatch.setattr(loss, "on_gpu", lambda: True)
+    prior = loss_call.kernel.prior_configs(loss_call)
+    assert prior and {cfg.impl for cfg in prior} == {"chunked_tokens_triton", "chunked_tokens"}
+    assert set(prior) <= set(loss_call.kernel.config_space(loss_call))  # a prior is part of the declared space
+
+
+def test_idle_compile_workers_compile_the_batch_as_if_its_first_trial_won(monkeypatch):
+    monkeypatch.setattr(tuning.search, "usable_cores", lambda: 4)  # four workers on any machine
+    compiles, batches = Compiles(monkeypatch), []
+    compile_batch = Search._compile_batch
+    monkeypatch.setattr(Search, "_compile_batch", lambda self, pool, base, batch: (batches.append(len(batch)), compile_batch(self, pool, base, batch))[1])
+    report = tune(lambda x: big(x).sum() + small(x).sum(), X, policy=dataclasses.replace(FAST, compile_workers=4))
+    assert [(t.op_id, t.status) for t in report.trials] == [("rankbig@v1", "accepted"), ("ranksmall@v1", "accepted")]
+    # One batch: both trials against the floor, and the second against the floor with the
+    # first's change, which became the incumbent: timed at once, nothing compiled again.
+    assert batches == [2] and len(compiles.steps) == 4 and set(compiles.steps.values()) == {1}

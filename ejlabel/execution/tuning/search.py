@@ -210,8 +210,10 @@ class Search:
         """Greedy confirmation from the incumbent ``start``; returns the final assignment and its executable.
 
         Trials compile in batches against the current incumbent, all before any timing (compiling
-        while timing would skew the timing). Once a trial is accepted the incumbent changes, and
-        the rest of its batch, compiled against the old one, goes back to the queue.
+        while timing would skew the timing). Compile workers the batch leaves idle compile its
+        other trials as if its first (the largest expected gain) were accepted: then they are
+        timed against the new incumbent at once. A trial whose program against the incumbent of
+        the moment was not compiled goes back to the queue.
         """
         incumbent, incumbent_exe = dict(start), start_exe
         queue = list(trials)
@@ -225,26 +227,42 @@ class Search:
                     if not size:
                         break
                     batch, queue = queue[:size], queue[size:]
-                    base = dict(incumbent)
                     began = time.perf_counter()
-                    futures = [pool.submit(self.compile, {**base, t.key: t.cfg}) for t in batch]
-                    concurrent.futures.wait(futures)
+                    programs = self._compile_batch(pool, incumbent, batch)
                     self.compile_wall_s = max(self.compile_wall_s, time.perf_counter() - began)
-                    for n, (trial, future) in enumerate(zip(batch, futures)):
-                        if incumbent != base or not self._fits(self.pair_s):
-                            queue = batch[n:] + queue
+                    waiting: list[Trial] = []
+                    for n, trial in enumerate(batch):
+                        if not self._fits(self.pair_s):
+                            waiting += batch[n:]
                             break
+                        future = programs.get(frozenset({**incumbent, trial.key: trial.cfg}.items()))
+                        if future is None:  # compiled against an incumbent that has since changed
+                            waiting.append(trial)
+                            continue
                         began = time.perf_counter()
                         incumbent_exe = self._try(trial, future, incumbent, incumbent_exe, calls[trial.key])
                         # Scaled to a first block: extra rounds one trial needed say little about the next.
                         rounds = trial.comparison.rounds if trial.comparison is not None else self.samples
                         self.pair_s = max(self.pair_s, (time.perf_counter() - began) * self.samples / max(rounds, self.samples))
                         bar.advance()
+                    queue = waiting + queue
         finally:
             bar.close()
         for trial in queue:
             trial.status, trial.reason = "skipped", "time budget spent"
         return incumbent, incumbent_exe
+
+    def _compile_batch(self, pool: concurrent.futures.ThreadPoolExecutor, base: Assignment, batch: Sequence[Trial]) -> dict[frozenset[tuple[Key, Any]], concurrent.futures.Future[Any]]:
+        """Compile each trial of ``batch`` against ``base`` and, on the workers left, the other
+        trials against ``base`` with the first trial's change; waits for all. Keyed by assignment."""
+        assignments = [{**base, trial.key: trial.cfg} for trial in batch]
+        first = batch[0]
+        spare = self.workers - len(batch)
+        # A runner-up of the first trial's call replaces its change: that program is in the batch already.
+        assignments += [{**base, first.key: first.cfg, trial.key: trial.cfg} for trial in batch[1:] if trial.key != first.key][: max(0, spare)]
+        programs = {frozenset(configs.items()): pool.submit(self.compile, configs) for configs in assignments}
+        concurrent.futures.wait(list(programs.values()))
+        return programs
 
     def _try(self, trial: Trial, future: concurrent.futures.Future[Any], incumbent: dict[Key, Any], incumbent_exe: Any, call: CallPick) -> Any:
         """Time one compiled trial against the incumbent; on a win, update both. Returns the
