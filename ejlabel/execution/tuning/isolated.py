@@ -30,6 +30,15 @@ buys a worse pick:
   the stored winner is never slower than the heuristic or XLA. ``TuneResult.skipped`` (and the
   stored statistics) say how many candidates were skipped and which.
 
+Candidates come in this order: the floor, then the kernel's prior (the configs it expects to
+beat XLA on this device, :meth:`~ejlabel.core.kernel.Kernel.prior_configs`), then the rest of
+its config space; a ``max_configs`` cap keeps the floor and then the prior.
+
+A caller can also tune in rounds: :meth:`Autotuner.jobs` builds each call's job once, and each
+:meth:`Autotuner.tune_jobs` ranks the candidates a job's ``active`` names (tuning in context
+times the floors alone first, then the priors, then the rest). A job keeps what earlier rounds
+compiled, checked and timed, so no candidate is compiled or checked twice.
+
 A caller with a whole-run budget (tuning in context) passes ``tune_each(..., deadline=t)``, a
 ``time.perf_counter()`` time. Unlike the per-call budget it is a hard stop, the floor included:
 no compile starts after the midpoint between the call to ``tune_each`` and ``t`` (the timing
