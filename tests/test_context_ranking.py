@@ -175,26 +175,30 @@ def test_a_second_run_ranks_nothing_and_keeps_the_picks(monkeypatch):
     first = tune(step, X)
     assert by_op(first)["rankbig"].cfg == RankConfig("direct")
     assert all(entry(op).stats["decided"] is True for op in ("rankbig", "ranktiny"))
+    assert len({entry(op).stats["run"] for op in ("rankbig", "ranktiny")}) == 1
     compiles, measured = Compiles(monkeypatch), []
     monkeypatch.setattr(Autotuner, "tune_jobs", lambda self, jobs, **k: measured.append(jobs) or [])
     second = tune(step, X)
-    assert measured == [] and not compiles.isolated  # nothing ranked, nothing compiled alone
-    assert second.ranked == [] and second.trials == [] and len(second.recalled) == 2
+    # One run decided every pick and checked them together: nothing is ranked, compiled or timed.
+    assert measured == [] and not compiles.isolated and not compiles.steps
+    assert second.ranked == [] and second.trials == [] and len(second.recalled) == 2 and not second.measured
     assert {op: call.cfg for op, call in by_op(second).items()} == {op: call.cfg for op, call in by_op(first).items()}
-    assert second.final is not None and second.final.accepted and not second.reverted
-    # Two programs compiled, once each: the floor, and the floor with the recalled picks.
-    assert sorted(compiles.steps.values()) == [1, 1]
+    assert second.speedup == pytest.approx(first.speedup)
     assert "ranked nothing: every pick recalled from an earlier run" in second.summary()
-    assert "[recalled: decided by an earlier run]" in second.render()
-    assert entry("rankbig").stats["decided"] is True  # the recalled entry stays as it was
+    assert "[recalled: decided by an earlier run]" in second.render() and "nothing compiled or timed now" in second.render()
+    # Asked for a baseline, it measures: the floor and the recalled picks, compiled once each.
+    third = tune(step, X, baseline_fn=lambda x: (2.0 * x).sum() * 2.0)
+    assert third.measured and third.trials == [] and len(third.recalled) == 2
+    assert sorted(compiles.steps.values()) == [1, 1] and third.final is not None and third.final.accepted
+    assert entry("rankbig").stats["decided"] is True and entry("rankbig").stats["run"] == entry("ranktiny").stats["run"]
 
 
-def test_a_second_run_of_a_step_that_kept_xla_compiles_one_program(monkeypatch):
+def test_a_measured_second_run_of_a_step_that_kept_xla_compiles_one_program(monkeypatch):
     step = lambda x: xla_best(x).sum()  # noqa: E731
     first = tune(step, X)
     assert not first.changed and entry("rankxlabest").stats["decided"] is True
     compiles = Compiles(monkeypatch)
-    second = tune(step, X)
+    second = tune(step, X, baseline_fn=lambda x: (2.0 * x).sum())
     assert len(second.recalled) == 1 and second.final is None and second.tuned is second.floor
     assert list(compiles.steps.values()) == [1] and not compiles.isolated
 

@@ -186,7 +186,8 @@ def _tune_step_in_context(args: argparse.Namespace) -> int:
         selector=selector,
         **{name: value for name, value in given.items() if value is not None},
     )
-    print(f"stored {len(report.calls)} picks with provenance 'in-context' in {selector.persistent.path}")
+    if report.stored:
+        print(f"stored {len(report.calls)} picks with provenance 'in-context' in {selector.persistent.path}")
     for what, error in report.errors.items():
         print(f"error  {what}  {error}", file=sys.stderr)
     return 1 if report.errors else 0

@@ -10,7 +10,10 @@ step and its inputs it spends a budget of ``DEFAULT_BUDGET_S`` where the gain is
    the distinct kernel calls ``(op_id, call_key)`` it makes and at how many sites each.
 2. **Recall.** What earlier runs decided and learned (:mod:`.memory`): a call decided before is
    taken as it was (a second run of the same step ranks nothing), and candidates that lost at a
-   call's shape class are skipped; ``exhaustive=True`` ignores both.
+   call's shape class are skipped; ``exhaustive=True`` ignores both. When one earlier run decided
+   every call and its final check judged exactly these picks against the floor, nothing is
+   compiled or timed at all (unless ``baseline_fn`` asks for a measurement): the report gives
+   that run's step times and says so.
 3. **Floor.** The all-XLA assignment: every call gets ``kernel.config_for(inv, "xla")``, what
    :func:`~ejlabel.use_implementation` ``("xla")`` selects (a kernel without an XLA path keeps
    its usual selection). It is written out as an explicit assignment, so that every candidate
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -54,6 +58,7 @@ from ejlabel.config.persistent import CacheEntry, CacheError
 from ejlabel.config.selection import ConfigSelectorChain
 from ejlabel.core.kernel import Invocation, random_values
 from ejlabel.execution.executor import get_default_executor
+from ejlabel.execution.tuning.measure import Timing
 from ejlabel.execution.tuning.memory import PROVENANCE, Recall, lost_candidates, recall, shape_class
 from ejlabel.execution.tuning.ranking import Ranking, plan
 from ejlabel.execution.tuning.report import CallPick, ContextTuneReport, Key, Trial
@@ -145,6 +150,10 @@ def tune_in_context(
     warm = dict(floor)
     for key, entry in memory.picks.items():
         warm[key] = _recalled(calls[key], entry)
+    together = None if exhaustive or baseline_fn is not None else memory.checked_together(calls)
+    if together is not None:
+        # One earlier run decided every call and checked this very assignment against the floor.
+        return _report_recalled(calls, warm != floor, together, selector, store, budget_s, errors, start, stages, verbose)
     deadline = start + budget_s if budget_s is not None else math.inf
     search = Search(fn, args, sites, samples, warmup, min_gain, policy.compile_workers, deadline)
     floor_exe, floor_time, incumbent_exe, baseline_exe = search.start(floor, warm, baseline_fn)
@@ -186,7 +195,7 @@ def tune_in_context(
     )
     if store:
         undecided = accepted if reverted else set()  # a change the final check undid is looked at again next time
-        _store(report, invocations, trials, selector, errors, skip_slower_in_isolation, undecided)
+        _store(report, invocations, trials, selector, errors, skip_slower_in_isolation, undecided, memory.picks)
         stages.end("storing")
     report.wall_s = time.perf_counter() - start
     report.stages_s = stages.seconds
@@ -224,6 +233,30 @@ def _recalled(call: CallPick, entry: CacheEntry) -> Any:
     call.cfg, call.isolated_from = entry.config, "recalled"
     call.floor_isolated_ms, call.isolated_ms, call.share = number("floor_isolated_ms"), number("isolated_ms"), number("share")
     return entry.config
+
+
+def _report_recalled(
+    calls: Mapping[Key, CallPick], changed: bool, times: tuple[float, float], selector: ConfigSelectorChain, store: bool,
+    budget_s: float | None, errors: dict[str, str], start: float, stages: _Stages, verbose: bool,
+) -> ContextTuneReport:
+    """The report of a run that found every pick decided and checked together before: the step
+    times are that run's, nothing is compiled or timed, nothing stored but the memory cache."""
+    floor_ms, step_ms = times
+    floor_time = Timing([floor_ms])
+    for call in calls.values():
+        call.step_ms = step_ms
+        if store:
+            selector.cache.put(*call.key, call.cfg)
+    stages.end("calls and floor")
+    report = ContextTuneReport(
+        floor=floor_time, tuned=Timing([step_ms]) if changed else floor_time, baseline=None, final=None, calls=list(calls.values()),
+        trials=[], errors=errors, samples=0, budget_s=budget_s, wall_s=time.perf_counter() - start, compile_s=0.0, stored=False,
+        measured=False,
+    )
+    report.stages_s = stages.seconds
+    if verbose:
+        print(report.render(), flush=True)
+    return report
 
 
 def _cut_trials(calls: Iterable[CallPick]) -> list[Trial]:
@@ -272,26 +305,33 @@ def _floor_cfg(inv: Invocation[Any, Any], selector: ConfigSelectorChain) -> Any:
 
 def _store(
     report: ContextTuneReport, invocations: Mapping[Key, Invocation[Any, Any]], trials: list[Trial], selector: ConfigSelectorChain,
-    errors: dict[str, str], skip_slower: bool, undecided: set[Key],
+    errors: dict[str, str], skip_slower: bool, undecided: set[Key], recalled: Mapping[Key, CacheEntry],
 ) -> None:
-    """Every call's pick into the memory and persistent caches, with the step times behind it.
+    """Every call's pick into the memory and persistent caches, with the step times behind it,
+    all marked with one ``run`` id: the calls this run's final check judged together.
 
     A call whose ranking was cut before it timed an alternative is not stored: nothing about it
-    was decided, and whatever the caches held for it stays. A recalled call keeps its entry,
-    unless the final check undid its pick.
+    was decided, and whatever the caches held for it stays. A recalled call keeps its entry with
+    this run's step times, unless the final check undid its pick.
     """
+    run = uuid.uuid4().hex[:16]
     for call in report.calls:
         if call.isolated_from == "cut":
             continue
         key = call.key
         selector.cache.put(*key, call.cfg)
-        if call.isolated_from == "recalled" and key not in undecided:
-            continue
         inv = invocations[key]
-        stats = _stats(report, call, trials)
-        stats["decided"] = _decided(call, trials) and key not in undecided
-        stats["shape_class"] = shape_class(inv)
-        stats["lost"] = lost_candidates(call, trials, skip_slower)
+        fresh = _stats(report, call, trials)
+        fresh["run"] = run
+        if call.isolated_from == "recalled" and key not in undecided:
+            step = ("run", "step_ms", "floor_step_ms", "samples", "noise_ms", "final", "baseline_step_ms")
+            stats = {name: value for name, value in (recalled[key].stats or {}).items() if name not in step}
+            stats |= {name: fresh[name] for name in step if name in fresh}
+        else:
+            stats = fresh
+            stats["decided"] = _decided(call, trials) and key not in undecided
+            stats["shape_class"] = shape_class(inv)
+            stats["lost"] = lost_candidates(call, trials, skip_slower)
         if selector.persistent is not None:
             try:
                 selector.persistent.put(*key, call.cfg, provenance=PROVENANCE, stats=stats, kernel_version=inv.kernel_version)

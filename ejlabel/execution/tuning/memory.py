@@ -9,6 +9,9 @@ Every call's pick is stored with provenance ``in-context`` and statistics
   makes this exact call (device, op, version and call key, at as many sites) takes the pick as
   it is: the call is neither ranked nor confirmed again; the final check against the all-XLA
   floor still judges the whole step. A second run of the same step therefore ranks nothing.
+  Every entry a run stores carries that run's id (``run``) and the step times of its final
+  check; when one run stored the picks of every call of a step, that check judged exactly
+  this assignment, and a later run needs to measure nothing (:meth:`Recall.checked_together`).
 * **Losers by shape class.** ``lost`` lists the candidates that did not beat the floor: slower
   than it in isolation, failed (compile error, wrong output, out of memory) or rejected in the
   whole step, each with the reason and the call it lost at. A call of the same op and version
@@ -38,7 +41,7 @@ from ejlabel.execution.tuning.report import CallPick, Key, Trial
 from ejlabel.utils.fingerprint import short_hash
 from ejlabel.utils.serialize import from_jsonable
 
-__all__ = ["FAILED", "Recall", "decode_config", "lost_candidates", "recall", "shape_class"]
+__all__ = ["FAILED", "PROVENANCE", "Recall", "decode_config", "lost_candidates", "recall", "shape_class"]
 
 PROVENANCE = "in-context"
 FAILED = ("compile_error", "runtime_error", "out_of_memory", "nan", "wrong")  # statuses of a candidate that failed
@@ -89,6 +92,20 @@ class Recall:
 
     picks: dict[Key, CacheEntry] = dataclasses.field(default_factory=dict)
     losers: dict[Key, dict[Any, tuple[str, str]]] = dataclasses.field(default_factory=dict)
+
+    def checked_together(self, keys: Iterable[Key]) -> tuple[float, float] | None:
+        """``(floor step ms, tuned step ms)`` when every one of ``keys`` has a decided pick and all
+        of them were stored by one run, whose final check judged exactly this assignment against
+        the floor; else None."""
+        entries = [self.picks.get(key) for key in keys]
+        if not entries or any(entry is None for entry in entries):
+            return None
+        stats = [entry.stats or {} for entry in entries if entry is not None]
+        runs = {s.get("run") for s in stats}
+        floor_ms, step_ms = stats[0].get("floor_step_ms"), stats[0].get("step_ms")
+        if len(runs) != 1 or not isinstance(next(iter(runs)), str) or not (_finite(floor_ms) and _finite(step_ms)):
+            return None
+        return float(floor_ms), float(step_ms)
 
 
 def recall(persistent: Any, invocations: Mapping[Key, Invocation[Any, Any]], sites: Mapping[Key, int], floor: Mapping[Key, Any]) -> Recall:

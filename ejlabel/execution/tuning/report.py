@@ -112,7 +112,8 @@ class ContextTuneReport:
     ``floor``, ``tuned`` and ``baseline`` come from one final measurement in paired rounds
     (``samples`` of them), so they compare directly; ``final`` is the noise rule's judgement of
     the tuned step against the floor (None when nothing changed). When nothing beat the floor,
-    ``tuned`` is the floor's timing.
+    ``tuned`` is the floor's timing. When an earlier run decided every pick and checked them
+    together, nothing is measured (``measured`` False): the step times are that run's medians.
     """
 
     floor: Timing
@@ -130,6 +131,7 @@ class ContextTuneReport:
     reverted: bool = False  # the final check found the tuned step no faster than the floor
     stages_s: dict[str, float] = dataclasses.field(default_factory=dict)  # wall seconds per stage, in order
     ranked: list[Key] = dataclasses.field(default_factory=list)  # the calls ranked, in the order they were
+    measured: bool = True  # False: every pick recalled, the step times those of the run that checked them
 
     @property
     def noise_ms(self) -> float:
@@ -186,7 +188,10 @@ class ContextTuneReport:
         if self.stages_s:
             spent = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in self.stages_s.items())
             lines.append(f"time: {spent} (compile work {self.compile_s:.1f} s, summed over threads)")
-        lines.append(f"step time, median of {self.samples} paired rounds:")
+        if self.measured:
+            lines.append(f"step time, median of {self.samples} paired rounds:")
+        else:
+            lines.append("step time, as the run that decided every pick measured it (nothing compiled or timed now; exhaustive=True measures again):")
         if self.baseline is not None:
             lines.append(f"  plain JAX (baseline)  {self.baseline.median_ms:10.4g} ms")
         lines.append(f"  all-XLA (floor)       {self.floor.median_ms:10.4g} ms")
