@@ -191,7 +191,7 @@ def tune_in_context(
     report = ContextTuneReport(
         floor=timings[0], tuned=tuned_time, baseline=timings[-1] if baseline_fn is not None else None,
         final=final, calls=list(calls.values()), trials=trials, errors=errors, samples=timings[0].count,
-        budget_s=budget_s, wall_s=0.0, compile_s=search.compile_s, stored=store, reverted=reverted, ranked=list(ranking.ranked),
+        budget_s=budget_s, wall_s=0.0, compile_s=search.compile_s, stored=store, reverted=reverted, ranked=ranking.in_share_order(),
     )
     if store:
         undecided = accepted if reverted else set()  # a change the final check undid is looked at again next time

@@ -143,6 +143,11 @@ class Ranking:
         self.ranked += [key for key in chosen if key not in self.ranked]
         return chosen
 
+    def in_share_order(self) -> list[Key]:
+        """The calls ranked this run or from stored timings, largest share first."""
+        ranked = set(self.ranked)
+        return [key for key in self.order if key in ranked or self.calls[key].isolated_from == "cache"]
+
     def _round(self, keys: Sequence[Key], deadline: float | None) -> None:
         if not keys:
             return

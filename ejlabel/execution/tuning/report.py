@@ -130,7 +130,7 @@ class ContextTuneReport:
     stored: bool
     reverted: bool = False  # the final check found the tuned step no faster than the floor
     stages_s: dict[str, float] = dataclasses.field(default_factory=dict)  # wall seconds per stage, in order
-    ranked: list[Key] = dataclasses.field(default_factory=list)  # the calls ranked, in the order they were
+    ranked: list[Key] = dataclasses.field(default_factory=list)  # the calls ranked (or ranked from stored timings), largest share first
     measured: bool = True  # False: every pick recalled, the step times those of the run that checked them
 
     @property
