@@ -45,6 +45,8 @@ class BusyKernel(Kernel[RankConfig, jax.Array]):
         self.steps, self.space, self.prior = steps, space, prior
 
     def run(self, x: jax.Array, *, cfg: RankConfig) -> jax.Array:
+        if cfg.impl not in self.space:
+            raise ValueError(f"cfg.impl: expected one of {self.space}, got {cfg.impl!r}")
         steps = {"xla": self.steps, "slow": 2 * self.steps}.get(cfg.impl, 0)
         y = 2.0 * x
         if steps:
@@ -314,3 +316,15 @@ def test_idle_compile_workers_compile_the_batch_as_if_its_first_trial_won(monkey
     # One batch: both trials against the floor, and the second against the floor with the
     # first's change, which became the incumbent: timed at once, nothing compiled again.
     assert batches == [2] and len(compiles.steps) == 4 and set(compiles.steps.values()) == {1}
+
+
+def test_recalled_picks_that_no_longer_compile_are_tuned_again():
+    tune(lambda x: big(x).sum(), X)
+    persistent = ejlabel.get_default_executor().selector.persistent
+    stored = entry("rankbig")
+    persistent.put(stored.device, stored.op_id, stored.call_key, RankConfig("gone"), provenance=PROVENANCE, stats=stored.stats)
+    report = tune(lambda x: big(x).sum(), X, baseline_fn=lambda x: (2.0 * x).sum())
+    (call,) = report.calls
+    assert "did not compile together" in report.errors["recalled picks"]
+    # Ranked again from its stored isolated timings, and confirmed again.
+    assert call.isolated_from == "cache" and call.cfg == RankConfig("direct") and entry("rankbig").config == RankConfig("direct")

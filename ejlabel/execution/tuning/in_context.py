@@ -157,6 +157,12 @@ def tune_in_context(
     deadline = start + budget_s if budget_s is not None else math.inf
     search = Search(fn, args, sites, samples, warmup, min_gain, policy.compile_workers, deadline)
     floor_exe, floor_time, incumbent_exe, baseline_exe = search.start(floor, warm, baseline_fn)
+    if incumbent_exe is None:  # the recalled picks do not compile together: tune those calls again
+        errors["recalled picks"] = f"did not compile together, tuned again from the floor: {search.warm_error}"
+        for key in memory.picks:
+            calls[key] = CallPick(*key, sites[key], floor[key], floor[key])
+        memory.picks.clear()
+        warm, incumbent_exe = dict(floor), floor_exe
     search.deadline = deadline - search.final_s(2 + (baseline_fn is not None))  # the final check's time held back
     stages.end("calls and floor")
 

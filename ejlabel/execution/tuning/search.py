@@ -160,23 +160,30 @@ class Search:
         with self._lock:
             self._programs[frozenset(configs.items())] = executable
 
-    def start(self, floor: Assignment, warm: Assignment, baseline_fn: Callable[..., Any] | None) -> tuple[Any, Timing, Any, Any]:
+    def start(self, floor: Assignment, warm: Assignment, baseline_fn: Callable[..., Any] | None) -> tuple[Any, Timing, Any | None, Any]:
         """Compile the floor, the warm start (the floor with the picks earlier runs decided) and
         the plain baseline at once; time the floor, which also sizes a measurement.
 
         Returns the floor's executable and timing, the warm start's executable (the floor's when
-        they are the same assignment) and the baseline's (None without ``baseline_fn``).
+        they are the same assignment; None when it failed to compile, the reason in
+        ``warm_error``) and the baseline's (None without ``baseline_fn``).
         """
         began = time.perf_counter()
+        self.warm_error: str | None = None
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.workers) as pool:
             floor_future = pool.submit(self.compile, floor)
             warm_future = pool.submit(self.compile, warm) if dict(warm) != dict(floor) else floor_future
             baseline_future = pool.submit(self.compile_plain, baseline_fn) if baseline_fn is not None else None
-            floor_exe, warm_exe = floor_future.result(), warm_future.result()
+            floor_exe = floor_future.result()
+            try:
+                warm_exe = warm_future.result()
+            except Exception as err:  # stored picks that no longer compile cost the warm start, not the run
+                warm_exe, self.warm_error = None, describe_error(err)[1]
             baseline_exe = baseline_future.result() if baseline_future is not None else None
         self.compile_wall_s = time.perf_counter() - began
         self.keep(floor, floor_exe)
-        self.keep(warm, warm_exe)
+        if warm_exe is not None:
+            self.keep(warm, warm_exe)
         began = time.perf_counter()
         (floor_time,), _ = self.compare([floor_exe], first=self.samples, judge=False)  # warms it up, sizes a measurement
         self.pair_s = 2 * (time.perf_counter() - began)
