@@ -42,7 +42,7 @@ from ejlabel.execution.tuning.isolated import Autotuner, prior_configs
 from ejlabel.execution.tuning.memory import decode_config
 from ejlabel.execution.tuning.report import CallPick, Key, Trial
 
-__all__ = ["Ranking", "plan"]
+__all__ = ["Ranking", "isolated_from_stats", "plan"]
 
 
 @dataclasses.dataclass
