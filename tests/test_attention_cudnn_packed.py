@@ -31,16 +31,16 @@ XLA = AttentionConfig("xla")
 needs_hopper = pytest.mark.skipif(not on_hopper(), reason="cuDNN's packed layout needs a Hopper GPU")
 
 
-def layout_reference(ids: np.ndarray, runs: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+def layout_reference(ids: np.ndarray, runs: int, causal: bool) -> tuple[list[list[int]], list[list[int]], list[bool]]:
     """``(lengths, starts, fits)`` one token at a time: a run ends where the id changes, every id
-    ``<= 0`` being one padding id."""
+    ``<= 0`` being one padding id; causal, padding extends the run before it."""
     lengths, starts, fits = [], [], []
     for row in ids.tolist():
         row = [i if i > 0 else 0 for i in row]
-        found: list[tuple[int, int, int]] = []  # (id, start, length)
+        found: list[tuple[int, int, int]] = []  # (id of its first token, start, length)
         for position, i in enumerate(row):
-            if found and found[-1][0] == i:
-                found[-1] = (i, found[-1][1], found[-1][2] + 1)
+            if found and (row[position - 1] == i or (causal and i == 0)):
+                found[-1] = (found[-1][0], found[-1][1], found[-1][2] + 1)
             else:
                 found.append((i, position, 1))
         named = [i for i, _, _ in found if i > 0]
@@ -65,10 +65,10 @@ def segment_rows(draw: st.DrawFn) -> np.ndarray:
 
 
 @settings(max_examples=150, deadline=None)
-@given(ids=segment_rows(), runs=st.integers(1, 9))
-def test_packed_layout_matches_the_slow_reference(ids: np.ndarray, runs: int) -> None:
-    layout = jax.jit(packed_layout, static_argnums=1)(jnp.asarray(ids), runs)
-    lengths, starts, fits = layout_reference(ids, runs)
+@given(ids=segment_rows(), runs=st.integers(1, 9), causal=st.booleans())
+def test_packed_layout_matches_the_slow_reference(ids: np.ndarray, runs: int, causal: bool) -> None:
+    layout = jax.jit(packed_layout, static_argnums=1, static_argnames="causal")(jnp.asarray(ids), runs, causal=causal)
+    lengths, starts, fits = layout_reference(ids, runs, causal)
     assert layout.lengths.dtype == layout.starts.dtype == jnp.int32  # what cuDNN's module takes
     assert layout.lengths.tolist() == lengths
     assert layout.starts.tolist() == starts
@@ -77,21 +77,28 @@ def test_packed_layout_matches_the_slow_reference(ids: np.ndarray, runs: int) ->
 
 def test_packed_layout_of_documents_and_padding() -> None:
     ids = jnp.array([[1, 1, 1, 2, 2, 0, 0, 3], [0, 0, 7, 7, 7, 7, 7, 0]], jnp.int32)
-    layout = packed_layout(ids, packed_runs(3))
-    # Padding runs are sequences of their own, so that every position belongs to one.
+    # Every position belongs to a run. Not causal, padding runs are runs of their own.
+    layout = packed_layout(ids, packed_runs(3, causal=False), causal=False)
     assert layout.lengths.tolist() == [[3, 2, 2, 1, -1, -1, -1], [2, 5, 1, -1, -1, -1, -1]]
     assert layout.starts.tolist() == [[0, 3, 5, 7, -1, -1, -1, -1], [0, 2, 7, -1, -1, -1, -1, -1]]
     assert layout.fits.tolist() == [True, True]
+    # Causal, padding closes the run before it (whose queries never see it); leading padding
+    # is a run of its own.
+    layout = packed_layout(ids, packed_runs(3, causal=True), causal=True)
+    assert layout.lengths.tolist() == [[3, 4, 1, -1], [2, 6, -1, -1]]
+    assert layout.starts.tolist() == [[0, 3, 7, -1, -1], [0, 2, -1, -1, -1]]
     # An id in two runs, and more runs than the layout holds, are rows it cannot say.
-    broken = jnp.array([[1, 1, 2, 1], [1, 2, 3, 4]], jnp.int32)
-    assert packed_layout(broken, 3).fits.tolist() == [False, False]
+    broken = jnp.array([[1, 1, 2, 1], [1, 2, 3, 4], [1, 1, 0, 1]], jnp.int32)
+    assert packed_layout(broken, 3, causal=True).fits.tolist() == [False, False, False]
+    assert packed_layout(broken, 3, causal=False).fits.tolist() == [False, False, False]
 
 
 def test_runs_hold_every_row_of_max_documents() -> None:
-    assert packed_runs(4) == 9  # padding before, between and after four documents
+    assert packed_runs(4, causal=True) == 5  # padding before the first document
+    assert packed_runs(4, causal=False) == 9  # padding before, between and after four documents
     for bad in (0, -1, 2.0, True, None):
         with pytest.raises(ValueError, match="max_documents"):
-            packed_runs(bad)  # type: ignore[arg-type]
+            packed_runs(bad, causal=True)  # type: ignore[arg-type]
 
 
 def test_flash_attention_checks_max_documents() -> None:
@@ -228,15 +235,28 @@ def test_gpu_values_and_gradients_match_the_dense_mask(causal: bool, padding: in
 
 @gpu
 @needs_hopper
-def test_gpu_cu_seqlens_and_rows_it_cannot_say() -> None:
-    q, k, v = PACKED.replace(batch=1, seq=1024).arrays(jax.random.key(0))
+def test_gpu_padding_anywhere_cu_seqlens_and_rows_it_cannot_say() -> None:
+    q, k, v = PACKED.replace(batch=2, seq=1024).arrays(jax.random.key(0))
+    # Padding before, between and after documents (ids 0 and -1), causal and not.
+    ids = jnp.array([[0] * 30 + [1] * 200 + [-1] * 50 + [2] * 600 + [0] * 144, [5] * 300 + [6] * 300 + [0] * 24 + [7] * 400], jnp.int32)
+    for causal in (True, False):
+        out, grads = values_and_grads(CUDNN_PACKED, q, k, v, causal=causal, segment_ids=ids, max_documents=3)
+        ref, ref_grads = values_and_grads(XLA, q, k, v, causal=causal, segment_ids=ids)
+        assert_close(out, ref, jnp.bfloat16)
+        for got, want in zip(grads, ref_grads):
+            assert_close(got, want, jnp.bfloat16)
+        for array in (out, *grads):
+            assert np.all(np.asarray(array, np.float32)[np.asarray(ids) <= 0] == 0.0)
+    q, k, v = (x[:1] for x in (q, k, v))
     cu = jnp.array([0, 100, 450, 451, 980], jnp.int32)
     out, grads = values_and_grads(CUDNN_PACKED, q, k, v, causal=True, cu_seqlens=cu)
     ref, ref_grads = values_and_grads(XLA, q, k, v, causal=True, cu_seqlens=cu)
     assert_close(out, ref, jnp.bfloat16)
     for got, want in zip(grads, ref_grads):
         assert_close(got, want, jnp.bfloat16)
-    # Three documents where two were promised, and one id in two runs: NaN, never quiet values.
+    # Rows the layout cannot say get NaN, never quiet values: one document promised to a causal
+    # call holds two runs (leading padding, one document), so the second row's three runs and
+    # the third row's id in two runs do not fit; the first row's two runs do.
     q, k, v = PACKED.replace(batch=3, seq=256).arrays(jax.random.key(0))
     ids = jnp.array([[1] * 128 + [2] * 128, [1] * 64 + [2] * 64 + [0] * 64 + [3] * 64, [1] * 64 + [2] * 128 + [1] * 64], jnp.int32)
     out = np.asarray(flash_attention(q, k, v, causal=True, segment_ids=ids, max_documents=1, cfg=CUDNN_PACKED), np.float32)

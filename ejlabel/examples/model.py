@@ -121,15 +121,16 @@ def _plain_cudnn_packed_attention(q: Array, k: Array, v: Array, segment_ids: Arr
         return _plain_attention(q, k, v, segment_ids, documents)
     # Packed documents as cuDNN's packed layout: per row, each document's length [batch, M] and
     # start [batch, M + 1], -1 where a row has fewer. The pipeline numbers a row's documents 1..M
-    # in order and pads the row's end with ids <= 0; that padding is one more sequence, since
-    # cuDNN leaves positions outside its sequences unspecified (outputs and gradients alike):
-    # its queries see only padding, their output is zeroed, so their gradients are exactly 0.
+    # in order from the row's start and pads the row's end with ids <= 0. cuDNN leaves positions
+    # outside its sequences unspecified (outputs and gradients alike), so that padding joins the
+    # last document: causal, the document's queries never see it, and the padding queries'
+    # outputs are zeroed, which makes their gradients exactly 0.
     number = jnp.arange(1, documents + 1, dtype=segment_ids.dtype)
     lengths = jnp.sum(segment_ids[:, None, :] == number[None, :, None], axis=2, dtype=jnp.int32)
-    padding = segment_ids.shape[1] - jnp.sum(lengths, axis=1, keepdims=True)
-    lengths = jnp.concatenate([lengths, padding], axis=1)
     starts = jnp.cumsum(lengths, axis=1, dtype=jnp.int32) - lengths
     present = lengths > 0
+    last = documents - 1 - jnp.argmax(present[:, ::-1], axis=1)
+    lengths = jnp.where(jnp.arange(documents) == last[:, None], segment_ids.shape[1] - starts, lengths)
     seqlen = jnp.where(present, lengths, -1)
     offsets = jnp.pad(jnp.where(present, starts, -1), ((0, 0), (0, 1)), constant_values=-1)
     out = cudnn_dot_product_attention(

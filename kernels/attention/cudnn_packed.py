@@ -14,26 +14,35 @@ layout on Hopper and later GPUs, 16-bit inputs, head dims that are multiples of 
 without a window.
 
 From segment ids to the layout (:func:`packed_layout`, pure ``jnp``, no loop): a row is cut into
-runs of equal ids, every id ``<= 0`` counting as one padding id. Each run becomes one of cuDNN's
-sequences, padding runs included: cuDNN computes the positions inside its sequences only and
-leaves the others unspecified, in the output and in the gradients of ``q``, ``k`` and ``v``, so
-every position must belong to one. A padding query then sees the padding keys of its own run;
-its output is set to 0 afterwards, which gives it a cotangent of 0 and so a gradient of exactly
-0 to every padding query and key (a padding key is seen by the padding queries of its run only).
-Entries past a row's runs are -1, and the last start always is: cuDNN's module drops the -1
-entries when it joins the rows into one list of sequences.
+runs, each of which becomes one of cuDNN's sequences; every id ``<= 0`` counts as one padding
+id. cuDNN computes the positions inside its sequences only; what the output and the gradients
+of ``q``, ``k`` and ``v`` hold elsewhere is not specified, so every position must belong to a
+run, padding included:
 
-How many runs, ``R``: it is static, since it sizes cuDNN's call (the softmax statistics alone
-are ``[batch * R, heads, seq]``, and a sequence per entry is launched, empty or not). A row of
-``M`` documents holds at most ``2 M + 1`` runs (padding before, between and after them), so
-``R = 2 * max_documents + 1`` (:func:`packed_runs`), ``max_documents`` being ``flash_attention``'s
-keyword of that name, or with ``cu_seqlens`` the count of sequences its shape gives.
+- causal: padding joins the run before it, and a run starts at the row's first position or at
+  a non-padding token whose id differs from the token before it. A document's queries come
+  before the padding that closes its run, so under the causal bound they never see it; padding
+  before the row's first document is a run of its own.
+- not causal: a run starts wherever the id changes, padding runs being runs of their own.
+
+A padding query sees keys of its own run only; its output is set to 0 afterwards, which gives
+it a cotangent of 0 and so a gradient of exactly 0 to every padding query and key (a padding
+key is seen by padding queries only). Entries past a row's runs are -1, and the last start
+always is: cuDNN's module drops the -1 entries when it joins the rows into one list of
+sequences.
+
+How many runs, ``R``: it is static, since it sizes cuDNN's call (its softmax statistics are
+``[batch * R, heads, seq]``, and each entry costs time even when empty, so ``R`` is kept to
+what a row can need). A row of ``M`` documents holds at most ``M + 1`` runs when causal (leading padding)
+and ``2 M + 1`` otherwise (padding before, between and after the documents):
+:func:`packed_runs`. ``M`` is ``flash_attention``'s ``max_documents``, or with ``cu_seqlens``
+the count of sequences its shape gives.
 
 What the layout cannot say: one segment id in two separate runs of a row (under the mask its
 tokens see each other wherever they are), or a row of more than ``R`` runs (more documents than
-``max_documents`` promised, cut by padding). Neither can be checked before the values exist,
-inside ``jit``; such a row's output is NaN, so that a broken promise shows in the loss instead
-of giving wrong values quietly.
+``max_documents`` promised). Neither can be checked before the values exist, inside ``jit``;
+such a row's output is NaN, so that a broken promise shows in the loss instead of giving wrong
+values quietly.
 """
 
 from __future__ import annotations
@@ -65,15 +74,16 @@ class PackedLayout(NamedTuple):
     fits: Bool[Array, " batch"]
 
 
-def packed_runs(max_documents: int) -> int:
-    """``R``: the most runs a row of ``max_documents`` documents and padding around them holds."""
+def packed_runs(max_documents: int, causal: bool) -> int:
+    """``R``: the most runs a row of ``max_documents`` documents and padding holds."""
     if isinstance(max_documents, bool) or not isinstance(max_documents, int) or max_documents < 1:
         raise ValueError(f"max_documents: expected an int >= 1, got {max_documents!r}")
-    return 2 * max_documents + 1
+    return max_documents + 1 if causal else 2 * max_documents + 1
 
 
-def packed_layout(segment_ids: Int[Array, "batch seq"], runs: int) -> PackedLayout:
-    """The packed layout of ``segment_ids`` in ``runs`` entries per row (see the module docstring).
+def packed_layout(segment_ids: Int[Array, "batch seq"], runs: int, *, causal: bool) -> PackedLayout:
+    """The packed layout of ``segment_ids`` in ``runs`` entries per row, for a causal call or not
+    (see the module docstring).
 
     Every count is a comparison of each token's run index with the ``runs`` indices, reduced
     over the row: ``O(runs * seq)`` work per row in a few fused kernels, no device loop.
@@ -84,7 +94,10 @@ def packed_layout(segment_ids: Int[Array, "batch seq"], runs: int) -> PackedLayo
         raise ValueError(f"segment_ids: expected [batch, seq], got shape {segment_ids.shape}")
     ids = jnp.where(segment_ids > 0, segment_ids, 0).astype(jnp.int32)
     batch, seq = ids.shape
-    new_run = jnp.concatenate([jnp.ones((batch, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    changed = ids[:, 1:] != ids[:, :-1]
+    if causal:  # padding closes the run before it
+        changed = changed & (ids[:, 1:] > 0)
+    new_run = jnp.concatenate([jnp.ones((batch, 1), bool), changed], axis=1)
     run = jnp.cumsum(new_run, axis=1, dtype=jnp.int32) - 1  # each token's run, from 0
     count = run[:, -1] + 1
     index = jnp.arange(runs, dtype=jnp.int32)
@@ -108,8 +121,8 @@ def attention_cudnn_packed(
 ) -> Float[Array, "batch seq heads dim"]:
     """Attention within the documents of ``segment_ids`` on cuDNN's packed layout; padding (ids
     ``<= 0``) gets output 0, a row the layout cannot say (see the module docstring) NaN."""
-    layout = packed_layout(segment_ids, packed_runs(max_documents))
-    # The padding variants of cuDNN's masks are the ones that read the per-sequence lengths.
+    layout = packed_layout(segment_ids, packed_runs(max_documents, causal), causal=causal)
+    # cuDNN's masks for sequences of given lengths, as jax.nn.dot_product_attention picks them.
     mask_type = MaskType.PADDING_CAUSAL if causal else MaskType.PADDING
     out = cudnn_dot_product_attention(
         q, k, v, q_seqlen=layout.lengths, kv_seqlen=layout.lengths, q_offsets=layout.starts, kv_offsets=layout.starts,
