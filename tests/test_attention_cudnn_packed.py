@@ -149,8 +149,13 @@ def test_tuning_space_offers_the_packed_layout_on_a_gpu_for_packed_calls(monkeyp
         packed_call(segment_ids=IDS, max_documents=4, sliding_window=(8, 0)),
     ):
         assert not kernel.candidate_is_valid(inv, CUDNN_PACKED)
-    # The untuned default stays what jax.nn.dot_product_attention gives: cuDNN with a dense mask.
-    assert kernel.heuristic_cfg(packed_call(segment_ids=IDS, max_documents=4)).impl in ("cudnn", "xla")
+    # The untuned default stays what jax.nn.dot_product_attention gives: cuDNN with a dense mask;
+    # on Hopper tuning tries the packed layout first, then the Mosaic kernels.
+    inv = packed_call(segment_ids=IDS, max_documents=4)
+    assert kernel.heuristic_cfg(inv).impl in ("cudnn", "xla")
+    prior = list(kernel.prior_configs(inv))
+    assert (prior[:1] == [CUDNN_PACKED] and {cfg.impl for cfg in prior[1:]} == {"mosaic"}) if hopper else prior == []
+    assert all(cfg.impl == "mosaic" for cfg in kernel.prior_configs(packed_call(segment_ids=IDS)))
 
 
 def test_tuning_space_off_the_gpu_has_no_packed_layout(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -233,6 +233,19 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         packed = [AttentionConfig("cudnn_packed")] if _documents_of(inv) is not None else []
         return [AttentionConfig("xla"), AttentionConfig("cudnn")] + packed + pallas + mosaic
 
+    def prior_configs(self, inv: Invocation[AttentionConfig, jax.Array]) -> list[AttentionConfig]:
+        # On Hopper our Mosaic GPU kernels are the ones that beat the plain path in the whole
+        # training step, dense and packed (bench_model.py); elsewhere no implementation is known to.
+        # Before them, where a call gives its packed documents' count, cuDNN's packed layout: it
+        # skips the block pairs across documents that the dense mask walks, and at the example
+        # model's packed shape it ran faster than the Mosaic kernel as the model calls it.
+        q = inv.args[0]
+        packed = AttentionConfig("cudnn_packed")
+        prior = [packed] if self.candidate_is_valid(inv, packed) else []
+        if on_hopper() and mosaic_supports(q.dtype, q.shape[3]):
+            prior += [cfg for cfg in self.config_space(inv) if cfg.impl == "mosaic"]
+        return prior
+
     def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:
         q = inv.args[0]
         if cfg.impl == "cudnn":
