@@ -225,7 +225,8 @@ def main() -> int:
     lines += ["", tune_note + "."]
     print("\n" + "\n".join(lines))
     size = ".tiny" if args.tiny else (".quick" if args.quick else "")
-    write_results(f"bench_model{'.packed' if args.packed else ''}{size}", rows, notes=f"{model}; {tune_note}; vs_plain: plain time / this time" + ("; vs_packed_layout: the packed-layout plain time / this time" if has_layout else ""))
+    ratios = "vs_plain: plain time / this time" + ("; vs_packed_layout: the packed-layout plain time / this time" if has_layout else "")
+    write_results(f"bench_model{'.packed' if args.packed else ''}{size}", rows, notes=f"{model}; {tune_note}; {ratios}")
     return 0
 
 
