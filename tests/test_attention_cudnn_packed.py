@@ -190,6 +190,17 @@ def test_calls_without_the_count_keep_their_call_keys() -> None:
     assert without.call_key != with_count.call_key
 
 
+def test_the_count_travels_in_the_program() -> None:
+    """An HLO program alone rebuilds the call with its count, so offline tuning can offer the
+    packed layout too."""
+    from ejlabel.analysis import invocations_from_program
+
+    q = jax.ShapeDtypeStruct((2, 16, 2, 8), jnp.bfloat16)
+    lowered = jax.jit(lambda q, ids: flash_attention(q, q, q, causal=True, segment_ids=ids, max_documents=3)).lower(q, IDS.update(shape=(2, 16)))
+    ((label, inv),) = invocations_from_program(lowered).items()
+    assert inv.kwargs["max_documents"] == 3 and label.endswith(inv.call_key)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU (Hopper)
 
