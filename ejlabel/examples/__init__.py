@@ -3,7 +3,8 @@
 :mod:`.model` builds the same decoder on sets of ops: ``KERNEL_OPS`` (every call through an
 ``ejlabel.kernels`` kernel, labelled), ``PLAIN_OPS`` (the model as a JAX user writes it, the
 baseline every comparison is made against) and ``PLAIN_CUDNN_PACKED_OPS`` (the same with packed
-documents on cuDNN's packed layout, the packed model's second baseline), in sizes from ``TINY`` (the CPU) to ``GPU_125M``.
+documents on cuDNN's packed layout, the packed model's second baseline), in sizes from ``TINY``
+(the CPU) to ``GPU_125M``.
 The demo, the tests and the benchmarks all use it: ``from ejlabel import examples``.
 
 It imports ``ejlabel.kernels``, so it sits above the kernels and below the command line, which

@@ -17,10 +17,10 @@ on these sets of ops (``Ops``):
   without ever writing the ``[tokens, vocab]`` logits. Attention gets the count of documents per
   row (``max_documents``), so the tuner may also pick cuDNN's packed layout.
 
-Under ``ejlabel.use_implementation("xla")`` the two compile to the same program. Sizes:
-``TINY`` for the CPU, ``GPU_125M`` (~125M parameters) for the GPU; the ``*_PACKED`` variants
-pack ``documents`` documents of random lengths into every row (segment ids in the batch), so
-attention stays within each document.
+Under ``ejlabel.use_implementation("xla")`` ``KERNEL_OPS`` and ``PLAIN_OPS`` compile to the
+same program. Sizes: ``TINY`` for the CPU, ``GPU_125M`` (~125M parameters) for the GPU; the
+``*_PACKED`` variants pack ``documents`` documents of random lengths into every row (segment ids
+in the batch), so attention stays within each document.
 """
 
 from __future__ import annotations
