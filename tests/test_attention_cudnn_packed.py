@@ -20,6 +20,7 @@ import ejlabel
 from ejlabel import Invocation, examples
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
 from ejlabel.kernels.attention.arg_specs import PACKED
+from ejlabel.kernels.attention import cudnn_packed
 from ejlabel.kernels.attention.cudnn_packed import packed_layout, packed_runs
 from ejlabel.kernels.attention.mosaic import on_hopper
 
@@ -133,6 +134,7 @@ CU = jax.ShapeDtypeStruct((4,), jnp.int32)
 def test_tuning_space_offers_the_packed_layout_on_a_gpu_for_packed_calls(monkeypatch: pytest.MonkeyPatch, hopper: bool) -> None:
     monkeypatch.setattr(attention_module, "on_gpu", lambda: True)
     monkeypatch.setattr(attention_module, "on_hopper", lambda: hopper)
+    monkeypatch.setattr(attention_module, "GROUPED_HEADS", True)  # the JAX the GPU runs
     kernel = AttentionKernel()
     for inv in (packed_call(segment_ids=IDS, max_documents=4), packed_call(cu_seqlens=CU)):
         assert CUDNN_PACKED in kernel.config_space(inv)
@@ -156,6 +158,20 @@ def test_tuning_space_offers_the_packed_layout_on_a_gpu_for_packed_calls(monkeyp
     prior = list(kernel.prior_configs(inv))
     assert (prior[:1] == [CUDNN_PACKED] and {cfg.impl for cfg in prior[1:]} == {"mosaic"}) if hopper else prior == []
     assert all(cfg.impl == "mosaic" for cfg in kernel.prior_configs(packed_call(segment_ids=IDS)))
+
+
+def test_grouped_heads_wait_for_a_jax_that_places_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_module, "on_gpu", lambda: True)
+    monkeypatch.setattr(attention_module, "on_hopper", lambda: True)
+    monkeypatch.setattr(attention_module, "GROUPED_HEADS", False)
+    kernel = AttentionKernel()
+    assert not kernel.candidate_is_valid(packed_call(segment_ids=IDS, max_documents=4), CUDNN_PACKED)  # 4 query, 2 kv heads
+    q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+    assert kernel.candidate_is_valid(Invocation(kernel, (q, q, q), {"causal": True, "segment_ids": IDS, "max_documents": 4}), CUDNN_PACKED)
+    monkeypatch.setattr(cudnn_packed, "GROUPED_HEADS", False)
+    q, kv = jnp.zeros((1, 8, 4, 16), jnp.bfloat16), jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="grouped heads"):
+        cudnn_packed.attention_cudnn_packed(q, kv, kv, jnp.ones((1, 8), jnp.int32), scale=1.0, causal=True, max_documents=1)
 
 
 def test_tuning_space_off_the_gpu_has_no_packed_layout(monkeypatch: pytest.MonkeyPatch) -> None:

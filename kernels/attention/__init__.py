@@ -63,7 +63,7 @@ from ejlabel import BwdParams, FwdParams, Invocation, Kernel
 
 from ..checks import check_config, check_floating, check_integer, check_same_dtype
 from ..pallas_common import on_gpu
-from .cudnn_packed import attention_cudnn_packed
+from .cudnn_packed import GROUPED_HEADS, attention_cudnn_packed
 from .masks import Window, cu_seqlens_to_segment_ids, window_bounds
 from .mosaic import mosaic_backward, mosaic_fits, mosaic_forward, mosaic_supports, on_hopper
 from .triton import default_fwd, triton_backward, triton_forward
@@ -257,7 +257,7 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             shapes = q.shape[3] % 8 == 0 and q.shape[3] <= widest and not (masked and (q.shape[1] % 2 or inv.args[1].shape[1] % 2))
             return on_gpu() and inv.kwargs.get("sliding_window") is None and q.dtype in (jnp.bfloat16, jnp.float16) and shapes
         if cfg.impl == "cudnn_packed":  # cuDNN runs its packed layout from Hopper on
-            shapes = q.shape[3] % 8 == 0 and q.shape[3] <= 256
+            shapes = q.shape[3] % 8 == 0 and q.shape[3] <= 256 and (GROUPED_HEADS or q.shape[2] == inv.args[1].shape[2])
             packed = _documents_of(inv) is not None and inv.kwargs.get("sliding_window") is None
             return on_hopper() and packed and q.dtype in (jnp.bfloat16, jnp.float16) and shapes
         if cfg.impl == "mosaic":  # Hopper, 16-bit, head dim <= 256, tiles that fit shared memory

@@ -38,6 +38,11 @@ and ``2 M + 1`` otherwise (padding before, between and after the documents):
 :func:`packed_runs`. ``M`` is ``flash_attention``'s ``max_documents``, or with ``cu_seqlens``
 the count of sequences its shape gives.
 
+Grouped heads: JAX's module turns each start into a memory offset by the heads of the tensor
+it indexes from jax 0.11.2 on (the version this was checked on); 0.10.2's scaled the key/value
+offsets by the query heads, wrong when keys and values have fewer. With grouped heads on an
+older JAX the implementation is not offered, and refused when forced (:data:`GROUPED_HEADS`).
+
 What the layout cannot say: one segment id in two separate runs of a row (under the mask its
 tokens see each other wherever they are), or a row of more than ``R`` runs (more documents than
 ``max_documents`` promised). Neither can be checked before the values exist, inside ``jit``;
@@ -49,12 +54,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax._src.cudnn.fused_attention_stablehlo import MaskType
 from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dot_product_attention
 from jaxtyping import Array, Bool, Float, Int
 
-__all__ = ["PackedLayout", "attention_cudnn_packed", "packed_layout", "packed_runs"]
+__all__ = ["GROUPED_HEADS", "PackedLayout", "attention_cudnn_packed", "packed_layout", "packed_runs"]
+
+GROUPED_HEADS: bool = tuple(jax.__version_info__[:3]) >= (0, 11, 2)
+"""Whether this JAX's cuDNN module places the packed layout's keys and values right when they
+have fewer heads than the queries."""
 
 
 class PackedLayout(NamedTuple):
@@ -121,6 +131,11 @@ def attention_cudnn_packed(
 ) -> Float[Array, "batch seq heads dim"]:
     """Attention within the documents of ``segment_ids`` on cuDNN's packed layout; padding (ids
     ``<= 0``) gets output 0, a row the layout cannot say (see the module docstring) NaN."""
+    if k.shape[2] != q.shape[2] and not GROUPED_HEADS:
+        raise ValueError(
+            f"k, v: cuDNN's packed layout takes grouped heads ({q.shape[2]} query, {k.shape[2]} key/value) "
+            f"from jax 0.11.2 on, this is jax {jax.__version__}"
+        )
     layout = packed_layout(segment_ids, packed_runs(max_documents, causal), causal=causal)
     # cuDNN's masks for sequences of given lengths, as jax.nn.dot_product_attention picks them.
     mask_type = MaskType.PADDING_CAUSAL if causal else MaskType.PADDING
