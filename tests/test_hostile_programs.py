@@ -580,3 +580,24 @@ def test_in_context_tuning_reports_a_failing_call_and_tunes_the_rest(tmp_path: p
         assert failed == f"picky@v1:{next(c.call_key for c in report.calls if c is not ranked)}"
         assert len(ranked.candidates) == 2  # the other call was ranked on both candidates ...
         assert pc.get_entry(ranked.key).provenance == "in-context"  # ... and its pick stored
+
+
+def test_huge_dimensions_are_refused_before_jaxlib(tmp_path: pathlib.Path) -> None:
+    """jaxlib ended the process (rc 134, "overflow in static extent product") when a call or
+    ``--example-args`` had an element count past int64: now a clear error, and the others go on."""
+    from ejlabel.core.calls import CallDecodeError, invocation_from_description
+    from hostile import run_cli
+
+    lab, data, _ = BAD_CALLS["an element count past int64"]
+    with pytest.raises(CallDecodeError, match=r"\$array: shape \(4000000000, 4000000000\) of float32 spans 64000000000000000000 bytes"):
+        invocation_from_description(lab, b64(json.dumps(data).encode()))
+    program = tmp_path / "huge.hlo"
+    program.write_text(described_program([(GOOD_LABEL, GOOD_CALL), (lab, data)]))
+    for command in (["tune", "--iters", "1", str(program)], ["audit", str(program)],
+                    ["tune", "toy_kernels:double", "--example-args", "f32[4000000000,4000000000]"]):
+        proc = run_cli(["--import", "toy_kernels", "--cache-dir", str(tmp_path / "c"), *command])
+        assert proc.returncode in (0, 1, 2) and "Traceback" not in proc.stderr, proc.stderr  # never a signal
+        if command[0] == "tune" and "--example-args" in command:
+            assert proc.returncode == 2 and "--example-args: shape (4000000000, 4000000000) of float32 spans" in proc.stderr
+        elif command[0] == "tune":
+            assert proc.returncode == 1 and "tuned 1 distinct calls" in proc.stdout
