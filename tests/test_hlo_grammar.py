@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ejlabel.analysis import hlo
+from ejlabel.analysis import hlo, hlo_parser
 from ejlabel.analysis.hlo import HloModule, HloParseError, parse_hlo, program_kind
 
 DATA = Path(__file__).parent / "data" / "xla_hlo"
@@ -146,7 +146,7 @@ def test_xla_file(path: Path) -> None:
     assert len(module.computations) == computations
     assert module.instruction_count() == instructions + ANONYMOUS.get(path.name, 0)
     # The chunk scan and the tokenising reader alone build the same module.
-    assert_same(module, hlo._Parser(text).run_lines())
+    assert_same(module, hlo_parser.Parser(text, hlo.MAX_ATTRIBUTE_CHARS).run_lines())
     assert program_kind(text) == "hlo"
 
 
@@ -213,7 +213,7 @@ ENTRY e {
     assert dict(s.frontend_attributes) == {"ejlabel": "x", "ejcall": "y"}
     assert _instr(module, "q") == ("parameter", "f32[4]", ())
     assert entry.root == "t" and _instr(module, "t") == ("tuple", "(f32[4], f32[4])", ("s", "p"))
-    assert_same(module, hlo._Parser(text).run_lines())
+    assert_same(module, hlo_parser.Parser(text, hlo.MAX_ATTRIBUTE_CHARS).run_lines())
 
 
 def test_attribute_list_going_on_after_a_complete_line() -> None:
@@ -229,7 +229,7 @@ def test_attribute_list_going_on_after_a_complete_line() -> None:
     b = module.computations["e"].instruction("b")
     assert b is not None and (b.op_name, b.custom_call_target, b.operands) == ("n", "t", ("a",))
     assert module.entry == "e" and module.computations["e"].instruction("c").called_computations == ("f",)
-    assert_same(module, hlo._Parser(text).run_lines())
+    assert_same(module, hlo_parser.Parser(text, hlo.MAX_ATTRIBUTE_CHARS).run_lines())
 
 
 def test_comments_everywhere() -> None:
