@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .hlo import HloComputation, HloInstruction, HloModule
+from .hlo_lexis import tuple_elements
 
 __all__ = [
     "ELEMENTWISE",
@@ -62,7 +63,6 @@ ELEMENTWISE = frozenset(
 
 _ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _DIGITS = re.compile(r"\d+")
-_SHAPE_COMMENT = re.compile(r"/\*.*?\*/")
 # Library gemm custom-calls (GPU): a dot the compiler handed to a vendor library, same flops.
 GEMM_TARGETS = frozenset({"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__rocblas$gemm", "__hipblas$lt$matmul"})
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
@@ -114,33 +114,6 @@ def elements(shape: str) -> int:
     """Elements of an array shape (an elementwise op's flops); 0 for a tuple."""
     dims = array_dims(shape)
     return math.prod(dims) if dims is not None else 0
-
-
-@functools.lru_cache(maxsize=65536)
-def tuple_elements(shape: str) -> tuple[str, ...] | None:
-    """The element shapes of a tuple shape (``"(f32[2]{0}, (s32[], pred[]))"``); None for an array."""
-    text = shape.strip()
-    if not text.startswith("("):
-        return None
-    if "/*" in text:
-        text = _SHAPE_COMMENT.sub("", text)
-    parts: list[str] = []
-    depth = 0
-    start = 1
-    for i, ch in enumerate(text):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                part = text[start:i].strip()
-                if part:
-                    parts.append(part)
-                break
-        elif ch == "," and depth == 1:
-            parts.append(text[start:i].strip())
-            start = i + 1
-    return tuple(parts)
 
 
 # ---------------------------------------------------------------------------

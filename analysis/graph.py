@@ -97,6 +97,7 @@ def call_graph(x: Any, selector: Any = None, device: str | None = None) -> nx.Di
     graph.graph["inferred_facts"] = []
     graph.graph["program"] = program.origin
     graph.graph["notes"] = list(program.notes)
+    graph.graph["shared"] = []
     resolved: dict[tuple[str, str], Any] = {}
 
     def resolve(op_id: str, call_key: str) -> Any:
@@ -139,6 +140,7 @@ class _Builder:
         finder = SiteFinder(self.module, self.facts)
         finder.find_all()
         if not finder.sites:
+            self.add_shared(finder)
             return
         incoming = DataFlow(self.module, self.facts, finder).run()
         for _ in range(_MAX_SPLIT_ROUNDS):
@@ -148,6 +150,24 @@ class _Builder:
             incoming = DataFlow(self.module, self.facts, finder).run()
         self.add_nodes(finder)
         _add_data_edges(self.graph, [site.node for site in finder.sites], incoming)
+        self.add_shared(finder)
+
+    def add_shared(self, finder: SiteFinder) -> None:
+        """``graph.graph["shared"]``: each shared op once, with the nodes it is a member of."""
+        listed = self.graph.graph["shared"]
+        for op in finder.shared_ops:
+            uids = finder.site_sets.get(op.computation, {}).get(op.instruction, frozenset())
+            listed.append(
+                {
+                    "module": self.name,
+                    "computation": op.computation,
+                    "instruction": op.instruction,
+                    "kind": op.kind,
+                    "labels": list(op.labels),
+                    "nodes": sorted(finder.sites[uid].node for uid in uids),
+                    "outside": op.outside,
+                }
+            )
 
     # -- nodes ---------------------------------------------------------------
 
@@ -209,6 +229,9 @@ class _Builder:
         comp = site.comp
         lab = site.label
         by_name = finder.by_name[comp.name]
+        # Shared collectives and leaves compute for other calls too: they give this call no
+        # inputs, outputs or costs (a fusion holding several labels counts its own label's part).
+        passive = site.shared & (finder.lanes.get(comp.name, set()) | finder.passive.get(comp.name, set()))
         lookup = by_name.get
         members = site.members
         joined = site.joined
@@ -224,6 +247,8 @@ class _Builder:
             instructions += 1
             opcode = instr.opcode
             opcodes[opcode] = opcodes.get(opcode, 0) + 1
+            if passive and instr.name in passive:
+                continue
             if instr.name not in joined:
                 if opcode in ELEMENTWISE:
                     flops += elements(instr.shape)
@@ -278,6 +303,7 @@ class _Builder:
             "input_shapes": [s for s in inputs.values() if s],
             "attributed_custom_calls": list(site.attributed),
             "members": [m.name for m in members],
+            "shared": sorted(site.shared),
         }
 
     def nesting_nodes(
@@ -474,4 +500,5 @@ def _add_degraded(graph: nx.DiGraph, unread: UnreadModule, resolve: Any) -> None
             input_shapes=[],
             attributed_custom_calls=[],
             members=[],
+            shared=[],
         )

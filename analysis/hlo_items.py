@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from .hlo_async import unfold_async
 from .hlo_lexis import (
     CLOSER,
     ENTRY_KW,
@@ -56,6 +57,8 @@ class ItemReader:
     def __init__(self, text: str, max_attribute_chars: int) -> None:
         self.text = text
         self.max_attribute_chars = max_attribute_chars
+        # Opcode -> its kind of XLA's async shorthand (hlo_async), memoised per parse.
+        self.async_kinds: dict[str, str] = {}
         self.n = len(text)
         self.where = 0
         self.quick = False
@@ -309,6 +312,7 @@ class ItemReader:
             if self.entry is not None:
                 raise self.error(f"second ENTRY computation {name!r} (first: {self.entry!r})", self.comp_pos)
             self.entry = name
+        unfold_async(self.computations, name, instrs, self.async_kinds)
         self.computations[name] = HloComputation(name, is_entry, instrs, None if root is None else root.name, line)
 
     def check_names(self, computation: str, instrs: list[HloInstruction]) -> None:

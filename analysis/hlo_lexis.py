@@ -11,6 +11,7 @@ never raise.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -390,3 +391,33 @@ def frontend_pairs(value: str) -> dict[str, str]:
             pairs[intern(key.group(1))] = "" if bare is None else intern(bare.group())
             index = start if bare is None else bare.end()
     return pairs
+
+
+SHAPE_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+@functools.lru_cache(maxsize=65536)
+def tuple_elements(shape: str) -> tuple[str, ...] | None:
+    """The element shapes of a tuple shape (``"(f32[2]{0}, (s32[], pred[]))"``); None for an array."""
+    text = shape.strip()
+    if not text.startswith("("):
+        return None
+    if "/*" in text:
+        text = SHAPE_COMMENT.sub("", text)
+    parts: list[str] = []
+    depth = 0
+    start = 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                part = text[start:i].strip()
+                if part:
+                    parts.append(part)
+                break
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return tuple(parts)

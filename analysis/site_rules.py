@@ -1,0 +1,483 @@
+"""The site rules of :mod:`.sites`, applied to one computation: one pass to classify, a union-find.
+
+:class:`SiteRules` is the part of :class:`~.sites.SiteFinder` that finds the sites of one
+computation: a pass over its instructions classifies each (member of which labels, leaf, combined
+collective, candidate for rule 2), a second over the linking ones unions their memberships, and
+shared ops (leaves, combined collectives) are then attached to the sites they compute for. The
+rules themselves are written down in :mod:`.sites`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from .hlo import HloComputation, HloInstruction
+from .hlo_async import ASYNC_FOLLOWERS
+from .nesting import NESTING_KIND
+from .site_parts import (
+    COMBINABLE,
+    NOT_LEAVES,
+    TRANSPARENT,
+    CompGroups,
+    Memberships,
+    SharedOp,
+    Site,
+    linked_names,
+    neighbour_labels,
+    own_label,
+    pass_through,
+)
+
+__all__ = ["BOOKKEEPING_TARGETS", "MOVES_DATA", "SiteRules"]
+
+_LINKING = TRANSPARENT | {"custom-call", "async-start"}
+BOOKKEEPING_TARGETS = frozenset(
+    {
+        "Sharding",
+        "SPMDFullToShardShape",
+        "SPMDShardToFullShape",
+        "MoveToHost",
+        "MoveToDevice",
+        "annotate_device_placement",
+        "LayoutConstraint",
+    }
+)
+"""Custom-call targets that only annotate: never attributed to a label (rule 4)."""
+MOVES_DATA = frozenset(
+    {
+        "bitcast", "bitcast-convert", "broadcast", "concatenate", "convert", "copy", "copy-done",
+        "copy-start", "dynamic-slice", "get-tuple-element", "opt-barrier", "pad", "reshape",
+        "reverse", "slice", "transpose", "tuple",
+    }
+)
+"""Unlabelled instructions that may join a call by rule 2: those that only move data."""
+# Opcodes whose result is fixed by (opcode, shape, operands), merged by rule 3.
+_CSE_OPCODES = frozenset({"reshape", "bitcast", "copy", "convert", "bitcast-convert"})
+# Opcodes the first pass looks at more closely than "labelled or not".
+_SPECIAL = frozenset(NESTING_KIND) | ASYNC_FOLLOWERS | COMBINABLE
+
+
+class SiteRules:
+    """Finds the sites of one computation at a time; mixed into :class:`~.sites.SiteFinder`, whose
+    state (``sites``, ``site_sets``, ``groups``, ...) and roles (``labels_of``, ``absorbed``,
+    ``users``, ``moves_data``, ``positions``) it uses."""
+
+    def find_sites(self, comp: HloComputation) -> None:
+        """Classify, union memberships, attach shared ops, record the sites (module docstring)."""
+        absorbed = self.absorbed(comp.name)  # type: ignore[attr-defined]
+        labels_of = self.labels_of  # type: ignore[attr-defined]
+        member_labels: dict[str, tuple[str, ...]] = {}
+        linking: list[HloInstruction] = []
+        by_callees: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        # Rule 2, first half: ``single`` maps members of one label (not leaves) and unlabelled
+        # data movement fed only by them to that label; one lookup rules most instructions out.
+        single: dict[str, str] = {}
+        up_label: dict[str, str] = {}
+        candidates: list[HloInstruction] = []
+        leaves: set[str] = set()
+        combined: dict[str, HloInstruction] = {}  # a combined collective, or its -done -> the collective
+        leaf_only: list[tuple[HloInstruction, tuple[str, ...]]] = []
+        for instr in comp.instructions:
+            name = instr.name
+            operands = instr.operands
+            opcode = instr.opcode
+            if operands:
+                if operands[0] in leaves and opcode not in NOT_LEAVES and all(o in leaves for o in operands):
+                    leaves.add(name)
+            elif opcode not in NOT_LEAVES:
+                leaves.add(name)
+            if not instr.frontend_attributes and not instr.called_computations and opcode not in _SPECIAL:
+                # The common instruction: one lookup of its first operand decides rule 2.
+                if operands and operands[0] in single and opcode in MOVES_DATA:
+                    lab = single[operands[0]]
+                    for operand in operands[1:]:
+                        if single.get(operand) != lab:
+                            break
+                    else:
+                        single[name] = up_label[name] = lab
+                        candidates.append(instr)
+                if opcode in _LINKING:
+                    linking.append(instr)
+                continue
+            if opcode in COMBINABLE and len(operands) > 1 and instr.shape.startswith("("):
+                combined[name] = instr
+                continue
+            if opcode in ASYNC_FOLLOWERS and operands and operands[0] in combined:
+                combined[name] = combined[operands[0]]
+                continue
+            if instr.frontend_attributes or opcode in NESTING_KIND or not instr.called_computations:
+                labels, leafy = labels_of(instr, absorbed)
+            else:
+                # An unlabelled fusion's labels depend only on what it calls (and on having operands).
+                key = instr.called_computations if operands else (*instr.called_computations, "")
+                found = by_callees.get(key)
+                if found is None:
+                    found = by_callees[key] = labels_of(instr, absorbed)
+                labels, leafy = found
+            if opcode in ASYNC_FOLLOWERS and operands and operands[0] in member_labels:
+                labels = tuple(dict.fromkeys((*member_labels[operands[0]], *labels)))  # rule 5
+            if leafy:
+                leaf_only.append((instr, leafy))
+            if labels:
+                member_labels[name] = labels
+                if len(labels) == 1 and name not in leaves:
+                    single[name] = labels[0]
+                linking.append(instr)
+            elif opcode in _LINKING:
+                linking.append(instr)
+            elif operands and operands[0] in single and self.moves_data(instr):  # type: ignore[attr-defined]
+                lab = single[operands[0]]
+                if all(single.get(operand) == lab for operand in operands[1:]):
+                    single[name] = up_label[name] = lab
+                    candidates.append(instr)
+        if not member_labels:
+            for instr, leafy in leaf_only:
+                self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, (), True))  # type: ignore[attr-defined]
+            return
+        by_name = {instr.name: instr for instr in comp.instructions}
+        self.by_name[comp.name] = by_name  # type: ignore[attr-defined]
+        groups = Memberships()
+        self.union_memberships(comp, linking, member_labels, leaves, combined, groups)
+        joined = self.join_unlabelled(comp, candidates, up_label, member_labels, groups)
+        attached, shared, dropped, records = self.attach_shared(comp, member_labels, leaves, combined, groups)
+        self.record_sites(comp, groups, member_labels, joined, attached, shared, dropped, records, leaf_only, combined)
+
+    def union_memberships(
+        self,
+        comp: HloComputation,
+        linking: list[HloInstruction],
+        member_labels: dict[str, tuple[str, ...]],
+        leaves: set[str],
+        combined: Mapping[str, HloInstruction],
+        groups: Memberships,
+    ) -> None:
+        """Rules 1, 3 and 4, and the lanes of combined collectives: the unions."""
+        index = groups.index
+        owners = groups.owners
+        labels_list = groups.labels
+        parent = groups.parent
+        union = groups.union
+        by_name = self.by_name[comp.name]  # type: ignore[attr-defined]
+        facts = self.facts  # type: ignore[attr-defined]
+        attributed: set[str] = set()  # rule 4
+        # Rule 1 through unlabelled transparent ops: label -> membership ids they pass on.
+        through: dict[str, dict[str, list[int]]] = {}
+        identical: dict[tuple[str, str, str, tuple[str, ...]], int] = {}  # rule 3
+        for instr in linking:
+            name = instr.name
+            labels = member_labels.get(name)
+            operands = instr.operands
+            if operands and operands[0] in combined and instr.opcode == "get-tuple-element":
+                # A lane of a combined collective: its get-tuple-element reads the lane's operand.
+                collective = combined[operands[0]]
+                lane = facts.index_of(instr, comp)
+                operands = (collective.operands[lane[0]],) if lane and len(lane) == 1 and lane[0] < len(collective.operands) else ()
+            if labels is None:
+                opcode = instr.opcode
+                if opcode in TRANSPARENT:
+                    for operand in operands:
+                        if operand in member_labels or operand in through:
+                            passed = pass_through(operands, member_labels, index, through)
+                            if passed:
+                                through[name] = passed
+                            break
+                    continue
+                if instr.custom_call_target is None or instr.custom_call_target in BOOKKEEPING_TARGETS:
+                    continue
+                neighbours = neighbour_labels(instr, by_name, self.users(comp), member_labels)  # type: ignore[attr-defined]
+                if len(neighbours) != 1:
+                    continue
+                labels = (next(iter(neighbours)),)
+                member_labels[name] = labels
+                attributed.add(name)
+                self.attributed_names.add(name)  # type: ignore[attr-defined]
+            is_leaf = name in leaves
+            cse = instr.opcode in _CSE_OPCODES and not instr.called_computations
+            for lab in labels:
+                me = len(parent)  # groups.add, inlined: it runs for every labelled instruction
+                index[(name, lab)] = me
+                owners.append(instr)
+                labels_list.append(lab)
+                parent.append(me)
+                for operand in operands:
+                    if operand in leaves and not is_leaf:
+                        continue  # a leaf links nothing: it is attached to its readers later
+                    other = index.get((operand, lab))
+                    if other is not None:
+                        union(me, other)
+                    else:
+                        passed = through.get(operand)
+                        if passed is not None:
+                            for other in passed.get(lab, ()):
+                                union(me, other)
+                if cse:
+                    key = (lab, instr.opcode, instr.shape, instr.operands)
+                    other = identical.setdefault(key, me)
+                    if other != me:
+                        union(me, other)
+        # Attributed custom-calls also join the same-label sites of their users (after them in text).
+        for name in attributed:
+            lab = member_labels[name][0]
+            me = index[(name, lab)]
+            for linked in linked_names(name, by_name, self.users(comp), lab, member_labels):  # type: ignore[attr-defined]
+                other = index.get((linked, lab))
+                if other is not None and linked not in leaves:
+                    union(me, other)
+
+    def join_unlabelled(
+        self,
+        comp: HloComputation,
+        candidates: list[HloInstruction],
+        up_label: Mapping[str, str],
+        member_labels: Mapping[str, tuple[str, ...]],
+        groups: Memberships,
+    ) -> set[str]:
+        """Rule 2, second half: candidates whose users all are of their label join it.
+
+        ``candidates`` (text order) have operands from one label only; one pass over the
+        instructions after the first of them finds their users. A candidate used by a candidate
+        depends on that one, so they are decided from the last back.
+        """
+        if not candidates:
+            return set()
+        ok: dict[str, bool] = {c.name: not c.is_root for c in candidates}  # a root's value leaves
+        used: set[str] = set()
+        after: dict[str, list[str]] = {}  # candidate -> candidates that use it
+        downstream: dict[str, list[str]] = {}  # candidate -> members of its label that use it
+        first = comp.instructions.index(candidates[0])  # by identity (instructions compare so): a C loop
+        for instr in comp.instructions[first + 1 :]:
+            for operand in instr.operands:
+                if operand not in ok:
+                    continue
+                used.add(operand)
+                lab = up_label[operand]
+                user = instr.name
+                if user in up_label and up_label[user] == lab:
+                    after.setdefault(operand, []).append(user)
+                elif lab in member_labels.get(user, ()):
+                    downstream.setdefault(operand, []).append(user)
+                else:
+                    ok[operand] = False
+        joined: set[str] = set()
+        for cand in reversed(candidates):
+            name = cand.name
+            if not ok[name] or name not in used or not all(ok.get(u, False) for u in after.get(name, ())):
+                ok[name] = False
+                continue
+            joined.add(name)
+        if not joined:
+            return joined
+        for cand in candidates:  # text order: operands' memberships exist before their users'
+            name = cand.name
+            if name not in joined:
+                continue
+            lab = up_label[name]
+            me = groups.add(cand, lab)
+            for other_name in (*cand.operands, *downstream.get(name, ())):
+                other = groups.index.get((other_name, lab))
+                if other is not None:
+                    groups.union(me, other)
+        return joined
+
+    def attach_shared(
+        self,
+        comp: HloComputation,
+        member_labels: Mapping[str, tuple[str, ...]],
+        leaves: set[str],
+        combined: Mapping[str, HloInstruction],
+        groups: Memberships,
+    ) -> tuple[dict[int, list[HloInstruction]], dict[int, set[str]], set[int], list[tuple[SharedOp, list[int]]]]:
+        """Leaves and combined collectives, attached to the sites they compute for.
+
+        Returns, per group root, the members attached without a membership and the names among
+        them that are shared; the roots of leaf groups that became no site (they were shared);
+        and the shared ops found, each with the roots of the groups it is attached to.
+        """
+        attached: dict[int, list[HloInstruction]] = {}
+        shared: dict[int, set[str]] = {}
+        dropped: set[int] = set()
+        records: list[tuple[SharedOp, list[int]]] = []
+        index = groups.index
+        leaf_memberships = [i for i, owner in enumerate(groups.owners) if owner.name in leaves]
+        if not leaf_memberships and not combined:
+            return attached, shared, dropped, records
+        wanted = {groups.owners[i].name for i in leaf_memberships} | set(combined)
+        by_name = self.by_name[comp.name]  # type: ignore[attr-defined]
+        users: dict[str, list[HloInstruction]] = {}
+        hops: set[str] = set()  # unlabelled leaves and transparent ops a leaf's value passes through
+        for instr in comp.instructions:
+            for operand in instr.operands:
+                if operand in wanted or operand in hops:
+                    users.setdefault(operand, []).append(instr)
+                    if instr.name not in member_labels and (instr.name in leaves or instr.opcode in TRANSPARENT):
+                        hops.add(instr.name)
+        # Leaves: each group of same-label leaves joins the sites of its same-label readers.
+        by_group: dict[int, list[int]] = {}
+        for i in leaf_memberships:
+            by_group.setdefault(groups.find(i), []).append(i)
+        for root, ids in by_group.items():
+            lab = groups.labels[ids[0]]
+            readers: dict[int, int] = {}  # reader's root -> one of its memberships
+            outside = False
+            seen: set[str] = set()
+            pending = [groups.owners[i].name for i in ids]
+            while pending:
+                for user in users.get(pending.pop(), ()):
+                    if user.name in seen:
+                        continue
+                    seen.add(user.name)
+                    member = index.get((user.name, lab))
+                    if member is not None:
+                        if user.name not in leaves:
+                            readers.setdefault(groups.find(member), member)
+                    elif user.name in hops:
+                        pending.append(user.name)
+                    elif user.name not in combined:
+                        outside = True
+            if not readers:
+                continue  # read by no instruction of its label: a site of its own
+            if len(readers) == 1 and not outside:
+                groups.union(ids[0], next(iter(readers.values())))
+                continue
+            dropped.add(root)
+            members = [groups.owners[i] for i in ids]
+            for reader in readers:
+                attached.setdefault(reader, []).extend(members)
+                shared.setdefault(reader, set()).update(m.name for m in members)
+            for member in members:
+                records.append((SharedOp(comp.name, member.name, "leaf", (lab,), (), outside), list(readers)))
+        # Combined collectives: each lane belongs to the label of its get-tuple-element.
+        for name, collective in combined.items():
+            if collective.name != name:
+                continue  # a -done: attached with its collective below
+            followers = [by_name[f] for f, c in combined.items() if c is collective and f != name]
+            gtes = [u for n in (name, *(f.name for f in followers)) for u in users.get(n, ()) if u.opcode == "get-tuple-element"]
+            roots: set[int] = set()
+            labels: set[str] = set()
+            outside = False
+            if any(g.name in member_labels for g in gtes):
+                for g in gtes:
+                    for lab in member_labels.get(g.name, ()):
+                        roots.add(groups.find(index[(g.name, lab)]))
+                        labels.add(lab)
+                    outside = outside or g.name not in member_labels
+            else:
+                own = own_label(collective)
+                for operand in collective.operands:
+                    member = None if own is None else index.get((operand, own))
+                    if member is None:
+                        outside = True
+                    else:
+                        roots.add(groups.find(member))
+                        labels.add(own)  # type: ignore[arg-type]
+            if not roots:
+                continue  # the user's own collective
+            members = [collective, *followers]
+            for root in roots:
+                attached.setdefault(root, []).extend(members)
+            if len(roots) > 1 or outside:
+                for root in roots:
+                    shared.setdefault(root, set()).update(m.name for m in members)
+                records.append((SharedOp(comp.name, name, "combined", tuple(sorted(labels)), (), outside), list(roots)))
+        return attached, shared, dropped, records
+
+    def record_sites(
+        self,
+        comp: HloComputation,
+        groups: Memberships,
+        member_labels: Mapping[str, tuple[str, ...]],
+        joined: set[str],
+        attached: dict[int, list[HloInstruction]],
+        shared: dict[int, set[str]],
+        dropped: set[int],
+        records: list[tuple[SharedOp, list[int]]],
+        leaf_only: list[tuple[HloInstruction, tuple[str, ...]]],
+        combined: Mapping[str, HloInstruction],
+    ) -> None:
+        """Turn the groups into sites; keep the union-find for splitting (``groups``)."""
+        by_root = groups.groups()
+        owners = groups.owners
+        first_uid = len(self.sites)  # type: ignore[attr-defined]
+        uid_of: dict[int, int] = {}
+        attributed = self.attributed_names  # type: ignore[attr-defined]
+        at = self.positions(comp) if (joined or attached) else None  # type: ignore[attr-defined]
+        site_attached: dict[int, list[HloInstruction]] = {}
+        for root in sorted(by_root):
+            if root in dropped:
+                continue
+            ids = by_root[root]
+            members = [owners[ids[0]]] if len(ids) == 1 else [owners[i] for i in ids]
+            extra = attached.get(root)
+            if extra:
+                present = {m.name for m in members}
+                extra = [m for m in dict.fromkeys(extra) if m.name not in present]
+                members.extend(extra)
+            if at is not None:
+                members.sort(key=lambda m: at[m.name])
+            uid = len(self.sites)  # type: ignore[attr-defined]
+            site = Site(uid, groups.labels[root], comp, members, [])
+            if attributed:
+                site.attributed.extend(m.custom_call_target or "" for m in members if m.name in attributed)
+            if joined:
+                site.joined = frozenset(m.name for m in members if m.name in joined)
+            if root in shared:
+                site.shared = frozenset(shared[root])
+            if extra:
+                site_attached[uid] = extra
+            uid_of[root] = uid
+            self.sites.append(site)  # type: ignore[attr-defined]
+        site_of = [uid_of.get(groups.find(i), -1) for i in range(len(owners))]
+        self.groups[comp.name] = CompGroups(owners, groups.labels, groups.links, site_of, site_attached)  # type: ignore[attr-defined]
+        self.members_of[comp.name] = set(member_labels) | joined | {m.name for ms in attached.values() for m in ms}  # type: ignore[attr-defined]
+        self.lanes[comp.name] = set(combined)  # type: ignore[attr-defined]
+        self.passive[comp.name] = {name for names in shared.values() for name in names if name not in combined}  # type: ignore[attr-defined]
+        for op, roots in records:
+            op.sites = tuple(sorted({uid_of[r] for r in roots if r in uid_of}))
+            self.shared_ops.append(op)  # type: ignore[attr-defined]
+        for instr, leafy in leaf_only:
+            uids = tuple(sorted(uid for lab in member_labels.get(instr.name, ()) for uid in [self.uid_for(instr.name, lab, groups, uid_of)] if uid >= 0))
+            self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, uids, not uids))  # type: ignore[attr-defined]
+        self.index_memberships(comp, self.sites[first_uid:])  # type: ignore[attr-defined]
+
+    @staticmethod
+    def uid_for(name: str, lab: str, groups: Memberships, uid_of: Mapping[int, int]) -> int:
+        member = groups.index.get((name, lab))
+        return -1 if member is None else uid_of.get(groups.find(member), -1)
+
+    def index_memberships(self, comp: HloComputation, sites: Iterable[Site]) -> None:
+        """Record which of ``sites`` (all those of ``comp``) each member of ``comp`` is in.
+
+        A fusion that is a member of several sites (several labels) is shared by them.
+        """
+        sites = list(sites)
+        singles = self.singles  # type: ignore[attr-defined]
+        site_sets: dict[str, frozenset] = {}
+        multi_names: list[str] = []
+        for site in sites:
+            mine = singles.get(site.uid)
+            if mine is None:
+                mine = singles[site.uid] = frozenset((site.uid,))
+            for member in site.members:
+                found = site_sets.get(member.name)
+                if found is None:
+                    site_sets[member.name] = mine
+                elif site.uid not in found:
+                    site_sets[member.name] = found | mine
+                    multi_names.append(member.name)
+        self.site_sets[comp.name] = site_sets  # type: ignore[attr-defined]
+        multi: dict[str, dict[str, int]] = {}
+        if multi_names:
+            wanted = set(multi_names)
+            for site in sites:
+                inside = [m.name for m in site.members if m.name in wanted and m.name not in site.shared]
+                for name in inside:
+                    multi.setdefault(name, {})[site.label] = site.uid
+                if inside:
+                    site.shared = site.shared | frozenset(n for n in inside if len({s for s in site_sets[n]}) > 1)
+            recorded = {(op.computation, op.instruction) for op in self.shared_ops}  # type: ignore[attr-defined]
+            for name, by_label in multi.items():
+                if len(by_label) > 1 and (comp.name, name) not in recorded:
+                    self.shared_ops.append(  # type: ignore[attr-defined]
+                        SharedOp(comp.name, name, "fusion", tuple(by_label), tuple(sorted(by_label.values())), False)
+                    )
+        self.label_sites[comp.name] = multi  # type: ignore[attr-defined]
