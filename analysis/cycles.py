@@ -231,19 +231,51 @@ class _Levels:
         """Each membership of the cyclic sites -> its part's root."""
         find = self.find
         level = self.level
-        values: dict[str, tuple[frozenset[int], int]] = {}
-        empty: tuple[frozenset[int], int] = (frozenset(), -1)
+        part_of = self.part_of
+        links = self.links
+        memberships = self.memberships
+        # Per value: the parts it carries (``floors``: the highest level of parts closed for good,
+        # for the few values that dropped some). Unions of two operands' sets are memoised.
+        values: dict[str, frozenset[int]] = {}
+        get = values.get
+        floors: dict[str, int] = {}
+        pairs: dict[tuple[frozenset[int], frozenset[int]], frozenset[int]] = {}
+        empty: frozenset[int] = frozenset()
         holding: dict[str, bool] = {}
         for instr in self.comp.instructions:
             name = instr.name
             operands = instr.operands
+            floor = -1
             if len(operands) == 1:
-                live, floor = values.get(operands[0], empty)
+                live = get(operands[0], empty)
+                if floors:
+                    floor = floors.get(operands[0], -1)
+            elif len(operands) == 2:
+                a = get(operands[0], empty)
+                b = get(operands[1], empty)
+                if a is b or not b:
+                    live = a
+                elif not a:
+                    live = b
+                else:
+                    live = pairs.get((a, b))  # type: ignore[assignment]
+                    if live is None:
+                        live = pairs[(a, b)] = a | b
+                if floors:
+                    floor = max(floors.get(operands[0], -1), floors.get(operands[1], -1))
             elif operands:
-                live, floor = self.combine([values.get(o, empty) for o in operands])
+                live = empty
+                for o in operands:
+                    v = get(o, empty)
+                    if v and v is not live:
+                        live = v if not live else live | v
+                if floors:
+                    floor = max(floors.get(o, -1) for o in operands)
             else:
-                live, floor = empty
-            mine = self.memberships.get(name)
+                live = empty
+            if len(live) > MAX_LIVE:
+                live, floor = self.close_lowest(live, floor)
+            mine = memberships.get(name)
             if mine is None:
                 if instr.opcode in NESTING_KIND and _holds_sites(self.finder, instr, holding):
                     reads = {find(p) for p in live}
@@ -251,56 +283,66 @@ class _Levels:
                     part = self.new_part(top + 1, -1 - len(self.parent))
                     self.read_at[part] = top + 2  # one instruction: it never rises
                     self.record_reads(reads, [part])
-                    values[name] = (frozenset((part,)), -1)
-                elif live or floor >= 0:
-                    values[name] = (live, floor)
-                continue
-            reads = {find(p) for p in live}
-            placed: list[int] = []
-            for m in mine:
-                linked = {find(self.part_of[o]) for o in self.links.get(m, ()) if o in self.part_of}
-                need = max([floor, *(level[p] for p in reads if p not in linked)]) + 1
-                top = max([need, *(level[p] for p in linked)])
-                at_top = {p for p in linked if level[p] == top}
-                joining = [*at_top, *(p for p in linked if level[p] < top and self.can_rise(p, top, at_top))]
-                site = self.groups.site_of[m]
-                if joining:
-                    part = self.merge(joining, top)
+                    values[name] = frozenset((part,))
                 else:
-                    # Its own parts are closed to it: the site's latest part, if that can take it
-                    # (as the parts of one level of one call: a backward's pieces need not meet).
-                    part = self.latest.get(site, -1)
-                    part = -1 if part < 0 else find(part)
-                    if part >= 0 and part in reads:  # read through unlabelled ops: from inside the call
-                        need = max([floor, *(level[p] for p in reads if p not in linked and p != part)]) + 1
-                    if part >= 0 and (level[part] >= need or self.can_rise(part, need, {part})):
-                        level[part] = max(level[part], need)
-                    else:
-                        part = self.new_part(top, site)
-                self.latest[site] = part
-                self.part_of[m] = part
-                placed.append(part)
+                    if live:
+                        values[name] = live
+                    if floor >= 0:
+                        floors[name] = floor
+                continue
+            if len(mine) == 1 and len(live) == 1 and floor < 0:
+                # The common member: it reads its own part only, and is linked to it.
+                (only,) = live
+                root = find(only)
+                m = mine[0]
+                placed_links = [part_of[o] for o in links.get(m, ()) if o in part_of]
+                if placed_links and all(find(q) == root for q in placed_links):
+                    part_of[m] = root
+                    self.latest[self.groups.site_of[m]] = root
+                    values[name] = live
+                    continue
+            reads = {find(p) for p in live}
+            placed = [self.place(m, reads, floor) for m in mine]
             self.record_reads(reads, placed)
-            values[name] = (frozenset(find(p) for p in placed), -1)
-        return {m: find(p) for m, p in self.part_of.items()}
+            values[name] = frozenset(find(p) for p in placed)
+        return {m: find(p) for m, p in part_of.items()}
 
-    def combine(self, found: list[tuple[frozenset[int], int]]) -> tuple[frozenset[int], int]:
-        """The parts a value carries: those of its operands, the highest ``MAX_LIVE`` kept live."""
-        live: frozenset[int] = frozenset()
-        floor = -1
-        for parts, low in found:
-            if parts and parts is not live:
-                live = parts if not live else live | parts
-            floor = max(floor, low)
-        if len(live) > MAX_LIVE:
-            find = self.find
-            ordered = sorted({find(p) for p in live}, key=self.level.__getitem__)
-            for part in ordered[:-MAX_LIVE]:
-                # Closed for good: it can no longer rise, so its level may be forgotten as a floor.
-                self.read_at[part] = min(self.read_at[part], self.level[part] + 1)
-                floor = max(floor, self.level[part])
-            live = frozenset(ordered[-MAX_LIVE:])
-        return live, floor
+    def place(self, m: int, reads: set[int], floor: int) -> int:
+        """Put membership ``m``, which reads the parts ``reads``, into a part; that part."""
+        find = self.find
+        level = self.level
+        linked = {find(self.part_of[o]) for o in self.links.get(m, ()) if o in self.part_of}
+        need = max([floor, *(level[p] for p in reads if p not in linked)]) + 1
+        top = max([need, *(level[p] for p in linked)])
+        at_top = {p for p in linked if level[p] == top}
+        joining = [*at_top, *(p for p in linked if level[p] < top and self.can_rise(p, top, at_top))]
+        site = self.groups.site_of[m]
+        if joining:
+            part = self.merge(joining, top)
+        else:
+            # Its own parts are closed to it: the site's latest part, if that can take it (as the
+            # parts of one level of one call: a backward's pieces need not meet).
+            part = self.latest.get(site, -1)
+            part = -1 if part < 0 else find(part)
+            if part >= 0 and part in reads:  # read through unlabelled ops: from inside the call
+                need = max([floor, *(level[p] for p in reads if p not in linked and p != part)]) + 1
+            if part >= 0 and (level[part] >= need or self.can_rise(part, need, {part})):
+                level[part] = max(level[part], need)
+            else:
+                part = self.new_part(top, site)
+        self.latest[site] = part
+        self.part_of[m] = part
+        return part
+
+    def close_lowest(self, live: frozenset[int], floor: int) -> tuple[frozenset[int], int]:
+        """Keep the ``MAX_LIVE`` highest parts of a value live; close the others for good."""
+        find = self.find
+        ordered = sorted({find(p) for p in live}, key=self.level.__getitem__)
+        for part in ordered[:-MAX_LIVE]:
+            # Closed for good: it can no longer rise, so its level may be kept as a floor only.
+            self.read_at[part] = min(self.read_at[part], self.level[part] + 1)
+            floor = max(floor, self.level[part])
+        return frozenset(ordered[-MAX_LIVE:]), floor
 
     def record_reads(self, reads: Iterable[int], readers: list[int]) -> None:
         """Each part read by ``readers`` remembers the lowest level it was read at."""
@@ -323,7 +365,6 @@ class _Levels:
 def _apply_parts(finder: SiteFinder, comp: HloComputation, cyclic: set[int], part_of: dict[int, int]) -> int:
     """Make each cyclic site's parts sites (the lowest level keeps the uid); the number of new sites."""
     groups = finder.groups[comp.name]
-    positions = finder.positions(comp)
     created = 0
     by_site: dict[int, dict[int, list[int]]] = {}
     for m, part in part_of.items():
@@ -333,13 +374,15 @@ def _apply_parts(finder: SiteFinder, comp: HloComputation, cyclic: set[int], par
         by_part = by_site.get(uid, {})
         if len(by_part) < 2:
             continue
-        # Parts in order of their first member; members (an instruction may hold several
-        # memberships of one site only through rule 2's joins) once each, in text order.
-        ordered = sorted(by_part.values(), key=lambda ms: min(positions[groups.owners[m].name] for m in ms))
+        # Parts in order of their first member, members in text order (the site's order).
+        root_of = {groups.owners[m].name: part for part, ms in by_part.items() for m in ms}
+        index_of: dict[int, int] = {}
         member_part: dict[str, int] = {}
-        for k, ms in enumerate(ordered):
-            for m in ms:
-                member_part.setdefault(groups.owners[m].name, k)
+        for member in site.members:
+            part = root_of.get(member.name)
+            if part is not None:
+                member_part[member.name] = index_of.setdefault(part, len(index_of))
+        ordered = sorted(by_part.items(), key=lambda item: index_of[item[0]])
         parts: list[list[HloInstruction]] = [[] for _ in ordered]
         for member in site.members:
             k = member_part.get(member.name)
@@ -363,10 +406,8 @@ def _apply_parts(finder: SiteFinder, comp: HloComputation, cyclic: set[int], par
             piece.joined = frozenset(n for n in site.joined if n in names)
             piece.attributed = [m.custom_call_target or "" for m in piece.members if m.name in finder.attributed_names]
             piece.shared = frozenset(n for n in site.shared if n in names)
-            for m in (m for ms in ordered[k : k + 1] for m in ms):
+            for m in ordered[k][1]:
                 groups.site_of[m] = piece.uid
-        for piece in pieces:
-            piece.members.sort(key=lambda m: positions[m.name])
     finder.index_memberships(comp, [site for site in finder.sites if site.comp is comp])
     return created
 

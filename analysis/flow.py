@@ -278,7 +278,10 @@ class DataFlow:
                 for operand in operands:
                     upstream = get(operand, _EMPTY)
                     if upstream.__class__ is tuple:
-                        upstream = flatten(upstream)  # type: ignore[arg-type]
+                        if instr.opcode == "get-tuple-element":  # its element only (a lane, say)
+                            upstream = self.pick(upstream, facts.index_of(instr, comp))  # type: ignore[arg-type]
+                        if upstream.__class__ is tuple:
+                            upstream = flatten(upstream)  # type: ignore[arg-type]
                     if upstream and upstream is not mine:
                         for s in mine:
                             incoming[s].append(upstream)  # type: ignore[arg-type]

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import networkx as nx
@@ -71,13 +71,15 @@ from .costs import ELEMENTWISE, elements, instruction_flops, shape_info
 from .cycles import sites_on_cycles, split_apart, split_by_level
 from .export import draw, from_node_link_json, to_dot, to_node_link_json
 from .flow import MAX_UPSTREAM, DataFlow
-from .hlo import HloInstruction
+from .hlo import HloComputation, HloInstruction
 from .program import ProgramModule, UnreadModule, read_program
 from .sites import NESTING_KIND, TRANSPARENT, Site, SiteFinder, own_label
 
 __all__ = ["MAX_UPSTREAM", "call_graph", "draw", "from_node_link_json", "to_dot", "to_node_link_json"]
 
 _MAX_SPLIT_ROUNDS = 8  # each round splits the sites on cycles; real programs need one
+_NOTHING: frozenset[str] = frozenset()
+_NO_UIDS: frozenset[int] = frozenset()
 
 
 def call_graph(x: Any, selector: Any = None, device: str | None = None) -> nx.DiGraph:
@@ -183,12 +185,16 @@ class _Builder:
         for site in finder.sites:
             by_comp.setdefault(site.comp.name, []).append(site)
         for comp_name, sites in by_comp.items():
-            users = finder.member_users(sites[0].comp)
+            leaving = _outputs(finder, sites[0].comp)
+            # Shared collectives and leaves compute for other calls too: they give a call no
+            # inputs, outputs or costs (a fusion holding several labels counts its own label's part).
+            not_costed = finder.lanes.get(comp_name, set()) | finder.passive.get(comp_name, set())
             context = finder.context(comp_name)
             nesting = tuple(c.name for c in context)
             multiplicity = _multiplicity(context)
             for site in sites:
-                nodes.append((site.node, self.site_attributes(finder, site, users, nesting, multiplicity)))
+                passive = site.shared & not_costed if site.shared else _NOTHING
+                nodes.append((site.node, self.site_attributes(finder, site, leaving, passive, nesting, multiplicity)))
                 seen.add(site.node)
                 if context:
                     self.nesting_nodes(site.node, context, nodes, seen, nesting_edges)
@@ -221,17 +227,20 @@ class _Builder:
         self,
         finder: SiteFinder,
         site: Site,
-        users: Mapping[str, list[str]],
+        leaving: set[tuple[str, int]],
+        passive: frozenset[str],
         nesting: tuple[str, ...],
         multiplicity: int | None,
     ) -> dict[str, Any]:
-        """The node attributes of one kernel site (see the module docstring for the costs)."""
+        """The node attributes of one kernel site (see the module docstring for the costs).
+
+        ``leaving``: (member, site uid) whose value is read outside that site (:func:`_outputs`);
+        ``passive``: the site's shared members that count nothing for it.
+        """
         comp = site.comp
         lab = site.label
+        uid = site.uid
         by_name = finder.by_name[comp.name]
-        # Shared collectives and leaves compute for other calls too: they give this call no
-        # inputs, outputs or costs (a fusion holding several labels counts its own label's part).
-        passive = site.shared & (finder.lanes.get(comp.name, set()) | finder.passive.get(comp.name, set()))
         lookup = by_name.get
         members = site.members
         joined = site.joined
@@ -269,14 +278,8 @@ class _Builder:
                         inputs[operand] = ""
                     elif source.opcode not in TRANSPARENT or not _passes_from(source, member_names):
                         inputs[operand] = source.shape
-            following = users.get(instr.name)
-            if not following or instr.is_root:
-                shapes.append(instr.shape)
-            else:
-                for user in following:
-                    if user not in member_names and not _stays_inside(by_name, user, member_names, users):
-                        shapes.append(instr.shape)  # read outside the site: an output of the call
-                        break
+            if instr.is_root or (instr.name, uid) in leaving:
+                shapes.append(instr.shape)  # read outside the site (or by nothing): an output of the call
         read = 0
         for shape in inputs.values():
             read += shape_info(shape)[0]
@@ -373,17 +376,48 @@ def _passes_from(instr: HloInstruction, members: set[str]) -> bool:
     )
 
 
-def _stays_inside(
-    by_name: Mapping[str, HloInstruction], user: str, members: set[str], users: Mapping[str, list[str]]
-) -> bool:
-    """Whether a value read by ``user`` stays in the site: a member, or a transparent hop into it."""
-    if user in members:
-        return True
-    instr = by_name.get(user)
-    if instr is None or instr.opcode not in TRANSPARENT or own_label(instr) is not None or instr.is_root:
-        return False
-    following = users.get(user, ())
-    return bool(following) and all(u in members for u in following)
+def _outputs(finder: SiteFinder, comp: HloComputation) -> set[tuple[str, int]]:
+    """(member, site uid) of the members of ``comp`` whose value leaves that site, in one pass.
+
+    A value leaves its site when nothing reads it, or when an instruction outside the site reads
+    it, other than an unlabelled transparent op (a bitcast, a get-tuple-element...) all of whose
+    readers are in the site: a hop inside the call.
+    """
+    site_sets = finder.site_sets.get(comp.name, {})
+    leaving: set[tuple[str, int]] = set()
+    read: set[str] = set()
+    hops: dict[str, list[tuple[str, int]]] = {}  # hop -> (member, uid) it passes on
+    hop_ok: dict[str, bool] = {}
+    hop_read: set[str] = set()
+    for instr in comp.instructions:
+        name = instr.name
+        mine = site_sets.get(name, _NO_UIDS)
+        for operand in instr.operands:
+            if operand in hops:
+                hop_read.add(operand)
+                if hop_ok[operand] and not all(uid in mine for _, uid in hops[operand]):
+                    hop_ok[operand] = False
+            theirs = site_sets.get(operand)
+            if theirs is None:
+                continue
+            read.add(operand)
+            if theirs is mine:
+                continue
+            for uid in theirs:
+                if uid in mine:
+                    continue
+                if name not in site_sets and instr.opcode in TRANSPARENT and not instr.is_root and own_label(instr) is None:
+                    hops.setdefault(name, []).append((operand, uid))
+                    hop_ok.setdefault(name, True)
+                else:
+                    leaving.add((operand, uid))
+    for hop, passing in hops.items():
+        if not hop_ok[hop] or hop not in hop_read:
+            leaving.update(passing)
+    for name in site_sets:
+        if name not in read:
+            leaving.update((name, uid) for uid in site_sets[name])
+    return leaving
 
 
 # ---------------------------------------------------------------------------

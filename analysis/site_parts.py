@@ -29,6 +29,7 @@ __all__ = [
     "contents_of",
     "linked_names",
     "neighbour_labels",
+    "is_label",
     "own_label",
     "pass_through",
 ]
@@ -60,7 +61,7 @@ _THROUGH_CAP = 8
 def own_label(instr: HloInstruction) -> str | None:
     """The label an instruction carries itself (its ``ejlabel`` frontend attribute), if valid."""
     value = instr.frontend_attributes.get(LABEL_ATTRIBUTE)
-    if value is None or not _is_label(value):
+    if value is None or not is_label(value):
         return None
     return value
 
@@ -68,7 +69,7 @@ def own_label(instr: HloInstruction) -> str | None:
 _LABEL_CHECKED: dict[str, bool] = {}
 
 
-def _is_label(value: str) -> bool:
+def is_label(value: str) -> bool:
     """Whether an attribute value is a label (checked once per distinct value)."""
     found = _LABEL_CHECKED.get(value)
     if found is None:
@@ -188,6 +189,10 @@ class Memberships:
 
     def union(self, a: int, b: int) -> None:
         self.links.append((a, b))
+        self.join(a, b)
+
+    def join(self, a: int, b: int) -> None:
+        """Union without recording the link (its caller did)."""
         ra, rb = self.find(a), self.find(b)
         if ra != rb:
             self.parent[max(ra, rb)] = min(ra, rb)

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from .hlo import HloComputation, HloInstruction
 from .hlo_async import ASYNC_FOLLOWERS
 from .nesting import NESTING_KIND
+from ejlabel.core.label_format import LABEL_ATTRIBUTE
+
 from .site_parts import (
     COMBINABLE,
     NOT_LEAVES,
@@ -22,6 +24,7 @@ from .site_parts import (
     Memberships,
     SharedOp,
     Site,
+    is_label,
     linked_names,
     neighbour_labels,
     own_label,
@@ -105,7 +108,12 @@ class SiteRules:
             if opcode in ASYNC_FOLLOWERS and operands and operands[0] in combined:
                 combined[name] = combined[operands[0]]
                 continue
-            if instr.frontend_attributes or opcode in NESTING_KIND or not instr.called_computations:
+            if not instr.called_computations:
+                # Labelled, calling nothing: its own label (labels_of, inlined: the common member).
+                own = instr.frontend_attributes.get(LABEL_ATTRIBUTE)
+                labels = (own,) if own is not None and own not in absorbed and is_label(own) else ()
+                leafy = ()
+            elif instr.frontend_attributes or opcode in NESTING_KIND:
                 labels, leafy = labels_of(instr, absorbed)
             else:
                 # An unlabelled fusion's labels depend only on what it calls (and on having operands).
@@ -123,7 +131,7 @@ class SiteRules:
                 if len(labels) == 1 and name not in leaves:
                     single[name] = labels[0]
                 linking.append(instr)
-            elif opcode in _LINKING:
+            elif opcode in _LINKING or opcode in ASYNC_FOLLOWERS:
                 linking.append(instr)
             elif operands and operands[0] in single and self.moves_data(instr):  # type: ignore[attr-defined]
                 lab = single[operands[0]]
@@ -156,7 +164,9 @@ class SiteRules:
         owners = groups.owners
         labels_list = groups.labels
         parent = groups.parent
+        links = groups.links
         union = groups.union
+        join = groups.join
         by_name = self.by_name[comp.name]  # type: ignore[attr-defined]
         facts = self.facts  # type: ignore[attr-defined]
         attributed: set[str] = set()  # rule 4
@@ -172,6 +182,12 @@ class SiteRules:
                 collective = combined[operands[0]]
                 lane = facts.index_of(instr, comp)
                 operands = (collective.operands[lane[0]],) if lane and len(lane) == 1 and lane[0] < len(collective.operands) else ()
+            if labels is None and instr.opcode in ASYNC_FOLLOWERS:
+                # Rule 5 for a start attributed by rule 4 above (after the first pass).
+                labels = member_labels.get(operands[0]) if operands else None
+                if labels is None:
+                    continue
+                member_labels[name] = labels
             if labels is None:
                 opcode = instr.opcode
                 if opcode in TRANSPARENT:
@@ -204,7 +220,15 @@ class SiteRules:
                         continue  # a leaf links nothing: it is attached to its readers later
                     other = index.get((operand, lab))
                     if other is not None:
-                        union(me, other)
+                        # groups.union, inlined: the new membership is its own root.
+                        links.append((me, other))
+                        while parent[other] != other:
+                            parent[other] = parent[parent[other]]
+                            other = parent[other]
+                        if parent[me] == me:
+                            parent[me] = other
+                        elif parent[me] != other:
+                            join(me, other)
                     else:
                         passed = through.get(operand)
                         if passed is not None:
@@ -400,7 +424,9 @@ class SiteRules:
         first_uid = len(self.sites)  # type: ignore[attr-defined]
         uid_of: dict[int, int] = {}
         attributed = self.attributed_names  # type: ignore[attr-defined]
-        at = self.positions(comp) if (joined or attached) else None  # type: ignore[attr-defined]
+        # Memberships are made in text order, rule 2's joins last: only groups holding those, or
+        # attached members, need sorting.
+        first_joined = len(owners) - len(joined)
         site_attached: dict[int, list[HloInstruction]] = {}
         for root in sorted(by_root):
             if root in dropped:
@@ -412,7 +438,8 @@ class SiteRules:
                 present = {m.name for m in members}
                 extra = [m for m in dict.fromkeys(extra) if m.name not in present]
                 members.extend(extra)
-            if at is not None:
+            if extra or ids[-1] >= first_joined:
+                at = self.positions(comp)  # type: ignore[attr-defined]
                 members.sort(key=lambda m: at[m.name])
             uid = len(self.sites)  # type: ignore[attr-defined]
             site = Site(uid, groups.labels[root], comp, members, [])
