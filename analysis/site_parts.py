@@ -227,7 +227,8 @@ def neighbour_labels(
 
 
 def _nearby(start: str, by_name: Mapping[str, HloInstruction], users: Mapping[str, list[str]]) -> list[str]:
-    """Instructions reached from ``start`` up or down through transparent unlabelled ones."""
+    """Instructions reached from ``start`` up or down through transparent unlabelled ones (and
+    through the update and done of an async op, which are that op)."""
     reached: list[str] = []
     seen = {start}
     for direction in ("up", "down"):
@@ -245,8 +246,8 @@ def _nearby(start: str, by_name: Mapping[str, HloInstruction], users: Mapping[st
                     seen.add(other)
                     reached.append(other)
                     nxt = by_name.get(other)
-                    if nxt is not None and nxt.opcode in TRANSPARENT and own_label(nxt) is None:
-                        following.append(other)
+                    if nxt is not None and (nxt.opcode in TRANSPARENT or nxt.opcode in ASYNC_FOLLOWERS) and own_label(nxt) is None:
+                        following.append(other)  # a hop, or the rest of one async op
             frontier = following
     return reached
 
