@@ -167,16 +167,33 @@ class _Levels:
         self.comp = comp
         groups = finder.groups[comp.name]
         self.groups = groups
-        # The memberships of the cyclic sites, by instruction, and their links.
-        self.memberships: dict[str, list[int]] = {}
-        for i, uid in enumerate(groups.site_of):
+        # The memberships of the cyclic sites, by instruction, and for each the memberships it
+        # was linked to that come before it in the text (those placed when it is).
+        site_of = groups.site_of
+        owners = groups.owners
+        at = groups.at
+        memberships: dict[str, list[int]] = {}
+        for i, uid in enumerate(site_of):
             if uid in cyclic:
-                self.memberships.setdefault(groups.owners[i].name, []).append(i)
-        self.links: dict[int, list[int]] = {}
+                name = owners[i].name
+                found = memberships.get(name)
+                if found is None:
+                    memberships[name] = [i]
+                else:
+                    found.append(i)
+        links: dict[int, list[int]] = {}
         for a, b in groups.links:
-            if groups.site_of[a] in cyclic and groups.site_of[b] == groups.site_of[a]:
-                self.links.setdefault(a, []).append(b)
-                self.links.setdefault(b, []).append(a)
+            uid = site_of[a]
+            if uid in cyclic and site_of[b] == uid:
+                if at[a] < at[b]:
+                    a, b = b, a
+                found = links.get(a)
+                if found is None:
+                    links[a] = [b]
+                else:
+                    found.append(b)
+        self.memberships = memberships
+        self.links = links
         # Parts: a union-find with, per root, its level, its site (-1 - n for a loop's own part),
         # the lowest level of another site's part that read it, and per same-site part that read
         # it, the lowest level it did so at.
@@ -295,8 +312,8 @@ class _Levels:
                 (only,) = live
                 root = find(only)
                 m = mine[0]
-                placed_links = [part_of[o] for o in links.get(m, ()) if o in part_of]
-                if placed_links and all(find(q) == root for q in placed_links):
+                placed_links = links.get(m)
+                if placed_links and all(o in part_of and find(part_of[o]) == root for o in placed_links):
                     part_of[m] = root
                     self.latest[self.groups.site_of[m]] = root
                     values[name] = live

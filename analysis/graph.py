@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import networkx as nx
@@ -244,7 +244,7 @@ class _Builder:
         lookup = by_name.get
         members = site.members
         joined = site.joined
-        member_names = {members[0].name} if len(members) == 1 else {m.name for m in members}
+        site_sets = finder.site_sets[comp.name]
         opcodes: dict[str, int] = {}
         flops = 0
         instructions = 0
@@ -272,11 +272,11 @@ class _Builder:
                         flops += inner.flops
             written += shape_info(instr.shape)[0]
             for operand in instr.operands:
-                if operand not in member_names and operand not in inputs:
+                if operand not in inputs and uid not in site_sets.get(operand, _NO_UIDS):
                     source = by_name.get(operand)
                     if source is None:
                         inputs[operand] = ""
-                    elif source.opcode not in TRANSPARENT or not _passes_from(source, member_names):
+                    elif source.opcode not in TRANSPARENT or not _passes_from(source, uid, site_sets):
                         inputs[operand] = source.shape
             if instr.is_root or (instr.name, uid) in leaving:
                 shapes.append(instr.shape)  # read outside the site (or by nothing): an output of the call
@@ -366,13 +366,13 @@ def _split_label(lab: str) -> tuple[str, str]:
     return match.group("op"), match.group("key")
 
 
-def _passes_from(instr: HloInstruction, members: set[str]) -> bool:
-    """A transparent unlabelled op fed only by the site's members: a hop inside the site."""
+def _passes_from(instr: HloInstruction, uid: int, site_sets: Mapping[str, frozenset]) -> bool:
+    """A transparent unlabelled op fed only by the members of site ``uid``: a hop inside it."""
     return (
         instr.opcode in TRANSPARENT
         and own_label(instr) is None
         and bool(instr.operands)
-        and all(o in members for o in instr.operands)
+        and all(uid in site_sets.get(o, _NO_UIDS) for o in instr.operands)
     )
 
 
@@ -389,19 +389,19 @@ def _outputs(finder: SiteFinder, comp: HloComputation) -> set[tuple[str, int]]:
     hops: dict[str, list[tuple[str, int]]] = {}  # hop -> (member, uid) it passes on
     hop_ok: dict[str, bool] = {}
     hop_read: set[str] = set()
+    mark_read = read.update
     for instr in comp.instructions:
         name = instr.name
         mine = site_sets.get(name, _NO_UIDS)
-        for operand in instr.operands:
-            if operand in hops:
+        operands = instr.operands
+        mark_read(operands)
+        for operand in operands:
+            if hops and operand in hops:
                 hop_read.add(operand)
                 if hop_ok[operand] and not all(uid in mine for _, uid in hops[operand]):
                     hop_ok[operand] = False
             theirs = site_sets.get(operand)
-            if theirs is None:
-                continue
-            read.add(operand)
-            if theirs is mine:
+            if theirs is None or theirs is mine:
                 continue
             for uid in theirs:
                 if uid in mine:

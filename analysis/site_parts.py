@@ -145,13 +145,15 @@ class SharedOp:
 class CompGroups:
     """The union-find of one computation, kept for splitting its sites (:mod:`.cycles`).
 
-    ``owners[i]``/``labels[i]``: membership ``i``'s instruction and label; ``links``: the unions
-    made, as membership pairs; ``site_of``: each membership's site uid; ``attached``: per site
-    uid, its members without a membership of their own (shared ops).
+    ``owners[i]``/``labels[i]``/``at[i]``: membership ``i``'s instruction, label and position in
+    the computation; ``links``: the unions made, as membership pairs; ``site_of``: each
+    membership's site uid; ``attached``: per site uid, its members without a membership of their
+    own (shared ops).
     """
 
     owners: list[HloInstruction]
     labels: list[str]
+    at: list[int]
     links: list[tuple[int, int]]
     site_of: list[int]
     attached: dict[int, list[HloInstruction]]
@@ -163,20 +165,22 @@ class Memberships:
     Every union is recorded in ``links`` (the splitting of cyclic sites walks them).
     """
 
-    __slots__ = ("index", "labels", "links", "owners", "parent")
+    __slots__ = ("at", "index", "labels", "links", "owners", "parent")
 
     def __init__(self) -> None:
         self.index: dict[tuple[str, str], int] = {}  # (instruction name, label) -> membership id
         self.owners: list[HloInstruction] = []
         self.labels: list[str] = []
+        self.at: list[int] = []  # position of each membership's instruction in its computation
         self.parent: list[int] = []
         self.links: list[tuple[int, int]] = []
 
-    def add(self, instr: HloInstruction, lab: str) -> int:
+    def add(self, instr: HloInstruction, lab: str, at: int) -> int:
         me = len(self.parent)
         self.index[(instr.name, lab)] = me
         self.owners.append(instr)
         self.labels.append(lab)
+        self.at.append(at)
         self.parent.append(me)
         return me
 

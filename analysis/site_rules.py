@@ -80,7 +80,10 @@ class SiteRules:
         leaves: set[str] = set()
         combined: dict[str, HloInstruction] = {}  # a combined collective, or its -done -> the collective
         leaf_only: list[tuple[HloInstruction, tuple[str, ...]]] = []
-        for instr in comp.instructions:
+        # Positions of the linking instructions and candidates, for their memberships.
+        linking_at: list[int] = []
+        candidates_at: list[int] = []
+        for at, instr in enumerate(comp.instructions):
             name = instr.name
             operands = instr.operands
             opcode = instr.opcode
@@ -99,8 +102,10 @@ class SiteRules:
                     else:
                         single[name] = up_label[name] = lab
                         candidates.append(instr)
+                        candidates_at.append(at)
                 if opcode in _LINKING:
                     linking.append(instr)
+                    linking_at.append(at)
                 continue
             if opcode in COMBINABLE and len(operands) > 1 and instr.shape.startswith("("):
                 combined[name] = instr
@@ -131,13 +136,16 @@ class SiteRules:
                 if len(labels) == 1 and name not in leaves:
                     single[name] = labels[0]
                 linking.append(instr)
+                linking_at.append(at)
             elif opcode in _LINKING or opcode in ASYNC_FOLLOWERS:
                 linking.append(instr)
+                linking_at.append(at)
             elif operands and operands[0] in single and self.moves_data(instr):  # type: ignore[attr-defined]
                 lab = single[operands[0]]
                 if all(single.get(operand) == lab for operand in operands[1:]):
                     single[name] = up_label[name] = lab
                     candidates.append(instr)
+                    candidates_at.append(at)
         if not member_labels:
             for instr, leafy in leaf_only:
                 self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, (), True))  # type: ignore[attr-defined]
@@ -145,8 +153,8 @@ class SiteRules:
         by_name = {instr.name: instr for instr in comp.instructions}
         self.by_name[comp.name] = by_name  # type: ignore[attr-defined]
         groups = Memberships()
-        self.union_memberships(comp, linking, member_labels, leaves, combined, groups)
-        joined = self.join_unlabelled(comp, candidates, up_label, member_labels, groups)
+        self.union_memberships(comp, linking, linking_at, member_labels, leaves, combined, groups)
+        joined = self.join_unlabelled(comp, candidates, candidates_at, up_label, member_labels, groups)
         attached, shared, dropped, records = self.attach_shared(comp, member_labels, leaves, combined, groups)
         self.record_sites(comp, groups, member_labels, joined, attached, shared, dropped, records, leaf_only, combined)
 
@@ -154,6 +162,7 @@ class SiteRules:
         self,
         comp: HloComputation,
         linking: list[HloInstruction],
+        linking_at: list[int],
         member_labels: dict[str, tuple[str, ...]],
         leaves: set[str],
         combined: Mapping[str, HloInstruction],
@@ -163,6 +172,7 @@ class SiteRules:
         index = groups.index
         owners = groups.owners
         labels_list = groups.labels
+        positions = groups.at
         parent = groups.parent
         links = groups.links
         union = groups.union
@@ -173,7 +183,7 @@ class SiteRules:
         # Rule 1 through unlabelled transparent ops: label -> membership ids they pass on.
         through: dict[str, dict[str, list[int]]] = {}
         identical: dict[tuple[str, str, str, tuple[str, ...]], int] = {}  # rule 3
-        for instr in linking:
+        for k, instr in enumerate(linking):
             name = instr.name
             labels = member_labels.get(name)
             operands = instr.operands
@@ -214,6 +224,7 @@ class SiteRules:
                 index[(name, lab)] = me
                 owners.append(instr)
                 labels_list.append(lab)
+                positions.append(linking_at[k])
                 parent.append(me)
                 for operand in operands:
                     if operand in leaves and not is_leaf:
@@ -252,6 +263,7 @@ class SiteRules:
         self,
         comp: HloComputation,
         candidates: list[HloInstruction],
+        candidates_at: list[int],
         up_label: Mapping[str, str],
         member_labels: Mapping[str, tuple[str, ...]],
         groups: Memberships,
@@ -291,12 +303,12 @@ class SiteRules:
             joined.add(name)
         if not joined:
             return joined
-        for cand in candidates:  # text order: operands' memberships exist before their users'
+        for cand, at in zip(candidates, candidates_at):  # text order: operands' memberships first
             name = cand.name
             if name not in joined:
                 continue
             lab = up_label[name]
-            me = groups.add(cand, lab)
+            me = groups.add(cand, lab, at)
             for other_name in (*cand.operands, *downstream.get(name, ())):
                 other = groups.index.get((other_name, lab))
                 if other is not None:
@@ -421,8 +433,10 @@ class SiteRules:
         """Turn the groups into sites; keep the union-find for splitting (``groups``)."""
         by_root = groups.groups()
         owners = groups.owners
+        at = groups.at
         first_uid = len(self.sites)  # type: ignore[attr-defined]
         uid_of: dict[int, int] = {}
+        site_of = [-1] * len(owners)
         attributed = self.attributed_names  # type: ignore[attr-defined]
         # Memberships are made in text order, rule 2's joins last: only groups holding those, or
         # attached members, need sorting.
@@ -432,29 +446,32 @@ class SiteRules:
             if root in dropped:
                 continue
             ids = by_root[root]
+            holds_joined = ids[-1] >= first_joined  # ids come in id order: rule 2's joins last
+            if holds_joined:
+                ids.sort(key=at.__getitem__)  # into text order
             members = [owners[ids[0]]] if len(ids) == 1 else [owners[i] for i in ids]
             extra = attached.get(root)
             if extra:
                 present = {m.name for m in members}
                 extra = [m for m in dict.fromkeys(extra) if m.name not in present]
                 members.extend(extra)
-            if extra or ids[-1] >= first_joined:
-                at = self.positions(comp)  # type: ignore[attr-defined]
-                members.sort(key=lambda m: at[m.name])
+                positions = self.positions(comp)  # type: ignore[attr-defined]
+                members.sort(key=lambda m: positions[m.name])
             uid = len(self.sites)  # type: ignore[attr-defined]
+            for i in ids:
+                site_of[i] = uid
             site = Site(uid, groups.labels[root], comp, members, [])
             if attributed:
                 site.attributed.extend(m.custom_call_target or "" for m in members if m.name in attributed)
-            if joined:
-                site.joined = frozenset(m.name for m in members if m.name in joined)
+            if holds_joined:
+                site.joined = frozenset(owners[i].name for i in ids if i >= first_joined)
             if root in shared:
                 site.shared = frozenset(shared[root])
             if extra:
                 site_attached[uid] = extra
             uid_of[root] = uid
             self.sites.append(site)  # type: ignore[attr-defined]
-        site_of = [uid_of.get(groups.find(i), -1) for i in range(len(owners))]
-        self.groups[comp.name] = CompGroups(owners, groups.labels, groups.links, site_of, site_attached)  # type: ignore[attr-defined]
+        self.groups[comp.name] = CompGroups(owners, groups.labels, at, groups.links, site_of, site_attached)  # type: ignore[attr-defined]
         self.members_of[comp.name] = set(member_labels) | joined | {m.name for ms in attached.values() for m in ms}  # type: ignore[attr-defined]
         self.lanes[comp.name] = set(combined)  # type: ignore[attr-defined]
         self.passive[comp.name] = {name for names in shared.values() for name in names if name not in combined}  # type: ignore[attr-defined]
