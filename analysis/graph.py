@@ -21,7 +21,16 @@ bound). A computation called from several places takes the nesting of its first 
 through unlabelled instructions (:mod:`.flow`). The data edges form a DAG: a site that would lie
 on a cycle (a kernel differentiated by JAX labels its backward ops like its forward ones, and the
 backward reads the forward's intermediates) is split by level into its forward and its backward
-(:mod:`.cycles`).
+(:mod:`.cycles`), in one pass over its computation.
+
+*Shared ops.* An instruction that XLA made compute for several calls, or for a call and the
+user's code (a combined collective, a leaf its CSE shared, a fusion holding several labels), is
+a member of each call it computes for and listed in its node's ``shared``; it links no calls,
+gives no call another's inputs, and a shared collective or leaf costs no call anything.
+``graph.graph["shared"]`` lists each once: ``module``, ``computation``, ``instruction``,
+``kind`` (``"combined"``, ``"leaf"``, ``"fusion"``), ``labels``, ``nodes`` (none for a fusion
+holding only copies of a label's leaves, which is no site of that label) and ``outside``
+(whether unlabelled code shares it). :mod:`.sites` has the rules.
 
 *Costs.* ``flops`` counts the site's labelled instructions, inside fusions too
 (:func:`.costs.instruction_flops`): dots and library gemms 2 × result × contracted elements,
@@ -36,7 +45,10 @@ Which forms count what
   before it is read), so their sites, flops and bytes are equal; an XLA dump's
   ``before_optimizations`` file is that HLO too.
 * Compiled HLO (``Compiled.as_text()``, a dump's ``after_optimizations`` file) is what XLA made
-  of it: the same sites as long as XLA keeps the labels on the ops it rewrites. A dot's flops are
+  of it: the same sites as long as XLA keeps the labels on the ops it rewrites; where it merged
+  the ops of several calls into one (the all-reduce combiner, CSE, fusion), the merged op is
+  shared (above), so the calls stay as many. XLA's async shorthand
+  (``custom-call-start``/``-update``/``-done``) is one op: an ``async-start`` wrapping it. A dot's flops are
   the same (XLA does not change what a dot computes); elementwise flops change where XLA's
   simplifier rewrites ops (``x / c`` into ``x * (1/c)``, broadcasts folded, a select turned into
   a conditional), and bytes change most: fused ops write nothing to memory, layouts add copies.

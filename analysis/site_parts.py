@@ -129,15 +129,14 @@ class SharedOp:
 
     ``kind``: ``"combined"`` (a combined collective), ``"leaf"`` (a labelled leaf, or a fusion
     holding a label's leaves only) or ``"fusion"`` (a fusion holding several labels); ``labels``
-    the labels it computes for, ``sites`` the uids of the sites it is a member of (none for a
-    fusion holding leaves only), ``outside``: whether it computes for unlabelled code too.
+    the labels it computes for; ``outside``: whether it computes for unlabelled code too. The
+    sites it is a member of are those whose members it is (``SiteFinder.site_sets``).
     """
 
     computation: str
     instruction: str
     kind: str
     labels: tuple[str, ...]
-    sites: tuple[int, ...]
     outside: bool
 
 

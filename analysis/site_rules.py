@@ -148,7 +148,7 @@ class SiteRules:
                     candidates_at.append(at)
         if not member_labels:
             for instr, leafy in leaf_only:
-                self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, (), True))  # type: ignore[attr-defined]
+                self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, True))  # type: ignore[attr-defined]
             return
         by_name = {instr.name: instr for instr in comp.instructions}
         self.by_name[comp.name] = by_name  # type: ignore[attr-defined]
@@ -322,17 +322,17 @@ class SiteRules:
         leaves: set[str],
         combined: Mapping[str, HloInstruction],
         groups: Memberships,
-    ) -> tuple[dict[int, list[HloInstruction]], dict[int, set[str]], set[int], list[tuple[SharedOp, list[int]]]]:
+    ) -> tuple[dict[int, list[HloInstruction]], dict[int, set[str]], set[int], list[SharedOp]]:
         """Leaves and combined collectives, attached to the sites they compute for.
 
         Returns, per group root, the members attached without a membership and the names among
         them that are shared; the roots of leaf groups that became no site (they were shared);
-        and the shared ops found, each with the roots of the groups it is attached to.
+        and the shared ops found.
         """
         attached: dict[int, list[HloInstruction]] = {}
         shared: dict[int, set[str]] = {}
         dropped: set[int] = set()
-        records: list[tuple[SharedOp, list[int]]] = []
+        records: list[SharedOp] = []
         index = groups.index
         leaf_memberships = [i for i, owner in enumerate(groups.owners) if owner.name in leaves]
         if not leaf_memberships and not combined:
@@ -381,7 +381,7 @@ class SiteRules:
                 attached.setdefault(reader, []).extend(members)
                 shared.setdefault(reader, set()).update(m.name for m in members)
             for member in members:
-                records.append((SharedOp(comp.name, member.name, "leaf", (lab,), (), outside), list(readers)))
+                records.append(SharedOp(comp.name, member.name, "leaf", (lab,), outside))
         # Combined collectives: each lane belongs to the label of its get-tuple-element.
         for name, collective in combined.items():
             if collective.name != name:
@@ -414,7 +414,7 @@ class SiteRules:
             if len(roots) > 1 or outside:
                 for root in roots:
                     shared.setdefault(root, set()).update(m.name for m in members)
-                records.append((SharedOp(comp.name, name, "combined", tuple(sorted(labels)), (), outside), list(roots)))
+                records.append(SharedOp(comp.name, name, "combined", tuple(sorted(labels)), outside))
         return attached, shared, dropped, records
 
     def record_sites(
@@ -426,7 +426,7 @@ class SiteRules:
         attached: dict[int, list[HloInstruction]],
         shared: dict[int, set[str]],
         dropped: set[int],
-        records: list[tuple[SharedOp, list[int]]],
+        records: list[SharedOp],
         leaf_only: list[tuple[HloInstruction, tuple[str, ...]]],
         combined: Mapping[str, HloInstruction],
     ) -> None:
@@ -475,12 +475,11 @@ class SiteRules:
         self.members_of[comp.name] = set(member_labels) | joined | {m.name for ms in attached.values() for m in ms}  # type: ignore[attr-defined]
         self.lanes[comp.name] = set(combined)  # type: ignore[attr-defined]
         self.passive[comp.name] = {name for names in shared.values() for name in names if name not in combined}  # type: ignore[attr-defined]
-        for op, roots in records:
-            op.sites = tuple(sorted({uid_of[r] for r in roots if r in uid_of}))
-            self.shared_ops.append(op)  # type: ignore[attr-defined]
+        self.shared_ops.extend(records)  # type: ignore[attr-defined]
         for instr, leafy in leaf_only:
-            uids = tuple(sorted(uid for lab in member_labels.get(instr.name, ()) for uid in [self.uid_for(instr.name, lab, groups, uid_of)] if uid >= 0))
-            self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, uids, not uids))  # type: ignore[attr-defined]
+            # Outside: the fusion's own work belongs to no call (else to the calls it is a member of).
+            outside = not any(self.uid_for(instr.name, lab, groups, uid_of) >= 0 for lab in member_labels.get(instr.name, ()))
+            self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, outside))  # type: ignore[attr-defined]
         self.index_memberships(comp, self.sites[first_uid:])  # type: ignore[attr-defined]
 
     @staticmethod
@@ -521,7 +520,5 @@ class SiteRules:
             recorded = {(op.computation, op.instruction) for op in self.shared_ops}  # type: ignore[attr-defined]
             for name, by_label in multi.items():
                 if len(by_label) > 1 and (comp.name, name) not in recorded:
-                    self.shared_ops.append(  # type: ignore[attr-defined]
-                        SharedOp(comp.name, name, "fusion", tuple(by_label), tuple(sorted(by_label.values())), False)
-                    )
+                    self.shared_ops.append(SharedOp(comp.name, name, "fusion", tuple(by_label), False))  # type: ignore[attr-defined]
         self.label_sites[comp.name] = multi  # type: ignore[attr-defined]

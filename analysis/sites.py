@@ -219,39 +219,6 @@ class SiteFinder(SiteRules):
             self.user_maps[comp.name] = found
         return found
 
-    def member_users(self, comp: HloComputation) -> dict[str, list[str]]:
-        """Users of the site members of ``comp`` and of the transparent hops right after them.
-
-        That is all the node attributes need (which outputs leave their site), and far less than
-        the users of every instruction of a large computation.
-        """
-        full = self.user_maps.get(comp.name)
-        if full is not None:
-            return full
-        members = self.members_of[comp.name]
-        found: dict[str, list[str]] = {}
-        for instr in comp.instructions:
-            for operand in instr.operands:
-                if operand in members:
-                    users = found.get(operand)
-                    if users is None:
-                        found[operand] = [instr.name]
-                    else:
-                        users.append(instr.name)
-        by_name = self.by_name[comp.name]
-        hops: set[str] = set()
-        for users in found.values():
-            for user in users:
-                instr = by_name.get(user)
-                if instr is not None and instr.opcode in TRANSPARENT and user not in members:
-                    hops.add(user)
-        if hops:
-            for instr in comp.instructions:
-                for operand in instr.operands:
-                    if operand in hops:
-                        found.setdefault(operand, []).append(instr.name)
-        return found
-
     def moves_data(self, instr: HloInstruction) -> bool:
         """Whether an unlabelled instruction that calls computations only moves data (rule 2)."""
         if instr.opcode != "fusion":
