@@ -307,17 +307,30 @@ class _Levels:
                     if floor >= 0:
                         floors[name] = floor
                 continue
-            if len(mine) == 1 and len(live) == 1 and floor < 0:
-                # The common member: it reads its own part only, and is linked to it.
-                (only,) = live
-                root = find(only)
+            if len(mine) == 1 and floor < 0:
+                # The common member: it reads only parts it is linked to (its own call's), all at
+                # one level: it joins them, and nothing it reads is read from outside.
                 m = mine[0]
-                placed_links = links.get(m)
-                if placed_links and all(o in part_of and find(part_of[o]) == root for o in placed_links):
-                    part_of[m] = root
-                    self.latest[self.groups.site_of[m]] = root
-                    values[name] = live
-                    continue
+                earlier = links.get(m)
+                if earlier:
+                    if len(live) == 1:
+                        (only,) = live
+                        root = find(only)
+                        if all(o in part_of and find(part_of[o]) == root for o in earlier):
+                            part_of[m] = root
+                            self.latest[self.groups.site_of[m]] = root
+                            values[name] = live
+                            continue
+                    else:
+                        linked = {find(part_of[o]) for o in earlier if o in part_of}
+                        if linked and {find(p) for p in live} <= linked:
+                            top = max(level[p] for p in linked)
+                            if all(level[p] == top for p in linked):
+                                root = self.merge(list(linked), top) if len(linked) > 1 else next(iter(linked))
+                                part_of[m] = root
+                                self.latest[self.groups.site_of[m]] = root
+                                values[name] = frozenset((root,))
+                                continue
             reads = {find(p) for p in live}
             placed = [self.place(m, reads, floor) for m in mine]
             self.record_reads(reads, placed)
