@@ -10,6 +10,7 @@ rules themselves are written down in :mod:`.sites`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from itertools import islice
 
 from .hlo import HloComputation, HloInstruction
 from .hlo_async import ASYNC_FOLLOWERS
@@ -281,7 +282,10 @@ class SiteRules:
         after: dict[str, list[str]] = {}  # candidate -> candidates that use it
         downstream: dict[str, list[str]] = {}  # candidate -> members of its label that use it
         first = comp.instructions.index(candidates[0])  # by identity (instructions compare so): a C loop
-        for instr in comp.instructions[first + 1 :]:
+        reads_none = ok.keys().isdisjoint  # a C loop over an instruction's operands
+        for instr in islice(comp.instructions, first + 1, None):
+            if reads_none(instr.operands):
+                continue
             for operand in instr.operands:
                 if operand not in ok:
                     continue
