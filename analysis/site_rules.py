@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from itertools import islice
 
+from .costs import InstructionFacts
 from .hlo import HloComputation, HloInstruction
 from .hlo_async import ASYNC_FOLLOWERS
 from .nesting import NESTING_KIND
@@ -63,13 +64,41 @@ _SPECIAL = frozenset(NESTING_KIND) | ASYNC_FOLLOWERS | COMBINABLE
 
 class SiteRules:
     """Finds the sites of one computation at a time; mixed into :class:`~.sites.SiteFinder`, whose
-    state (``sites``, ``site_sets``, ``groups``, ...) and roles (``labels_of``, ``absorbed``,
-    ``users``, ``moves_data``, ``positions``) it uses."""
+    state (declared here) and roles (``labels_of``, ``absorbed``, ``users``, ``moves_data``,
+    ``positions``) it uses."""
+
+    facts: InstructionFacts
+    sites: list[Site]
+    site_sets: dict[str, dict[str, frozenset]]
+    by_name: dict[str, dict[str, HloInstruction]]
+    members_of: dict[str, set[str]]
+    label_sites: dict[str, dict[str, dict[str, int]]]
+    singles: dict[int, frozenset]
+    attributed_names: set[str]
+    groups: dict[str, CompGroups]
+    lanes: dict[str, set[str]]
+    passive: dict[str, set[str]]
+    shared_ops: list[SharedOp]
+
+    def labels_of(self, instr: HloInstruction, absorbed: frozenset[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        raise NotImplementedError  # SiteFinder's
+
+    def absorbed(self, comp_name: str) -> frozenset[str]:
+        raise NotImplementedError  # SiteFinder's
+
+    def users(self, comp: HloComputation) -> dict[str, list[str]]:
+        raise NotImplementedError  # SiteFinder's
+
+    def moves_data(self, instr: HloInstruction) -> bool:
+        raise NotImplementedError  # SiteFinder's
+
+    def positions(self, comp: HloComputation) -> dict[str, int]:
+        raise NotImplementedError  # SiteFinder's
 
     def find_sites(self, comp: HloComputation) -> None:
         """Classify, union memberships, attach shared ops, record the sites (module docstring)."""
-        absorbed = self.absorbed(comp.name)  # type: ignore[attr-defined]
-        labels_of = self.labels_of  # type: ignore[attr-defined]
+        absorbed = self.absorbed(comp.name)
+        labels_of = self.labels_of
         member_labels: dict[str, tuple[str, ...]] = {}
         linking: list[HloInstruction] = []
         by_callees: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
@@ -141,7 +170,7 @@ class SiteRules:
             elif opcode in _LINKING or opcode in ASYNC_FOLLOWERS:
                 linking.append(instr)
                 linking_at.append(at)
-            elif operands and operands[0] in single and self.moves_data(instr):  # type: ignore[attr-defined]
+            elif operands and operands[0] in single and self.moves_data(instr):
                 lab = single[operands[0]]
                 if all(single.get(operand) == lab for operand in operands[1:]):
                     single[name] = up_label[name] = lab
@@ -149,10 +178,10 @@ class SiteRules:
                     candidates_at.append(at)
         if not member_labels:
             for instr, leafy in leaf_only:
-                self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, True))  # type: ignore[attr-defined]
+                self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, True))
             return
         by_name = {instr.name: instr for instr in comp.instructions}
-        self.by_name[comp.name] = by_name  # type: ignore[attr-defined]
+        self.by_name[comp.name] = by_name
         groups = Memberships()
         self.union_memberships(comp, linking, linking_at, member_labels, leaves, combined, groups)
         joined = self.join_unlabelled(comp, candidates, candidates_at, up_label, member_labels, groups)
@@ -178,8 +207,8 @@ class SiteRules:
         links = groups.links
         union = groups.union
         join = groups.join
-        by_name = self.by_name[comp.name]  # type: ignore[attr-defined]
-        facts = self.facts  # type: ignore[attr-defined]
+        by_name = self.by_name[comp.name]
+        facts = self.facts
         attributed: set[str] = set()  # rule 4
         # Rule 1 through unlabelled transparent ops: label -> membership ids they pass on.
         through: dict[str, dict[str, list[int]]] = {}
@@ -211,13 +240,13 @@ class SiteRules:
                     continue
                 if instr.custom_call_target is None or instr.custom_call_target in BOOKKEEPING_TARGETS:
                     continue
-                neighbours = neighbour_labels(instr, by_name, self.users(comp), member_labels)  # type: ignore[attr-defined]
+                neighbours = neighbour_labels(instr, by_name, self.users(comp), member_labels)
                 if len(neighbours) != 1:
                     continue
                 labels = (next(iter(neighbours)),)
                 member_labels[name] = labels
                 attributed.add(name)
-                self.attributed_names.add(name)  # type: ignore[attr-defined]
+                self.attributed_names.add(name)
             is_leaf = name in leaves
             cse = instr.opcode in _CSE_OPCODES and not instr.called_computations
             for lab in labels:
@@ -255,7 +284,7 @@ class SiteRules:
         for name in attributed:
             lab = member_labels[name][0]
             me = index[(name, lab)]
-            for linked in linked_names(name, by_name, self.users(comp), lab, member_labels):  # type: ignore[attr-defined]
+            for linked in linked_names(name, by_name, self.users(comp), lab, member_labels):
                 other = index.get((linked, lab))
                 if other is not None and linked not in leaves:
                     union(me, other)
@@ -342,7 +371,7 @@ class SiteRules:
         if not leaf_memberships and not combined:
             return attached, shared, dropped, records
         wanted = {groups.owners[i].name for i in leaf_memberships} | set(combined)
-        by_name = self.by_name[comp.name]  # type: ignore[attr-defined]
+        by_name = self.by_name[comp.name]
         users: dict[str, list[HloInstruction]] = {}
         hops: set[str] = set()  # unlabelled leaves and transparent ops a leaf's value passes through
         for instr in comp.instructions:
@@ -438,10 +467,10 @@ class SiteRules:
         by_root = groups.groups()
         owners = groups.owners
         at = groups.at
-        first_uid = len(self.sites)  # type: ignore[attr-defined]
+        first_uid = len(self.sites)
         uid_of: dict[int, int] = {}
         site_of = [-1] * len(owners)
-        attributed = self.attributed_names  # type: ignore[attr-defined]
+        attributed = self.attributed_names
         # Memberships are made in text order, rule 2's joins last: only groups holding those, or
         # attached members, need sorting.
         first_joined = len(owners) - len(joined)
@@ -459,9 +488,9 @@ class SiteRules:
                 present = {m.name for m in members}
                 extra = [m for m in dict.fromkeys(extra) if m.name not in present]
                 members.extend(extra)
-                positions = self.positions(comp)  # type: ignore[attr-defined]
+                positions = self.positions(comp)
                 members.sort(key=lambda m: positions[m.name])
-            uid = len(self.sites)  # type: ignore[attr-defined]
+            uid = len(self.sites)
             for i in ids:
                 site_of[i] = uid
             site = Site(uid, groups.labels[root], comp, members, [])
@@ -474,17 +503,17 @@ class SiteRules:
             if extra:
                 site_attached[uid] = extra
             uid_of[root] = uid
-            self.sites.append(site)  # type: ignore[attr-defined]
-        self.groups[comp.name] = CompGroups(owners, groups.labels, at, groups.links, site_of, site_attached)  # type: ignore[attr-defined]
-        self.members_of[comp.name] = set(member_labels) | joined | {m.name for ms in attached.values() for m in ms}  # type: ignore[attr-defined]
-        self.lanes[comp.name] = set(combined)  # type: ignore[attr-defined]
-        self.passive[comp.name] = {name for names in shared.values() for name in names if name not in combined}  # type: ignore[attr-defined]
-        self.shared_ops.extend(records)  # type: ignore[attr-defined]
+            self.sites.append(site)
+        self.groups[comp.name] = CompGroups(owners, groups.labels, at, groups.links, site_of, site_attached)
+        self.members_of[comp.name] = set(member_labels) | joined | {m.name for ms in attached.values() for m in ms}
+        self.lanes[comp.name] = set(combined)
+        self.passive[comp.name] = {name for names in shared.values() for name in names if name not in combined}
+        self.shared_ops.extend(records)
         for instr, leafy in leaf_only:
             # Outside: the fusion's own work belongs to no call (else to the calls it is a member of).
             outside = not any(self.uid_for(instr.name, lab, groups, uid_of) >= 0 for lab in member_labels.get(instr.name, ()))
-            self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, outside))  # type: ignore[attr-defined]
-        self.index_memberships(comp, self.sites[first_uid:])  # type: ignore[attr-defined]
+            self.shared_ops.append(SharedOp(comp.name, instr.name, "leaf", leafy, outside))
+        self.index_memberships(comp, self.sites[first_uid:])
 
     @staticmethod
     def uid_for(name: str, lab: str, groups: Memberships, uid_of: Mapping[int, int]) -> int:
@@ -497,7 +526,7 @@ class SiteRules:
         A fusion that is a member of several sites (several labels) is shared by them.
         """
         sites = list(sites)
-        singles = self.singles  # type: ignore[attr-defined]
+        singles = self.singles
         site_sets: dict[str, frozenset] = {}
         multi_names: list[str] = []
         for site in sites:
@@ -511,7 +540,7 @@ class SiteRules:
                 elif site.uid not in found:
                     site_sets[member.name] = found | mine
                     multi_names.append(member.name)
-        self.site_sets[comp.name] = site_sets  # type: ignore[attr-defined]
+        self.site_sets[comp.name] = site_sets
         multi: dict[str, dict[str, int]] = {}
         if multi_names:
             wanted = set(multi_names)
@@ -521,8 +550,8 @@ class SiteRules:
                     multi.setdefault(name, {})[site.label] = site.uid
                 if inside:
                     site.shared = site.shared | frozenset(n for n in inside if len({s for s in site_sets[n]}) > 1)
-            recorded = {(op.computation, op.instruction) for op in self.shared_ops}  # type: ignore[attr-defined]
+            recorded = {(op.computation, op.instruction) for op in self.shared_ops}
             for name, by_label in multi.items():
                 if len(by_label) > 1 and (comp.name, name) not in recorded:
-                    self.shared_ops.append(SharedOp(comp.name, name, "fusion", tuple(by_label), False))  # type: ignore[attr-defined]
-        self.label_sites[comp.name] = multi  # type: ignore[attr-defined]
+                    self.shared_ops.append(SharedOp(comp.name, name, "fusion", tuple(by_label), False))
+        self.label_sites[comp.name] = multi
