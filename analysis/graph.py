@@ -149,6 +149,7 @@ class _Builder:
         self.graph = graph
         self.resolve = resolve
         self.split_labels: dict[str, tuple[str, str, str, str, Any]] = {}
+        self.flow: DataFlow | None = None  # the last data flow: its fusion ports, for inputs
 
     def build(self) -> None:
         finder = SiteFinder(self.module, self.facts)
@@ -156,12 +157,15 @@ class _Builder:
         if not finder.sites:
             self.add_shared(finder)
             return
-        incoming = DataFlow(self.module, self.facts, finder).run()
+        flow = DataFlow(self.module, self.facts, finder)
+        incoming = flow.run()
         for _ in range(_MAX_SPLIT_ROUNDS):
             cyclic = sites_on_cycles(finder, incoming)
             if not cyclic or not (split_by_level(finder, cyclic) or split_apart(finder, cyclic)):
                 break
-            incoming = DataFlow(self.module, self.facts, finder).run()
+            flow = DataFlow(self.module, self.facts, finder)
+            incoming = flow.run()
+        self.flow = flow
         self.add_nodes(finder)
         _add_data_edges(self.graph, [site.node for site in finder.sites], incoming)
         self.add_shared(finder)
@@ -270,6 +274,12 @@ class _Builder:
             opcodes[opcode] = opcodes.get(opcode, 0) + 1
             if passive and instr.name in passive:
                 continue
+            operands = instr.operands
+            if site.shared and instr.name in site.shared and instr.called_computations and self.flow is not None:
+                # A fusion holding several calls: this call's inputs are the operands its ops read.
+                readers = self.flow.fusion_ports(instr.called_computations[0])[0]
+                if readers is not None:
+                    operands = tuple(o for k, o in enumerate(operands) if lab in readers.get(k, ()))
             if instr.name not in joined:
                 if opcode in ELEMENTWISE:
                     flops += elements(instr.shape)
@@ -283,7 +293,7 @@ class _Builder:
                             opcodes[key] = opcodes.get(key, 0) + count
                         flops += inner.flops
             written += shape_info(instr.shape)[0]
-            for operand in instr.operands:
+            for operand in operands:
                 if operand not in inputs and uid not in site_sets.get(operand, _NO_UIDS):
                     source = by_name.get(operand)
                     if source is None:

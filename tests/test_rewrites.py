@@ -302,3 +302,33 @@ def test_a_thousand_nested_computations(kind: str) -> None:
     report = audit(program, selector=ejlabel.ConfigSelectorChain())
     assert len(report.calls) == 2 and report.render() and report.to_json()
     assert to_dot(graph) and to_node_link_json(graph)
+
+
+MERGED_FUSION = f"""HloModule merged
+
+%fused (p0: f32[8], p1: f32[4]) -> (f32[8], f32[4]) {{
+  %p0 = f32[8]{{0}} parameter(0)
+  %p1 = f32[4]{{0}} parameter(1)
+  %a = f32[8]{{0}} exponential(%p0), {MATMUL_A}
+  %b = f32[4]{{0}} negate(%p1), {NORM}
+  ROOT %t = (f32[8]{{0}}, f32[4]{{0}}) tuple(%a, %b)
+}}
+
+ENTRY %main (x: f32[8], y: f32[4]) -> (f32[8], f32[4]) {{
+  %x = f32[8]{{0}} parameter(0)
+  %y = f32[4]{{0}} parameter(1)
+  ROOT %f = (f32[8]{{0}}, f32[4]{{0}}) fusion(%x, %y), kind=kLoop, calls=%fused
+}}
+"""
+
+
+def test_fusion_of_two_calls_gives_each_its_own_inputs() -> None:
+    # XLA fused ops of two calls into one multi-output fusion: a member of both, shared by them,
+    # each call taking the operands its own ops read.
+    graph = call_graph(MERGED_FUSION)
+    nodes = {d["op"]: d for d in kernels(graph).values()}
+    assert nodes["matmul"]["shared"] == nodes["rms_norm"]["shared"] == ["f"]
+    assert nodes["matmul"]["input_shapes"] == ["f32[8]{0}"] and nodes["rms_norm"]["input_shapes"] == ["f32[4]{0}"]
+    assert nodes["matmul"]["flops"] == 8 and nodes["rms_norm"]["flops"] == 4
+    (op,) = graph.graph["shared"]
+    assert op["kind"] == "fusion" and sorted(op["nodes"]) == sorted(kernels(graph)) and not op["outside"]
