@@ -155,7 +155,10 @@ def split_by_level(finder: SiteFinder, uids: Iterable[int]) -> int:
 
 
 #: Most parts a value remembers (the highest levels); below them only the highest level is kept.
-MAX_LIVE = 32
+#: A residual stream, which no call's member reads in full, would carry every layer's parts.
+MAX_LIVE = 8
+# Memoised unions of two values, dropped past this many (each holds a set).
+_MAX_PAIRS = 1 << 16
 _OPEN = 1 << 62  # the lowest level that read a part: none yet
 
 
@@ -198,6 +201,7 @@ class _Levels:
         # the lowest level of another site's part that read it, and per same-site part that read
         # it, the lowest level it did so at.
         self.parent: list[int] = []
+        self.size: list[int] = []
         self.level: list[int] = []
         self.site: list[int] = []
         self.read_at: list[int] = []
@@ -215,6 +219,7 @@ class _Levels:
     def new_part(self, level: int, site: int) -> int:
         part = len(self.parent)
         self.parent.append(part)
+        self.size.append(1)
         self.level.append(level)
         self.site.append(site)
         self.read_at.append(_OPEN)
@@ -229,10 +234,13 @@ class _Levels:
         return all(level < at for reader, at in self.same_site_read[part].items() if self.find(reader) not in merging)
 
     def merge(self, parts: list[int], level: int) -> int:
-        root = min(parts)
+        # The largest part stays the root (union by size): chains stay short whatever the depth.
+        size = self.size
+        root = max(parts, key=size.__getitem__)
         for part in parts:
             if part != root:
                 self.parent[part] = root
+                size[root] += size[part]
                 self.read_at[root] = min(self.read_at[root], self.read_at[part])
                 for reader, at in self.same_site_read[part].items():
                     known = self.same_site_read[root].get(reader)
@@ -277,15 +285,21 @@ class _Levels:
                 else:
                     live = pairs.get((a, b))  # type: ignore[assignment]
                     if live is None:
+                        if len(pairs) > _MAX_PAIRS:
+                            pairs.clear()
                         live = pairs[(a, b)] = a | b
                 if floors:
                     floor = max(floors.get(operands[0], -1), floors.get(operands[1], -1))
             elif operands:
-                live = empty
-                for o in operands:
-                    v = get(o, empty)
-                    if v and v is not live:
-                        live = v if not live else live | v
+                # Many operands (a program's result tuple holds every updated weight): one set
+                # gathers them, where a union per operand would copy a growing set each time.
+                found = [v for v in map(get, operands) if v]
+                if not found:
+                    live = empty
+                elif len(found) == 1 or all(v is found[0] for v in found):
+                    live = found[0]
+                else:
+                    live = frozenset().union(*found)
                 if floors:
                     floor = max(floors.get(o, -1) for o in operands)
             else:
