@@ -137,7 +137,7 @@ def _strongly_connected(nodes: set[int], incoming: list[list[frozenset]]) -> lis
 def split_by_level(finder: SiteFinder, uids: Iterable[int]) -> int:
     """Split the given sites into their parts by level (module docstring); the number of new sites.
 
-    The first part (the lowest level) keeps the site's uid; the others are appended to
+    The part holding a site's first member keeps the site's uid; the others are appended to
     ``finder.sites``, and the finder's membership maps are rebuilt for the computations concerned.
     """
     by_comp: dict[str, set[int]] = {}
@@ -234,6 +234,7 @@ class _Levels:
         return all(level < at for reader, at in self.same_site_read[part].items() if self.find(reader) not in merging)
 
     def merge(self, parts: list[int], level: int) -> int:
+        """One part of the roots ``parts`` (one site's), at ``level``; what read each, kept."""
         # The largest part stays the root (union by size): chains stay short whatever the depth.
         size = self.size
         root = max(parts, key=size.__getitem__)
