@@ -10,6 +10,7 @@ rules themselves are written down in :mod:`.sites`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 from itertools import islice
 
 from .costs import InstructionFacts
@@ -464,6 +465,9 @@ class SiteRules:
         combined: Mapping[str, HloInstruction],
     ) -> None:
         """Turn the groups into sites; keep the union-find for splitting (``groups``)."""
+        # Shared ops were attached to the roots of their day; a later union may have moved them.
+        attached, shared = _by_root(attached, groups), _by_root(shared, groups)
+        dropped = {groups.find(root) for root in dropped}
         by_root = groups.groups()
         owners = groups.owners
         at = groups.at
@@ -555,3 +559,17 @@ class SiteRules:
                 if len(by_label) > 1 and (comp.name, name) not in recorded:
                     self.shared_ops.append(SharedOp(comp.name, name, "fusion", tuple(by_label), False))
         self.label_sites[comp.name] = multi
+
+
+def _by_root(by_group: dict[int, Any], groups: Memberships) -> dict[int, Any]:
+    """``by_group`` keyed by each key's current root, the values of merged keys gathered."""
+    found: dict[int, Any] = {}
+    for key, value in by_group.items():
+        root = groups.find(key)
+        if root not in found:
+            found[root] = value
+        elif isinstance(value, set):
+            found[root] = found[root] | value
+        else:
+            found[root] = [*found[root], *value]
+    return found
