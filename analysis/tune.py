@@ -35,7 +35,7 @@ from ejlabel.execution.tuning.remote import call_request, result_from_data
 from ejlabel.utils.fingerprint import device_fingerprint
 
 from .audit import TUNED_PROVENANCES
-from .program import Program, read_program
+from .program import Program, note_described_kernels, read_program
 
 __all__ = ["TuneReport", "tune_unseen"]
 
@@ -77,6 +77,9 @@ class TuneReport:
 
 
 def _unseen_labels(program: Program, selector: ConfigSelectorChain, device: str) -> tuple[list[str], list[str]]:
+    # The described kernels first: a cached config of another kernel's type is then refused (and
+    # the call tuned), as the running program would refuse it.
+    note_described_kernels(program)
     unseen: list[str] = []
     seen: list[str] = []
     for lab in program.labels:

@@ -327,7 +327,8 @@ def test_sanitize_makes_data_inert_for_each_place_it_goes() -> None:
     markdown = sanitize(hostile, "markdown")
     assert markdown.isprintable() and "\n" not in markdown
     assert markdown.replace("\\|", "").count("|") == 0 and "<" not in markdown and ">" not in markdown
-    assert "\\[x\\](javascript:y)" in markdown and "&lt;img src=z&gt;&amp;" in markdown  # no link, no image, no tag
+    assert "[x]\\(javascript:y)" in markdown and "&lt;img src=z&gt;&amp;" in markdown  # no link, no image, no tag
+    assert sanitize("f32[8,16] mode='[/]'", "markdown") == "f32[8,16] mode='[/]'"  # brackets alone read as they are
     dot = sanitize(hostile, "dot")
     assert dot.isprintable() and re.search(r'(?<!\\)(\\\\)*"', dot) is None  # every quote escaped: the string cannot end early
     assert "f\\n[x]" in dot and "\\\\N" in dot  # a line break is DOT's, a backslash is itself (\N names the node)

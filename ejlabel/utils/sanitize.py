@@ -16,10 +16,11 @@ string goes through :func:`sanitize` first, which makes it inert for the place i
     line of output (a table cell, an error message) stays one line.
 ``"markdown"``
     The terminal form of the text, then what Markdown and the HTML it allows would act on:
-    backslash, ``|`` (a table column), the backtick (code spans), the brackets that make links
-    and images (``[ ]``: an image is fetched when the report is viewed) and HTML (``< > &``)
-    are escaped, and line breaks become spaces, so the text is one table cell that reads as
-    itself. Emphasis characters are left alone: they cannot reach outside the cell.
+    backslash, ``|`` (a table column), the backtick (code spans), the ``(`` that would make
+    ``[text](url)`` a link or an image (an image is fetched when the report is viewed) and HTML
+    (``< > &``) are escaped, and line breaks become spaces, so the text is one table cell that
+    reads as itself. Brackets alone (``f32[8,16]``) and emphasis characters are left as they are:
+    they cannot reach outside the cell.
 ``"dot"``
     The terminal form (the escape codes survive into an SVG's ``<text>`` otherwise), then what a
     DOT double-quoted string would act on: backslash (``\\N``, ``\\G`` and the like name the node
@@ -45,7 +46,7 @@ _REORDERING = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029"
 _UNSAFE = re.compile(f"[\x00-\x1f\x7f-\x9f{_REORDERING}]")
 _UNSAFE_BUT_LINES = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_REORDERING}]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-_MARKDOWN_SPECIAL = re.compile(r"[\\|`\[\]<>&]")
+_MARKDOWN_SPECIAL = re.compile(r"[\\|`<>&]|(?<=\])\(")
 _MARKDOWN_ENTITIES = {"<": "&lt;", ">": "&gt;", "&": "&amp;"}
 
 
