@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import os
 import pathlib
 import sqlite3
@@ -147,6 +148,22 @@ def hlo_module(*body: str, params: str = "p: f32[4]") -> str:
     """An HLO module whose entry computation has these instruction lines."""
     lines = "\n".join(f"  {line}" for line in body)
     return f"HloModule m\n\nENTRY %main ({params}) -> f32[4] {{\n{lines}\n}}\n"
+
+
+#: A call of toy_kernels.ScaleKernel and its description, as a program carries them.
+GOOD_LABEL = "ejkernel_ops#scale@v1:c0417bbf50206eff"
+GOOD_CALL = [1, "toy_kernels:ScaleKernel", [{"$array": "float32[8,16]"}], {}, None, None]
+
+
+def described_program(calls: list[tuple[str, list]]) -> str:
+    """An HLO module with one labelled instruction per ``(label, description data)``, in a chain."""
+    body = ["%p = f32[4]{0} parameter(0)"]
+    for i, (lab, data) in enumerate(calls):
+        text = b64(json.dumps(data, separators=(",", ":")).encode())
+        body.append(f'%a{i} = f32[4]{{0}} add(%{"p" if i == 0 else f"a{i - 1}"}, %p), frontend_attributes={{ejcall="{text}",ejlabel="{lab}"}}')
+    body.append(f"ROOT %r = f32[4]{{0}} negate(%a{len(calls) - 1})")
+    return hlo_module(*body)
+
 
 
 def run_cli(args: Sequence[str], *, cwd: pathlib.Path | None = None, timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:

@@ -5,8 +5,9 @@ an escape code on the terminal, or makes a call key depend on call order.
 This module is the index of the two hostile-input issues: every case, and the test(s) that
 reproduce it. The tests live by theme in ``tests/test_hostile_*.py``, some in the file that owns
 the behaviour. In the tables ``H`` is this file, ``C`` ``test_hostile_cache.py`` (cache files and
-export documents), ``P`` ``test_hostile_programs.py`` (programs, the graph, the audit and the
-tuners) and ``K`` ``test_hostile_kernels.py`` (kernel inputs, the command line).
+export documents), ``P`` ``test_hostile_programs.py`` (program files, the readers, the graph and
+the audit), ``T`` ``test_hostile_tuning.py`` (the tuners) and ``K`` ``test_hostile_kernels.py``
+(kernel inputs, ``python -m``); their shared helpers are in ``tests/hostile.py``.
 
 First round (issue 14):
 
@@ -75,26 +76,26 @@ item  defect                              tests
 ====  ==================================  ==========================================================
 1     the process dies on a file          P::test_deep_nesting_in_stablehlo_is_refused_before_jaxlib
       (MLIR nesting, XLA's shape          (``[`` 6,733 deep, ``tuple<>`` 3,513 deep: ``audit`` and ``tune``),
-      products)                           P::test_huge_dimensions_are_refused_before_jaxlib
+      products)                           T::test_huge_dimensions_are_refused_before_jaxlib
                                           (``f32[4000000000,4000000000]`` in a call, ``--example-args``),
                                           P::test_no_command_ends_by_a_signal_on_any_hostile_file
 2     escape codes reach the terminal     H::test_sanitize_makes_data_inert_for_each_place_it_goes,
                                           C::test_cache_ls_shows_escape_codes_from_the_file_inert,
                                           C::test_import_and_put_refuse_op_ids_a_label_cannot_carry,
                                           P::test_escape_codes_in_a_program_reach_no_output
-                                          (``audit``, ``--markdown``, ``--dot``, ``tune``'s errors and
-                                          warnings, a dump file's name in an error)
-3     one bad call stops a whole tune     P::test_one_malformed_call_does_not_stop_the_others
+                                          (``audit``, ``--markdown``, ``--json``, ``--dot``, ``tune``'s
+                                          errors, a dump file's name in an error)
+3     one bad call stops a whole tune     T::test_one_malformed_call_does_not_stop_the_others
                                           (``candidate_is_valid`` raising, ``f32[1e10,1e9]``, more than
                                           memory: local and Ray workers),
-                                          P::test_in_context_tuning_reports_a_failing_call_and_tunes_the_rest
+                                          T::test_in_context_tuning_reports_a_failing_call_and_tunes_the_rest
 4     recursion; walks without caps       P::test_nested_computations_300_deep_are_analysed,
                                           P::test_label_readers_walk_deep_and_wide_folders_within_the_caps
 5     export that import refuses;         C::test_export_refuses_what_import_would_refuse_and_exports_in_parts,
       a key twice imports as two          C::test_export_of_many_entries_imports_again,
                                           C::test_a_key_twice_in_an_import_is_refused
 6     an entry of the wrong type hides    C::test_cache_ls_shows_an_entry_of_the_wrong_type,
-      its call                            P::test_audit_and_tune_count_a_wrong_type_entry_as_unseen
+      its call                            T::test_audit_and_tune_count_a_wrong_type_entry_as_unseen
 7     a read-only cache cannot be read;   C::test_a_cache_that_cannot_be_written_opens_read_only,
       damage in its log is silent         C::test_a_cache_on_a_read_only_mount_is_listed_shown_counted_and_audited,
                                           C::test_damage_in_the_write_ahead_log_is_reported
@@ -341,7 +342,8 @@ def test_sanitize_makes_data_inert_for_each_place_it_goes() -> None:
 
 
 def test_the_item_tables_name_every_item_and_only_tests_that_exist() -> None:
-    files = {"H": "test_hostile_input.py", "C": "test_hostile_cache.py", "P": "test_hostile_programs.py", "K": "test_hostile_kernels.py"}
+    files = {"H": "test_hostile_input.py", "C": "test_hostile_cache.py", "P": "test_hostile_programs.py", "T": "test_hostile_tuning.py",
+             "K": "test_hostile_kernels.py"}
     lines = __doc__.splitlines()
     rules = [i for i, line in enumerate(lines) if line.startswith("====  ")]
     assert len(rules) == 6  # two tables of three rules each
@@ -353,7 +355,7 @@ def test_the_item_tables_name_every_item_and_only_tests_that_exist() -> None:
             number = re.match(r"(\d+)\s", line)
             if number:
                 current = int(number.group(1))
-            items.setdefault(current, []).extend(re.findall(r"\b([HCPK]|test_\w+\.py)::(test_\w+)", line))
+            items.setdefault(current, []).extend(re.findall(r"\b([HCPTK]|test_\w+\.py)::(test_\w+)", line))
         assert sorted(k for k in items if k) == list(range(1, item_count + 1))
         for item, named in items.items():
             assert named or not item, f"item {item} names no test"

@@ -470,134 +470,190 @@ def test_audit_and_tune_of_a_program_naming_modules_import_nothing(tmp_path: pat
 
 
 # ================================================================ the second round (issue 45)
-# ---------------------------------------------------------------- 1 and 3. one bad call stops nothing, no abort in jaxlib
-
-GOOD_LABEL = "ejkernel_ops#scale@v1:c0417bbf50206eff"
-GOOD_CALL = [1, "toy_kernels:ScaleKernel", [{"$array": "float32[8,16]"}], {}, None, None]
+# ---------------------------------------------------------------- 1. no process dies on a file
 
 
-def described_program(calls: list[tuple[str, list]]) -> str:
-    """An HLO module with one labelled instruction per ``(label, description data)``, in a chain."""
-    body = ["%p = f32[4]{0} parameter(0)"]
-    for i, (lab, data) in enumerate(calls):
-        text = b64(json.dumps(data, separators=(",", ":")).encode())
-        body.append(f'%a{i} = f32[4]{{0}} add(%{"p" if i == 0 else f"a{i - 1}"}, %p), frontend_attributes={{ejcall="{text}",ejlabel="{lab}"}}')
-    body.append(f"ROOT %r = f32[4]{{0}} negate(%a{len(calls) - 1})")
-    return hlo_module(*body)
+def _stablehlo_nested(kind: str, depth: int) -> str:
+    """StableHLO nesting ``kind`` (``"["`` in an attribute, ``"tuple"`` in a type) ``depth`` deep."""
+    if kind == "[":
+        attribute = "[" * depth + "]" * depth
+        return ('module @m {\n func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {\n'
+                f' %0 = "stablehlo.custom_call"() {{x = {attribute}}} : () -> tensor<4xf32>\n return %0 : tensor<4xf32>\n }}\n}}\n')
+    nested = "tuple<" * depth + "f32" + ">" * depth
+    return (f"module @m {{\n func.func public @main(%arg0: {nested}) -> tensor<4xf32> {{\n"
+            " %0 = stablehlo.constant dense<1.0> : tensor<4xf32>\n return %0 : tensor<4xf32>\n }\n}\n")
 
 
-BAD_CALLS = {
-    # matmul's candidate_is_valid unpacked a 1-d shape: "not enough values to unpack" for the whole run
-    "a malformed call": ("ejkernel_ops#matmul@v1:00000000000000cc",
-                         [1, "ejlabel.kernels.matmul:MatmulKernel", [{"$array": "float32[8]"}, {"$array": "float32[8]"}], {}, None, None],
-                         "matmul@v1 call 00000000000000cc: failed while listing its candidates"),
-    # numpy's "array is too big" for the whole run
-    "an array too big to exist": ("ejkernel_ops#scale@v1:00000000000000bb",
-                                  [1, "toy_kernels:ScaleKernel", [{"$array": "float32[10000000000,1000000000]"}], {}, None, None],
-                                  "over the 1125899906842624-byte limit of one array"),
-    # jaxlib aborted the process (rc 134): "overflow in static extent product"
-    "an element count past int64": ("ejkernel_ops#scale@v1:00000000000000aa",
-                                    [1, "toy_kernels:ScaleKernel", [{"$array": "float32[4000000000,4000000000]"}], {}, None, None],
-                                    "over the 1125899906842624-byte limit of one array"),
-    # would be made on the host, or end the process by the kernel's memory killer
-    "more than this machine's memory": ("ejkernel_ops#scale@v1:00000000000000ee",
-                                        [1, "toy_kernels:ScaleKernel", [{"$array": "float32[100000000000000]"}], {}, None, None],
-                                        "its arguments take 400000000000000 bytes, more than the"),
+def test_deep_nesting_in_stablehlo_is_refused_before_jaxlib(tmp_path: pathlib.Path) -> None:
+    """jaxlib's StableHLO parser recursed until the process died (rc 139, no message) on ``[``
+    nested 6,733 deep and ``tuple<>`` 3,513 deep: the nesting is measured first, and refused."""
+    from ejlabel.analysis import ProgramReadError, read_program
+    from ejlabel.analysis.program import MAX_NESTING, bracket_depth
+    from hostile import run_cli
+
+    assert bracket_depth("a[b(c{d<e>})]->f") == (4, 7)  # the arrow closes nothing
+    assert bracket_depth("]]]]]" + "[" * 3)[0] == 3  # closers cannot hide the openers after them
+    for kind, depth in (("[", 6733), ("tuple", 3513)):
+        path = tmp_path / f"deep-{'list' if kind == '[' else kind}.mlir"
+        path.write_text(_stablehlo_nested(kind, depth))
+        with pytest.raises(ProgramReadError, match=rf"nests brackets {str(depth)[:2]}\d+ deep \(line \d\), more than the {MAX_NESTING} .*MAX_NESTING"):
+            read_program(path)
+        for command in ("audit", "tune"):
+            proc = run_cli(["--cache-dir", str(tmp_path / "c"), command, str(path)])
+            assert proc.returncode == 1 and f"ejlabel {command}: error: ProgramReadError" in proc.stderr, (proc.returncode, proc.stderr)
+            assert "nests brackets" in proc.stderr
+    shallow = _stablehlo_nested("tuple", MAX_NESTING - 10)  # what real programs never reach still converts
+    assert read_program(shallow).modules and not read_program(shallow).unread
+
+
+HOSTILE_FILES: dict[str, str] = {
+    "deep-brackets.mlir": _stablehlo_nested("[", 6733),
+    "deep-tuple.mlir": _stablehlo_nested("tuple", 3513),
+    "deep-braces.mlir": "module @m {\n" + "{" * 20000 + "}" * 20000 + "\n}\n",
+    "deep-attribute.hlo": hlo_module("%p = f32[4]{0} parameter(0)", f"ROOT %a = f32[4]{{0}} add(%p, %p), backend_config={'{' * 20000}{'}' * 20000}, {LABELLED}"),
+    "deep-constant.hlo": hlo_module(f"ROOT %c = f32[4]{{0}} constant({'{' * 20000}1{'}' * 20000})"),
+    "deep-tuple.hlo": hlo_module("%p = " + "(" * 20000 + "f32[4]" + ")" * 20000 + " parameter(0)", "ROOT %c = f32[4]{0} constant({1,2,3,4})",
+                                 params="p: " + "(" * 20000 + "f32[4]" + ")" * 20000),
+    "huge-shape.hlo": hlo_module("%p = f32[4000000000,4000000000]{1,0} parameter(0)", f"ROOT %a = f32[4000000000,4000000000]{{1,0}} add(%p, %p), {LABELLED}",
+                                 params="p: f32[4000000000,4000000000]"),
+    "binary.hlo": bytes(range(256)).decode("latin-1") * 8,
+    "empty.hlo": "",
 }
 
 
-def test_one_malformed_call_does_not_stop_the_others(tmp_path: pathlib.Path) -> None:
-    from ejlabel.execution.tuning import TuningWorker, call_request
-    from ejlabel.config.cache import AutotunePolicy
+def _described_files() -> dict[str, str]:
+    from hostile import GOOD_CALL, GOOD_LABEL, described_program
+
+    huge = [1, "toy_kernels:ScaleKernel", [{"$array": "float32[4000000000,4000000000]"}], {}, None, None]
+    malformed = [1, "ejlabel.kernels.matmul:MatmulKernel", [{"$array": "float32[8]"}, {"$array": "float32[8]"}], {}, None, None]
+    nested: object = 0
+    for _ in range(200):  # past the decoder's depth cap
+        nested = [nested]
+    deep = [1, "toy_kernels:ScaleKernel", [{"$array": "float32[8]"}], {"offset": nested}, None, None]
+    calls = [(GOOD_LABEL, GOOD_CALL), ("ejkernel_ops#scale@v1:00000000000000aa", huge),
+             ("ejkernel_ops#matmul@v1:00000000000000cc", malformed), ("ejkernel_ops#scale@v1:00000000000000dd", deep)]
+    return {"described.hlo": described_program(calls)}
+
+
+def test_no_command_ends_by_a_signal_on_any_hostile_file(tmp_path: pathlib.Path) -> None:
+    """Every command on every file of the corpus returns an exit code (0, 1 or 2), in one child
+    that runs them all: a signal (a segfault, an abort in jaxlib) would end it early, and the
+    last command it printed names the file."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name, text in {**HOSTILE_FILES, **_described_files()}.items():
+        (folder / name).write_text(text, encoding="utf-8", errors="surrogatepass")
+    deep_json = json.dumps({"format": "ejlabel-configs", "version": 1, "entries": [{"config": 0}]}).replace("0}", "[" * 100_000 + "]" * 100_000 + "}")
+    (folder / "deep-export.json").write_text(deep_json)
+    runs = [[command, *(["--iters", "1"] if command == "tune" else []), str(path)] for path in sorted(folder.glob("*.*")) if path.suffix != ".json"
+            for command in ("audit", "tune")]
+    runs += [["cache", "import", str(folder / "deep-export.json")], ["tune", "toy_kernels:double", "--example-args", "f32[4000000000,4000000000]"]]
+    script = (
+        "import json, sys\nfrom ejlabel.cli.main import main\n"
+        f"for argv in json.loads({json.dumps(json.dumps(runs))}):\n"
+        f"    print('RUN', argv, flush=True)\n"
+        f"    rc = main(['--import', 'toy_kernels', '--cache-dir', {str(tmp_path / 'c')!r}, *argv])\n"
+        "    print('RC', rc, flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, env=subprocess_env(), timeout=600)
+    assert proc.returncode == 0, f"ended by {proc.returncode} after:\n{proc.stdout[-600:]}\n{proc.stderr[-2000:]}"
+    codes = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("RC ")]
+    assert len(codes) == len(runs) and set(codes) <= {0, 1, 2}, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- 2. no escape code from a program reaches the output
+
+ESCAPES = "\x1b[2J\x1b]0;title\x07\x1b]52;c;cHduZWQ=\x07\r\u202e"
+
+
+def test_escape_codes_in_a_program_reach_no_output(tmp_path: pathlib.Path) -> None:
+    """A call description's keyword names and values carried escape codes into ``audit`` (table
+    and Markdown), the DOT file and ``tune``'s errors; a dump file's name into an error message."""
+    from hostile import GOOD_CALL, GOOD_LABEL, described_program, run_cli
+
+    hostile = [1, "toy_kernels:ScaleKernel", [{"$array": "float32[8,16]"}], {f"offset{ESCAPES}": 1.0, "mode": f"x{ESCAPES}|<img src=y>"}, None, None]
+    program = tmp_path / "p.hlo"
+    program.write_text(described_program([(GOOD_LABEL, GOOD_CALL), ("ejkernel_ops#scale@v1:00000000000000dd", hostile)]))
+    fifo = tmp_path / f"dump{ESCAPES}.hlo"
+    os.mkfifo(fifo)
+    cache = ["--import", "toy_kernels", "--cache-dir", str(tmp_path / "c")]
+    outputs = []
+    for command in (["audit", str(program), "--dot", str(tmp_path / "g.dot")], ["audit", str(program), "--markdown"], ["audit", str(program), "--json"],
+                    ["tune", "--iters", "1", str(program)], ["audit", str(fifo)], ["tune", str(fifo)]):
+        proc = run_cli([*cache, *command])
+        assert proc.returncode in (0, 1), proc.stderr
+        outputs.append(proc.stdout + proc.stderr)
+    outputs.append((tmp_path / "g.dot").read_text())
+    for text in outputs:
+        for char in ("\x1b", "\x07", "\r", "\u202e"):
+            assert char not in text, f"{char!r} reached: {text[:600]!r}"
+    table, markdown, as_json, tune, audit_fifo, tune_fifo, dot = outputs
+    assert "offset\\x1b[2J" in table and "offset\\\\x1b[2J" in markdown and "\\u001b" in as_json  # shown, as what they are
+    row = next(line for line in markdown.splitlines() if "| 00000000 |" in line)
+    assert row.replace("\\|", "").count("|") == 9 and "\\|&lt;img src=y&gt;" in row  # still 8 cells; no tag
+    assert "error  ejkernel_ops#scale@v1:00000000000000dd" in tune and "unexpected keyword argument" in tune
+    assert "dump\\x1b[2J" in audit_fifo and "is a FIFO" in audit_fifo and "dump\\x1b[2J" in tune_fifo
+
+
+# ---------------------------------------------------------------- 4. no recursion, walks within the caps
+
+
+def _nested_calls(depth: int, opcode: str) -> str:
+    """HLO whose entry reaches a labelled add through ``depth`` nested ``call`` or ``while``."""
+    def wrap(inner: str) -> str:
+        if opcode == "call":
+            return f"ROOT %y = f32[4] call(%x), to_apply=%{inner}"
+        return f"ROOT %y = f32[4] while(%x), condition=%cond, body=%{inner}, backend_config={{\"known_trip_count\":{{\"n\":\"2\"}}}}"
+    comps = [f"%c0 (x: f32[4]) -> f32[4] {{\n  %x = f32[4] parameter(0)\n  ROOT %y = f32[4] add(%x, %x), {LABELLED}\n}}\n",
+             "%cond (x: f32[4]) -> pred[] {\n  %x = f32[4] parameter(0)\n  ROOT %t = pred[] constant(false)\n}\n"]
+    comps += [f"%c{i} (x: f32[4]) -> f32[4] {{\n  %x = f32[4] parameter(0)\n  {wrap(f'c{i - 1}')}\n}}\n" for i in range(1, depth)]
+    comps.append(f"ENTRY %main (p: f32[4]) -> f32[4] {{\n  %x = f32[4] parameter(0)\n  {wrap(f'c{depth - 1}')}\n}}\n")
+    return "HloModule m\n\n" + "\n".join(comps)
+
+
+@pytest.mark.parametrize("opcode", ["call", "while"])
+def test_nested_computations_300_deep_are_analysed(tmp_path: pathlib.Path, opcode: str) -> None:
+    """``call``/``while`` computations 300 deep ended the audit in a RecursionError (flow.py,
+    sites.py); the analysis walks them without recursion, 3,000 deep too."""
+    from ejlabel.analysis import audit
     from hostile import run_cli
 
-    program = tmp_path / "calls.hlo"
-    program.write_text(described_program([(GOOD_LABEL, GOOD_CALL), *((lab, data) for lab, data, _ in BAD_CALLS.values())]))
-    proc = run_cli(["--import", "toy_kernels", "--cache-dir", str(tmp_path / "c"), "tune", "--iters", "1", str(program)])
-    assert proc.returncode == 1, proc.stdout + proc.stderr  # the exit code says some failed ...
-    assert f"tuned  {GOOD_LABEL.split('#')[1]}" in proc.stdout and "Traceback" not in proc.stderr  # ... the good call is tuned
-    assert "tuned 1 distinct calls (1 labels)" in proc.stdout and f"{len(BAD_CALLS)} errors" in proc.stdout
-    for lab, _, reason in BAD_CALLS.values():
-        assert f"error  {lab}  " in proc.stderr and reason in proc.stderr, (lab, proc.stderr)
-    # A Ray worker tunes the same way: a call whose kernel code raises is raised again, so that
-    # the driver retries it alone elsewhere and then reports it (test_ray_tuning.py); the others tune.
-    worker = TuningWorker(["ejlabel.kernels", "toy_kernels"])
-    policy = AutotunePolicy(num_warmup=0, num_iters=1)
-
-    def request(name: str) -> dict:
-        lab, data, _ = BAD_CALLS[name] if name in BAD_CALLS else (GOOD_LABEL, GOOD_CALL, "")
-        return call_request(lab, b64(json.dumps(data).encode()), policy)
-
-    with pytest.raises((IndexError, ValueError)):  # matmul's own error, for the driver to retry
-        worker.tune_many([request("good"), request("a malformed call")])
-    good, huge = worker.tune_many([request("good"), request("more than this machine's memory")])
-    assert good["status"] == "tuned" and huge["status"] == "failed" and "more than the" in huge["error"]
+    for depth in (300, 3000):
+        report = audit(_nested_calls(depth, opcode), selector=ConfigSelectorChain())
+        (row,) = report.calls
+        assert row.op == "scale" and len(row.nesting) == depth  # every enclosing call or loop, outermost first
+    path = tmp_path / "nested.hlo"
+    path.write_text(_nested_calls(300, opcode))
+    proc = run_cli(["--cache-dir", str(tmp_path / "c"), "audit", str(path)])
+    assert proc.returncode == 0 and "1 kernel call sites" in proc.stdout, proc.stderr
 
 
-@dataclasses.dataclass(frozen=True)
-class PickyConfig:
-    mode: str = "mul"
+def test_label_readers_walk_deep_and_wide_folders_within_the_caps(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``labels_to_configs`` and ``find_labels_in_lowered`` on a folder 1,500 deep ended in a
+    RecursionError; on ``/`` in a PermissionError (``/proc/1/cwd``), after 137,739 entries of
+    ``/usr``: one walker, iterative, within the README's caps, for every reader."""
+    import ejlabel.utils.files as files
+    from ejlabel import find_labels_in_lowered, labels_to_configs
+    from ejlabel.analysis import ProgramReadError
 
-
-class PickyKernel(Kernel[PickyConfig, object]):
-    """``2 x`` two ways; listing the candidates of a call whose ``x`` has 3 columns raises, as a
-    kernel with a bug that one call of a model hits."""
-
-    def __init__(self) -> None:
-        super().__init__("picky")
-
-    def run(self, x, *, cfg: PickyConfig):
-        return x * 2.0 if cfg.mode == "mul" else x + x
-
-    def heuristic_cfg(self, inv: Invocation) -> PickyConfig:
-        return PickyConfig()
-
-    def config_space(self, inv: Invocation) -> list[PickyConfig]:
-        if inv.args[0].shape[-1] == 3:
-            raise ValueError("not enough values to unpack (expected 2, got 1)")
-        return [PickyConfig("mul"), PickyConfig("add")]
-
-
-def test_in_context_tuning_reports_a_failing_call_and_tunes_the_rest(tmp_path: pathlib.Path) -> None:
-    import jax
-    import jax.numpy as jnp
-
-    from ejlabel.config.cache import AutotunePolicy
-    from ejlabel.execution.tuning import tune_in_context
-
-    picky = PickyKernel()
-    step = lambda a, b: picky(a).sum() + picky(b).sum()  # noqa: E731
-    args = (jax.ShapeDtypeStruct((16, 16), jnp.float32), jax.ShapeDtypeStruct((16, 3), jnp.float32))
-    with PersistentCache(tmp_path / "c") as pc:
-        selector = ConfigSelectorChain(persistent=pc)
-        report = tune_in_context(step, *args, selector=selector, policy=AutotunePolicy(num_warmup=0, num_iters=2), budget_s=120,
-                                 samples=2, warmup=0, progress=False, verbose=False)
-        (failed,) = report.errors
-        assert failed.startswith("picky@v1:") and "cannot list its candidates" in report.errors[failed]
-        assert "not enough values to unpack" in report.errors[failed]
-        assert len(report.calls) == 2 and [call.isolated_from == "failed" for call in report.calls].count(True) == 1
-        (ranked,) = [call for call in report.calls if call.isolated_from != "failed"]
-        assert failed == f"picky@v1:{next(c.call_key for c in report.calls if c is not ranked)}"
-        assert len(ranked.candidates) == 2  # the other call was ranked on both candidates ...
-        assert pc.get_entry(ranked.key).provenance == "in-context"  # ... and its pick stored
-
-
-def test_huge_dimensions_are_refused_before_jaxlib(tmp_path: pathlib.Path) -> None:
-    """jaxlib ended the process (rc 134, "overflow in static extent product") when a call or
-    ``--example-args`` had an element count past int64: now a clear error, and the others go on."""
-    from ejlabel.core.calls import CallDecodeError, invocation_from_description
-    from hostile import run_cli
-
-    lab, data, _ = BAD_CALLS["an element count past int64"]
-    with pytest.raises(CallDecodeError, match=r"\$array: shape \(4000000000, 4000000000\) of float32 spans 64000000000000000000 bytes"):
-        invocation_from_description(lab, b64(json.dumps(data).encode()))
-    program = tmp_path / "huge.hlo"
-    program.write_text(described_program([(GOOD_LABEL, GOOD_CALL), (lab, data)]))
-    for command in (["tune", "--iters", "1", str(program)], ["audit", str(program)],
-                    ["tune", "toy_kernels:double", "--example-args", "f32[4000000000,4000000000]"]):
-        proc = run_cli(["--import", "toy_kernels", "--cache-dir", str(tmp_path / "c"), *command])
-        assert proc.returncode in (0, 1, 2) and "Traceback" not in proc.stderr, proc.stderr  # never a signal
-        if command[0] == "tune" and "--example-args" in command:
-            assert proc.returncode == 2 and "--example-args: shape (4000000000, 4000000000) of float32 spans" in proc.stderr
-        elif command[0] == "tune":
-            assert proc.returncode == 1 and "tuned 1 distinct calls" in proc.stdout
+    fd = os.open(tmp_path, os.O_RDONLY)
+    for _ in range(1500):  # os.makedirs itself recurses per level
+        os.mkdir("d", dir_fd=fd)
+        fd, old = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    os.close(fd)
+    for read in (labels_to_configs, find_labels_in_lowered):
+        with pytest.raises(ProgramReadError, match=f"nests folders more than {files.MAX_DIRECTORY_DEPTH} levels deep"):
+            read(tmp_path / "d")
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    for i in range(30):
+        (wide / f"{i}.txt").write_text("x")
+    (wide / "proc").symlink_to("/proc")  # never followed
+    monkeypatch.setattr(files, "MAX_DIRECTORY_ENTRIES", 20)
+    with pytest.raises(ProgramReadError, match="holds more than 20 entries"):
+        labels_to_configs(wide)
+    monkeypatch.setattr(files, "MAX_DIRECTORY_ENTRIES", 500)
+    with pytest.raises(ProgramReadError, match="more than 500 entries|levels deep"):  # not a PermissionError in /proc
+        labels_to_configs("/")
