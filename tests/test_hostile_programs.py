@@ -637,15 +637,19 @@ def test_label_readers_walk_deep_and_wide_folders_within_the_caps(tmp_path: path
     from ejlabel import find_labels_in_lowered, labels_to_configs
     from ejlabel.analysis import ProgramReadError
 
-    fd = os.open(tmp_path, os.O_RDONLY)
-    for _ in range(1500):  # os.makedirs itself recurses per level
-        os.mkdir("d", dir_fd=fd)
-        fd, old = os.open("d", os.O_RDONLY, dir_fd=fd), fd
-        os.close(old)
-    os.close(fd)
-    for read in (labels_to_configs, find_labels_in_lowered):
-        with pytest.raises(ProgramReadError, match=f"nests folders more than {files.MAX_DIRECTORY_DEPTH} levels deep"):
-            read(tmp_path / "d")
+    fds = [os.open(tmp_path, os.O_RDONLY)]
+    try:
+        for _ in range(1500):  # os.makedirs, and shutil.rmtree below, recurse per level
+            os.mkdir("d", dir_fd=fds[-1])
+            fds.append(os.open("d", os.O_RDONLY, dir_fd=fds[-1]))
+        for read in (labels_to_configs, find_labels_in_lowered):
+            with pytest.raises(ProgramReadError, match=f"nests folders more than {files.MAX_DIRECTORY_DEPTH} levels deep"):
+                read(tmp_path / "d")
+    finally:
+        while len(fds) > 1:  # removed from the bottom up, so that no later clean-up recurses
+            os.close(fds.pop())
+            os.rmdir("d", dir_fd=fds[-1])
+        os.close(fds.pop())
     wide = tmp_path / "wide"
     wide.mkdir()
     for i in range(30):
