@@ -25,6 +25,7 @@ import jax
 
 from ejlabel.core.kernel import Invocation, Kernel
 from ejlabel.core.label_format import forward_op_id, parse_label, split_op_id
+from ejlabel.core.vmapped import vmap_levels
 from ejlabel.utils.fingerprint import sharding_fingerprint
 from ejlabel.utils.serialize import (
     from_jsonable,
@@ -223,6 +224,8 @@ def invocation_from_description(lab: str, text: str) -> Invocation[Any, Any]:
     if not isinstance(desc.kwargs, dict) or not all(isinstance(k, str) for k in desc.kwargs):
         raise CallDecodeError(f"call description of {lab}: keyword arguments are not a str-keyed mapping")
     try:
-        return Invocation(kernel, desc.args, desc.kwargs, batch_axes=desc.batch_axes, known_call_key=desc.call_key)
+        inv = Invocation(kernel, desc.args, desc.kwargs, batch_axes=desc.batch_axes, known_call_key=desc.call_key)
+        vmap_levels(inv.batch_axes, len(jax.tree_util.tree_leaves((inv.args, inv.array_kwargs))))  # checks a vmap call's axes
+        return inv
     except Exception as err:  # noqa: BLE001 - decoded data that makes no call: one clear error type
         raise CallDecodeError(f"call description of {lab} does not make a call of {desc.kernel}: {type(err).__name__}: {err}") from None
