@@ -7,10 +7,11 @@ compiled step itself:
 
 1. **Discover.** Trace ``fn`` once under :func:`~ejlabel.recording` with a counting overlay:
    the distinct kernel calls ``(op_id, call_key)`` it makes and at how many sites each.
-2. **Floor.** The all-XLA assignment: every call gets ``kernel.config_for(inv, "xla")``, what
-   :func:`~ejlabel.use_implementation` ``("xla")`` selects (a kernel without an XLA path keeps
-   its usual selection). It is written out as an explicit assignment, so that every candidate
-   differs from the incumbent in exactly one call. The floor is compiled and timed first.
+2. **Floor.** The all-XLA assignment: every call gets the config of the plain path its kernel
+   declares (``kernel.plain_config(inv)``, ``Kernel.plain_implementation``: ``"xla"`` for the
+   library's kernels), else its heuristic config. It is written out as an explicit assignment,
+   so that every candidate differs from the incumbent in exactly one call. The floor is
+   compiled and timed first.
 3. **Rank.** Each call's candidates get isolated timings (:meth:`~.isolated.Autotuner.tune_each`, or the
    per-candidate timings an earlier tuning stored in the persistent cache). A candidate's
    expected gain is (floor's isolated time - its isolated time) x the number of sites. With a
@@ -132,7 +133,7 @@ def tune_in_context(
 
     # 1. Discover the calls; 2. compile and time the floor.
     sites, invocations = discover(fn, args)
-    floor: dict[Key, Any] = {key: _floor_cfg(inv, selector) for key, inv in invocations.items()}
+    floor: dict[Key, Any] = {key: _floor_cfg(inv) for key, inv in invocations.items()}
     deadline = start + budget_s if budget_s is not None else math.inf
     search = Search(fn, args, sites, samples, warmup, min_gain, policy.compile_workers, deadline)
     floor_exe = search.compile_floor(floor)
@@ -212,13 +213,10 @@ def _settle(calls: Iterable[CallPick], reverted: bool, step_ms: float) -> None:
             call.step_ms = step_ms
 
 
-def _floor_cfg(inv: Invocation[Any, Any], selector: ConfigSelectorChain) -> Any:
-    """What ``use_implementation("xla")`` selects for ``inv``: the XLA config, else the usual one."""
-    cfg = inv.kernel.config_for(inv, "xla")
-    if cfg is not None:
-        return cfg
-    found = selector.lookup(inv.cache_key)
-    return found.cfg if found is not None else inv.kernel.heuristic_cfg(inv)
+def _floor_cfg(inv: Invocation[Any, Any]) -> Any:
+    """The config of the plain path ``inv``'s kernel declares, else its heuristic config."""
+    cfg = inv.kernel.plain_config(inv)
+    return cfg if cfg is not None else inv.kernel.heuristic_cfg(inv)
 
 
 @dataclasses.dataclass
