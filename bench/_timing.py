@@ -7,10 +7,10 @@ sample must not move the figure.
 
 A sample is at least ``per_sample`` calls and at least ``min_sample_ms`` of work (the count taken
 from the second warm-up call's time). The synchronisation that ends a sample, and the idle
-device at its start, cost a fixed 0.3-0.4 ms on the H100 (bench/RESULTS.md run 48: four calls
-of a 0.35 ms program measured 0.41 ms each, twelve 0.345 ms); spread over too few calls it
-would weigh on short programs more than on long ones, and a kernel runs inside a larger
-program, without it.
+device at its start, cost a fixed 0.3-0.4 ms on the H100 (four calls of a 0.35 ms program
+measured 0.41 ms each, twelve 0.345 ms; run 48 of the journal, git tag bench-journal); spread
+over too few calls it would weigh on short programs more than on long ones, and a kernel runs
+inside a larger program, without it.
 """
 
 from __future__ import annotations

@@ -37,8 +37,11 @@ the forward. Timing: each section is one interleaved round-robin (``bench/_timin
 all of its variants, rotating three random input sets; medians of ``--samples`` samples of
 ``--per-sample`` back-to-back calls each, after warm-up. ``fwd+bwd`` is ``value_and_grad`` of
 ``sum(out * probe)`` for a random ``probe``. A variant that fails prints its reason and the run
-goes on. The markdown tables come last; with ``$OUT`` set, the rows are also written to
-``$OUT/bench_attention.json``.
+goes on. The markdown tables come last. Each section's rows go to
+``bench/results/bench_attention.<section>.json`` as soon as the section ends
+(``bench/_results.py``); a section e limited by ``--match`` goes to
+``bench_attention.e.<match>.json``, a ``--quick`` check grid to ``bench_attention.check.quick.json``
+and a ``--tiny`` run to ``.tiny`` files, so a partial run never replaces a whole section's figures.
 """
 
 from __future__ import annotations
@@ -47,8 +50,7 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import json
-import os
+import re
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -57,6 +59,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _results import write_results
 from _timing import time_interleaved
 
 from ejlabel import BwdParams, FwdParams, Invocation
@@ -309,7 +312,7 @@ _SHAPES_E = (
     ("full", 4, 2048, 16, 16, 128, {"causal": False}),
     ("causal, window 1024", 4, 8192, 16, 16, 128, {"sliding_window": (1024, 0)}),
     ("causal, short rows", 64, 256, 8, 8, 64, {}),
-    ("causal GQA 4:1", 4, 4096, 16, 4, 128, {}),  # at 16:1 the Triton backward compiled 267 s (run 138)
+    ("causal GQA 4:1", 4, 4096, 16, 4, 128, {}),  # at 16:1 the Triton backward compiled for 267 s on the H100
     ("causal, odd length", 8, 1000, 16, 16, 128, {}),
     ("8 segments", 4, 4096, 12, 4, 64, {"documents": 8}),
     ("4 segments", 2, 4096, 8, 4, 256, {"documents": 4}),
@@ -494,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     checks += check_case(case_name, case, impls)
                 except Exception as err:
                     checks.append(Check(case_name, "-", note=f"FAILED: {reason(err)}"))
-                save(rows, checks)
+                save(args, name, [dataclasses.asdict(c) | {"ok": c.ok} for c in checks])  # a run cut short keeps its cases
         else:
             try:
                 rows += sections[name](args)
@@ -502,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 traceback.print_exc()
                 rows.append(Row(name, "-", "-", "-", note="FAILED: section raised, see the log"))
             print("\n" + markdown([r for r in rows if r.section == name]) + "\n", flush=True)
-        save(rows, checks)
+            save(args, name, [row_record(r) for r in rows if r.section == name])
         print(f"section {name} done at {time.perf_counter() - start:.0f} s", flush=True)
     if rows:
         print("\n" + markdown(rows))
@@ -511,17 +514,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def save(rows: list[Row], checks: list[Check]) -> None:
-    """Everything measured so far to ``$OUT/bench_attention.{json,md}`` (when ``$OUT`` is set)."""
-    out_dir = os.environ.get("OUT")
-    if not out_dir:
-        return
-    payload = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "rows": [dataclasses.asdict(r) for r in rows]}
-    payload["checks"] = [dataclasses.asdict(c) | {"ok": c.ok} for c in checks]
-    with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
-        json.dump(payload, f, indent=1)
-    with open(os.path.join(out_dir, "bench_attention.md"), "w") as f:
-        f.write(markdown(rows) + "\n\n" + markdown_checks(checks) + "\n")
+def row_record(row: Row) -> dict[str, Any]:
+    """A timed row as data: the dataclass's fields, ``pass_`` spelt ``pass``."""
+    return {("pass" if key == "pass_" else key): value for key, value in dataclasses.asdict(row).items()}
+
+
+def save(args: argparse.Namespace, section: str, rows: list[dict[str, Any]]) -> None:
+    """One section's rows to ``bench/results/`` (file names in the module docstring)."""
+    name = f"bench_attention.{section}"
+    if section == "e" and args.match:
+        name += "." + re.sub(r"[^a-z0-9]+", "_", args.match.lower()).strip("_")
+    if args.tiny or (section == "check" and args.quick):
+        name += ".tiny" if args.tiny else ".quick"
+    if section == "check":
+        notes = "relative L2 error (and max abs) of the output and of the worst gradient against a float32 reference; ok: both under 2e-2"
+    else:
+        notes = (f"medians of {args.samples} interleaved samples of at least {args.per_sample} calls and 10 ms; TFLOP/s of visible work (backward = 2.5x "
+                 "the forward); ratio: TFLOP/s over the row named in versus")
+    write_results(name, rows, notes=notes)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,15 @@ arithmetic and gives the same answer; loop overhead and vectorisation make their
 several of them by only a few percent. Both tuners compile all 24 candidates ahead of time (the
 same work for both, reported apart); early stopping saves checking and timing runs, shown
 as its own wall-time column. The two picks are then re-timed side by side, interleaved,
-to compare them fairly.
+to compare them fairly. The rows go to ``bench/results/bench_autotune.json``
+(``bench/_results.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import platform
 import statistics
 import sys
@@ -22,6 +24,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from _results import write_results
 from jax import lax
 
 import ejlabel
@@ -80,16 +83,29 @@ def main() -> int:
         timed_runs = {name: sum(c.timing.count for c in r.candidates if c.timing) for name, (r, _) in out.items()}
         compile_s = sum(c.compile_s for c in out["exhaustive"][0].candidates)
         measure = {name: r.measure_s for name, (r, _) in out.items()}
-        rows.append((repeat, fast, exhaustive, t_fast / t_exh, out["successive halving"][1], out["exhaustive"][1], timed_runs, compile_s, measure))
+        rows.append((repeat, fast, exhaustive, t_fast / t_exh, out["successive halving"][1], out["exhaustive"][1], timed_runs, compile_s, measure, os.getloadavg()[0]))
     print(f"machine: {platform.machine()}, 2 cores; python {sys.version.split()[0]}; jax {jax.__version__}; {time.strftime('%Y-%m-%d')}; 24 configs, {args.iters} timed runs per candidate")
     print("| run | halving pick | exhaustive pick | pick time / best time | halving wall s | exhaustive wall s | wall ratio | check+timing s (halving / exhaustive) | check+timing ratio | timed runs (halving / exhaustive) | compile s (24 candidates, summed over threads) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for repeat, fast, exh, ratio, w_fast, w_exh, runs, compile_s, measure in rows:
+    records = []
+    for repeat, fast, exh, ratio, w_fast, w_exh, runs, compile_s, measure, load in rows:
         m_fast, m_exh = measure["successive halving"], measure["exhaustive"]
         print(
             f"| {repeat} | {fast.block}x{fast.unroll} | {exh.block}x{exh.unroll} | {ratio:.3f} | {w_fast:.2f} | {w_exh:.2f} | {w_fast / w_exh:.2f} "
             f"| {m_fast:.2f} / {m_exh:.2f} | {m_fast / m_exh:.2f} | {runs['successive halving']} / {runs['exhaustive']} | {compile_s:.2f} |"
         )
+        records.append({
+            "run": repeat, "halving_pick": f"{fast.block}x{fast.unroll}", "exhaustive_pick": f"{exh.block}x{exh.unroll}",
+            "pick_over_best": ratio, "halving_wall_s": w_fast, "exhaustive_wall_s": w_exh, "wall_ratio": w_fast / w_exh,
+            "halving_measure_s": m_fast, "exhaustive_measure_s": m_exh, "measure_ratio": m_fast / m_exh,
+            "halving_timed_runs": runs["successive halving"], "exhaustive_timed_runs": runs["exhaustive"],
+            "compile_s": compile_s, "load_average_1min": round(load, 2),
+        })
+    write_results(
+        "bench_autotune", records,
+        notes=f"24 configs, {args.iters} timed runs per candidate; pick_over_best: the halving pick's re-timed median over the exhaustive pick's "
+        "(30 interleaved rounds); measure_s: check and timing after compilation; compile_s summed over 2 threads",
+    )
     return 0
 
 

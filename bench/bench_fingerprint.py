@@ -9,6 +9,8 @@ cannot share an environment with this one.
 Usage::
 
     PYTHONPATH=. python bench/bench_fingerprint.py [--ref-python PATH] [--repeat N]
+
+The rows go to ``bench/results/bench_fingerprint.json`` (``bench/_results.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import sys
 import timeit
 from collections.abc import Callable
 from typing import Any
+
+from _results import write_results
 
 DEFAULT_REF_PYTHON = "/work/venv-ref/bin/python"
 LIST_SIZES = (10**3, 10**5, 10**6)
@@ -118,13 +122,36 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def elements(case: str) -> int:
+    """How many elements a case hashes (0 for the call signature)."""
+    return int(case.split()[2].replace(",", "")) if case.startswith("list") else 0
+
+
+def rows(ours: dict[str, float], ref: dict[str, float] | None) -> list[dict[str, Any]]:
+    """One row per case: microseconds per call and nanoseconds per element of each side."""
+    out = []
+    for case, t in ours.items():
+        n = elements(case)
+        r = ref.get(case) if ref is not None else None
+        out.append({
+            "case": case,
+            "elements": n or None,
+            "ejlabel_us_per_call": t * 1e6,
+            "ejlabel_ns_per_element": t / n * 1e9 if n else None,
+            "reference_us_per_call": r * 1e6 if r is not None else None,
+            "reference_ns_per_element": r / n * 1e9 if r is not None and n else None,
+            "speedup": r / t if r is not None else None,
+        })
+    return out
+
+
 def table(ours: dict[str, float], ref: dict[str, float] | None) -> str:
     rows = [
         "| case | ejlabel µs/call | ejlabel ns/element | reference µs/call | reference ns/element | speed-up |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for case, t in ours.items():
-        n = int(case.split()[2].replace(",", "")) if case.startswith("list") else 0
+        n = elements(case)
         per_element = f"{t / n * 1e9:.1f}" if n else ""
         if ref is not None and case in ref:
             r = ref[case]
@@ -155,6 +182,12 @@ def main() -> None:
     if ref is None:
         print("reference not available")
     print(table(ours, ref))
+    write_results(
+        "bench_fingerprint", rows(ours, ref),
+        notes=f"short_hash, median of {args.repeat} runs of about 0.1 s (lists: {max(3, args.repeat // 2)}); reference: the older "
+        f"package's short_hash in {args.ref_python}; speedup = reference time / ejlabel time; CPU model: {cpu_model()}; "
+        f"load average {os.getloadavg()[0]:.2f}",
+    )
 
 
 if __name__ == "__main__":

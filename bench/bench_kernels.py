@@ -2,7 +2,6 @@
 
     python bench/bench_kernels.py                  # full sizes
     python bench/bench_kernels.py --quick          # smaller sizes, fewer tuning candidates
-    python bench/bench_kernels.py --out bench.md   # also write the table as markdown
     python bench/bench_kernels.py --only matmul,norms
 
 Rows report TFLOP/s for matmul and attention (attention backward counted as 2.5x the forward
@@ -16,6 +15,10 @@ Timing: each sample is ``--calls`` back-to-back calls between two device syncs, 
 three input sets so an input never sits in L2 from the previous call; the row shows the median
 over ``--samples`` samples, after warm-up calls. A failing case prints ``FAILED: reason`` in
 its row and the script goes on.
+
+Each family's rows go to ``bench/results/bench_kernels.<family>.json`` (``bench/_results.py``;
+``--quick`` and ``--tiny`` runs to ``bench_kernels.<family>.quick.json`` / ``.tiny.json``, so a
+smoke run never replaces the full-size figures).
 """
 
 from __future__ import annotations
@@ -27,15 +30,15 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from _results import write_results
 
 import ejlabel
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
-from ejlabel.kernels.attention_mosaic import on_hopper
+from ejlabel.kernels.attention.mosaic import on_hopper
 from ejlabel.kernels.cross_entropy import CrossEntropyConfig, CrossEntropyKernel, softmax_cross_entropy
 from ejlabel.kernels.matmul import MatmulConfig, MatmulKernel, matmul
 from ejlabel.kernels.norms import LayerNormKernel, NormConfig, RMSNormKernel, layer_norm, rms_norm
@@ -335,12 +338,6 @@ def bench_cross_entropy(b: Bench) -> None:
 BENCHES = {"matmul": bench_matmul, "attention": bench_attention, "norms": bench_norms, "cross_entropy": bench_cross_entropy}
 
 
-def markdown(rows: list[Row], device: str) -> str:
-    lines = [f"Kernel throughput on {device}", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def plain_table(rows: list[Row]) -> str:
     cells = [HEADER] + [row.cells() for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(HEADER))]
@@ -351,7 +348,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer tuning candidates")
     parser.add_argument("--tiny", action="store_true", help="toy sizes, to check the script itself off the GPU")
-    parser.add_argument("--out", type=Path, help="also write the table as markdown here")
     parser.add_argument("--only", default=",".join(FAMILIES), help=f"comma-separated subset of {','.join(FAMILIES)}")
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per sample")
     parser.add_argument("--samples", type=int, default=10, help="samples per row (the median is shown)")
@@ -368,18 +364,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("warning: no GPU; Pallas runs in the interpreter, which is very slow (use --tiny)", file=sys.stderr)
 
     bench = Bench(calls=args.calls, samples=args.samples, quick=args.quick, tiny=args.tiny, tune_iters=args.tune_iters)
+    size = ".tiny" if args.tiny else (".quick" if args.quick else "")
     for family in families:
         print(f"\n## {family}", flush=True)
+        first = len(bench.rows)
         try:
             BENCHES[family](bench)
         except Exception as err:  # a setup failure outside any single row
             traceback.print_exc()
             bench.fail(family, "-", err)
+        write_results(
+            f"bench_kernels.{family}{size}", [dataclasses.asdict(row) for row in bench.rows[first:]],
+            notes=f"medians of {args.samples} samples of {args.calls} back-to-back calls over 3 input sets; rate in unit "
+            "(TFLOP/s: attention backward counted as 2.5x the forward; GB/s: the bytes an ideal kernel moves); note: the config",
+        )
 
     print("\n" + plain_table(bench.rows))
-    if args.out is not None:
-        args.out.write_text(markdown(bench.rows, device))
-        print(f"\nwrote {args.out}")
     return 0
 
 

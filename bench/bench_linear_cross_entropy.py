@@ -1,6 +1,6 @@
 """Fused linear cross-entropy against the plain expression a JAX user writes, in one run.
 
-python bench/bench_linear_cross_entropy.py [--tokens 16384 --d 768 --vocab 32000] [--out FILE]
+python bench/bench_linear_cross_entropy.py [--tokens 16384 --d 768 --vocab 32000]
 
 Baseline: ``logits = hidden @ weight`` (bf16), then ``logsumexp(logits) - logits[label]`` in
 float32, mean over tokens, forward and backward by ``jax.value_and_grad``. Ours: the
@@ -10,7 +10,9 @@ each chunk's logits and with the kernel that reads them once (``"chunked_tokens_
 Each variant is compiled ahead of time; times are medians of interleaved samples (a sample = 5
 back-to-back steps, synchronised); memory is the compiled program's temporary allocation
 (``memory_analysis().temp_size_in_bytes``); errors are against the plain program run in
-float32, so the plain row's own is the bar.
+float32, so the plain row's own is the bar. The rows go to
+``bench/results/bench_linear_cross_entropy.json`` (``bench/_results.py``; another shape than the
+default to ``bench_linear_cross_entropy.<tokens>x<d>x<vocab>.json``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from _results import write_results
 from _timing import time_interleaved
 
 
@@ -68,10 +71,12 @@ def our_loss(labels: jax.Array, cfg: Any, module: Any = None) -> Callable[[jax.A
     return lambda h, w: module.linear_cross_entropy(h, w, labels, ignore_index=None, cfg=cfg)
 
 
-def compare(variants: dict[str, Callable[[jax.Array, jax.Array], jax.Array]], hidden: jax.Array, weight: jax.Array, samples: int) -> str:
-    """The table of ``value_and_grad`` of each variant (the first is the baseline): time, memory,
-    and errors against the baseline run in float32 (so the baseline's own row is the bar: the
-    rounding of its bf16 logits and gradients)."""
+def compare(
+    variants: dict[str, Callable[[jax.Array, jax.Array], jax.Array]], hidden: jax.Array, weight: jax.Array, samples: int,
+) -> tuple[str, list[dict[str, Any]]]:
+    """The table and the rows of ``value_and_grad`` of each variant (the first is the baseline):
+    time, memory, and errors against the baseline run in float32 (so the baseline's own row is
+    the bar: the rounding of its bf16 logits and gradients)."""
     compiled, memory, values = {}, {}, {}
     for name, fn in variants.items():
         exe = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(hidden, weight).compile()
@@ -91,29 +96,27 @@ def compare(variants: dict[str, Callable[[jax.Array, jax.Array], jax.Array]], hi
         "| variant | fwd+bwd ms | speed vs plain | temp memory MiB | vs plain | loss rel. err | d_hidden rel. err | d_weight rel. err |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for name in compiled:
         loss, (dh, dw) = values[name]
+        row = {
+            "variant": name, "ms": times[name], "speed_vs_plain": times[base] / times[name],
+            "temp_memory_mib": memory[name] / 2**20, "memory_vs_plain": memory[name] / memory[base],
+            "loss_rel_err": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+            "d_hidden_rel_err": rel(dh, ref_dh), "d_weight_rel_err": rel(dw, ref_dw),
+        }
+        rows.append(row)
         lines.append(
-            f"| {name} | {times[name]:.3f} | {times[base] / times[name]:.2f}x | {memory[name] / 2**20:.1f} | {memory[name] / memory[base]:.3f} | "
-            f"{abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)):.1e} | {rel(dh, ref_dh):.1e} | {rel(dw, ref_dw):.1e} |"
+            f"| {name} | {row['ms']:.3f} | {row['speed_vs_plain']:.2f}x | {row['temp_memory_mib']:.1f} | {row['memory_vs_plain']:.3f} | "
+            f"{row['loss_rel_err']:.1e} | {row['d_hidden_rel_err']:.1e} | {row['d_weight_rel_err']:.1e} |"
         )
-    return "\n".join(lines)
-
-
-def report(table: str, out: str | None) -> int:
-    """Print ``table`` and, given ``out``, write it there; the script's exit status."""
-    print(table)
-    if out:
-        with open(out, "w") as f:
-            f.write(table + "\n")
-    return 0
+    return "\n".join(lines), rows
 
 
 def main() -> int:
     parser = problem_parser(__doc__.splitlines()[0], samples=15)
     parser.add_argument("--chunks", default="2048,4096,8192", help="vocabulary chunks of the chunked implementation")
     parser.add_argument("--token-chunks", default="2048,4096,8192", help="token chunks of the two token-chunked implementations")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig
@@ -125,7 +128,15 @@ def main() -> int:
     for impl, suffix in (("chunked_tokens", ""), ("chunked_tokens_triton", ", rows kernel")):
         for chunk in (int(c) for c in args.token_chunks.split(",")):
             variants[f"ours, token chunks {chunk}{suffix}"] = our_loss(labels, LinearCrossEntropyConfig(impl, chunk_tokens=chunk))
-    return report(compare(variants, hidden, weight, args.samples), args.out)
+    table, rows = compare(variants, hidden, weight, args.samples)
+    print(table)
+    shape = (args.tokens, args.d, args.vocab)
+    write_results(
+        "bench_linear_cross_entropy" + ("" if shape == (16384, 768, 32000) else ".{}x{}x{}".format(*shape)), rows,
+        notes=f"value_and_grad of the mean loss, [{args.tokens}, {args.d}] x [{args.d}, {args.vocab}]; medians of {args.samples} interleaved "
+        "samples of 5 steps; memory: the compiled program's temporary allocation; errors against the plain program in float32",
+    )
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Whole-model step times against the model as a JAX user writes it, all variants in one run.
 
-Run on the GPU machine:  python bench/bench_model.py [--packed] [--quick] [--out results.md]
+Run on the GPU machine:  python bench/bench_model.py [--packed] [--quick]
 
 Variants of the example transformer (``ejlabel.examples``), training step (value_and_grad +
 SGD) and serving step (forward):
@@ -20,7 +20,9 @@ Every variant is compiled first, then timed interleaved: each round takes one sa
 variant in turn (``--steps-per-sample`` back-to-back steps, synchronised), so clock and thermal
 drift hit all variants alike; the table gives medians over ``--samples`` rounds and the ratio to
 the plain model. Inputs are random, never zeros. The first training step's loss of each variant
-is compared with the plain model's (same weights and data).
+is compared with the plain model's (same weights and data). The rows go to
+``bench/results/bench_model.json`` (``bench_model.packed.json`` with ``--packed``; ``--quick``
+and ``--tiny`` runs to files of their own), through ``bench/_results.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from _results import write_results
 from _timing import time_interleaved
 
 
@@ -49,7 +52,6 @@ def main() -> int:
     parser.add_argument("--steps-per-sample", type=int, default=3)
     parser.add_argument("--tune-budget", type=float, default=200.0, help="seconds for tune_in_context; 0 skips it")
     parser.add_argument("--max-configs", type=int, default=6, help="candidates per call in the isolated ranking")
-    parser.add_argument("--out", default=None, help="write the Markdown table here too")
     args = parser.parse_args()
     os.environ.setdefault("EJLABEL_CACHE_DIR", tempfile.mkdtemp(prefix="ejlabel-bench-model-"))
 
@@ -96,7 +98,7 @@ def main() -> int:
     # on its heuristic (XLA) path: what the loss alone does to the whole step.
     add("ejlabel, fused loss (chunked_tokens), the rest heuristic", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(), "chunked_tokens"))
 
-    tune_note = "tune_in_context skipped"
+    tune_note, tune_s = "tune_in_context skipped", None
     if args.tune_budget > 0:
         from ejlabel.execution.tuning import tune_in_context
 
@@ -124,29 +126,42 @@ def main() -> int:
 
     plain = "plain JAX (baseline)"
     device = jax.devices()[0]
+    model = (
+        f"model {n_params / 1e6:.1f}M params, d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
+        f"seq {cfg.seq_len}, batch {cfg.batch}, {cfg.documents} document(s) per row, {jnp.dtype(cfg.dtype).name}; "
+        f"medians of {args.samples} interleaved samples of {args.steps_per_sample} steps"
+    )
     lines = [
-        f"Device: {device.device_kind}; jax {jax.__version__}; {time.strftime('%Y-%m-%d')}; model {n_params / 1e6:.1f}M params, "
-        f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), seq {cfg.seq_len}, batch {cfg.batch}, "
-        f"{cfg.documents} document(s) per row, "
-        f"{jnp.dtype(cfg.dtype).name}; medians of {args.samples} interleaved samples of {args.steps_per_sample} steps",
+        f"Device: {device.device_kind}; jax {jax.__version__}; {time.strftime('%Y-%m-%d')}; {model}",
         "",
         "| variant | train step ms | vs plain | serve step ms | vs plain | first-step loss (rel. to plain) |",
         "|---|---:|---:|---:|---:|---|",
     ]
+    rows: list[dict[str, Any]] = []
+    has_plain = plain in variants  # without the baseline (it failed to compile) there are no ratios
+    shown = lambda x, spec: "-" if x is None else format(x, spec)
     for name in variants:
-        rel = abs(first_loss[name] - first_loss[plain]) / abs(first_loss[plain]) if plain in first_loss else float("nan")
+        row = {
+            "variant": name,
+            "train_ms": train_ms[name], "train_vs_plain": train_ms[plain] / train_ms[name] if has_plain else None,
+            "serve_ms": serve_ms[name], "serve_vs_plain": serve_ms[plain] / serve_ms[name] if has_plain else None,
+            "first_loss": first_loss[name],
+            "first_loss_rel_to_plain": abs(first_loss[name] - first_loss[plain]) / abs(first_loss[plain]) if has_plain else None,
+        }
+        if name == "ejlabel, tuned in context":
+            row |= {"tune_s": tune_s, "tune_budget_s": args.tune_budget}
+        rows.append(row)
         lines.append(
-            f"| {name} | {train_ms[name]:.2f} | {train_ms.get(plain, float('nan')) / train_ms[name]:.3f}x | "
-            f"{serve_ms[name]:.2f} | {serve_ms.get(plain, float('nan')) / serve_ms[name]:.3f}x | {first_loss[name]:.5f} ({rel:.1e}) |"
+            f"| {name} | {row['train_ms']:.2f} | {shown(row['train_vs_plain'], '.3f')}x | {row['serve_ms']:.2f} | "
+            f"{shown(row['serve_vs_plain'], '.3f')}x | {first_loss[name]:.5f} ({shown(row['first_loss_rel_to_plain'], '.1e')}) |"
         )
     for name, why in failures.items():
+        rows.append({"variant": name, "failed": why})
         lines.append(f"| {name} | FAILED: {why} | | | | |")
     lines += ["", tune_note + "."]
-    table = "\n".join(lines)
-    print("\n" + table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    print("\n" + "\n".join(lines))
+    size = ".tiny" if args.tiny else (".quick" if args.quick else "")
+    write_results(f"bench_model{'.packed' if args.packed else ''}{size}", rows, notes=f"{model}; {tune_note}; vs_plain: plain time / this time")
     return 0
 
 

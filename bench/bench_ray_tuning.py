@@ -18,8 +18,10 @@ python bench/bench_ray_tuning.py [--scaling] [--overhead] [options]   (both when
     (the local tuner and the Ray driver would otherwise share one GPU's memory); the driver of
     the Ray run never touches the GPU (``JAX_PLATFORMS=cpu``), its one worker does.
 
-Prints a markdown table per part and writes ``ray_tuning.json`` (``ray_tuning_scaling.json`` or
-``ray_tuning_overhead.json`` when one part runs) to ``$OUT`` when it is set, after each run.
+Prints a markdown table per part and writes each part's rows, one per tuner run, to
+``bench/results/bench_ray_tuning.scaling.json`` and ``bench_ray_tuning.overhead.json``
+(``bench/_results.py``), the scaling part after each run, so a run cut short keeps its finished
+parts.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _results import write_results
 
 
 def _policy(args: argparse.Namespace, compile_workers: int) -> Any:
@@ -81,20 +84,16 @@ def _run_summary(report: Any, **extra: Any) -> dict[str, Any]:
     }
 
 
+def _save(part: str, runs: dict[str, Any], args: argparse.Namespace, what: str) -> None:
+    """One part's runs as rows (``tuner`` names the run) in its results file."""
+    policy = f"policy num_warmup=1, num_iters={args.iters}, max_configs={args.max_configs}"
+    write_results(f"bench_ray_tuning.{part}", [{"tuner": name, **run} for name, run in runs.items()], notes=f"{what}; {policy}; wall_s: tune_unseen's")
+
+
 # ---------------------------------------------------------------------------- (a) scaling
 
 
-def _save(results: dict[str, Any]) -> None:
-    """Write what is measured so far to $OUT (a run cut short keeps its finished parts)."""
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        parts = [part for part in ("scaling", "overhead") if results.get("parts", {}).get(part)]
-        name = "ray_tuning.json" if len(parts) != 1 else f"ray_tuning_{parts[0]}.json"
-        Path(out, name).write_text(json.dumps(results, indent=1))
-
-
-def scaling(args: argparse.Namespace, root: str, results: dict[str, Any]) -> dict[str, Any]:
+def scaling(args: argparse.Namespace, root: str) -> None:
     import ray
     from ejlabel.analysis import read_program, tune_unseen
 
@@ -103,7 +102,7 @@ def scaling(args: argparse.Namespace, root: str, results: dict[str, Any]) -> dic
     _write_programs("tiny", args.seq_lens, programs)
     program = read_program(programs)
     runs: dict[str, Any] = {}
-    results["scaling"] = {"programs": args.seq_lens, "runs": runs}
+    what = f"the TINY training step's unseen calls on the CPU, seq_len {', '.join(map(str, args.seq_lens))}, batch 2; ray.init apart"
     for n in args.workers:
         start = time.perf_counter()
         ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False, logging_level="WARNING", object_store_memory=256 * 2**20)
@@ -116,13 +115,13 @@ def scaling(args: argparse.Namespace, root: str, results: dict[str, Any]) -> dic
             ray.shutdown()
         runs[f"ray_{n}"] = _run_summary(report, workers=n, ray_init_s=round(init_s, 2))
         print(f"ray, {n} workers: {report.summary()}", file=sys.stderr, flush=True)
-        _save(results)
+        _save("scaling", runs, args, what)
     if not args.no_local:
         cpus = os.cpu_count() or 1
         report = tune_unseen(program, _selector(root), _policy(args, cpus), progress=False)
         runs["local"] = _run_summary(report, compile_workers=cpus)
         print(f"local: {report.summary()}", file=sys.stderr, flush=True)
-        _save(results)
+        _save("scaling", runs, args, what)
     one = runs.get("ray_1", {}).get("wall_s")
     lines = [
         (
@@ -144,7 +143,6 @@ def scaling(args: argparse.Namespace, root: str, results: dict[str, Any]) -> dic
             f"| {f'{speedup / n:.0%}' if speedup else '-'} | {vs_local} | {run.get('ray_init_s', '-')} |"
         )
     print("\n".join(lines))
-    return {"programs": args.seq_lens, "runs": runs}
 
 
 # ---------------------------------------------------------------------------- (b) overhead
@@ -186,7 +184,7 @@ def _child(args: argparse.Namespace, *extra: str, env: dict[str, str] | None = N
     return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
 
 
-def overhead(args: argparse.Namespace, root: str) -> dict[str, Any]:
+def overhead(args: argparse.Namespace, root: str) -> None:
     programs = Path(root) / "program"
     programs.mkdir()
     cpu_env = {"JAX_PLATFORMS": "cpu"}
@@ -219,7 +217,7 @@ def overhead(args: argparse.Namespace, root: str) -> dict[str, Any]:
         f"max_configs={args.max_configs}, num_iters={args.iters}) on {device}"
     )
     print("\n".join([title, "", *lines]))
-    return {"model": args.model, "local": local, **runs}
+    _save("overhead", {"local": local, **runs}, args, f"the {args.model} training step's unseen calls on {device}, each tuner in a fresh process")
 
 
 def main() -> None:
@@ -253,21 +251,11 @@ def main() -> None:
         return
     if not args.overhead:
         os.environ["JAX_PLATFORMS"] = "cpu"  # (a) tunes on the CPU, even on a GPU machine
-    import jax
-
-    results: dict[str, Any] = {
-        "machine": f"{platform.node()} ({os.cpu_count()} CPUs)",
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "policy": {"num_warmup": 1, "num_iters": args.iters, "max_configs": args.max_configs},
-        "parts": {"scaling": args.scaling or not args.overhead, "overhead": args.overhead or not args.scaling},
-    }
     with tempfile.TemporaryDirectory() as root:
         if args.scaling or not args.overhead:
-            results["scaling"] = scaling(args, root, results)
+            scaling(args, root)
         if args.overhead or not args.scaling:
-            results["overhead"] = overhead(args, root)
-    _save(results)
+            overhead(args, root)
 
 
 if __name__ == "__main__":

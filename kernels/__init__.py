@@ -1,7 +1,14 @@
 """Kernels a transformer needs, each with an XLA reference and Pallas GPU implementations.
 
 Which implementation runs is a field of each kernel's config (``impl``), so the tuner picks it
-per call site and the audit shows it. The sequence and numerics helpers live here too.
+per call site and the audit shows it. One package per op (``attention``, ``matmul``, ``norms``,
+``cross_entropy``, ``linear_cross_entropy``): its ``__init__`` holds the op, its config, kernel
+class and tuning space, and each implementation sits in a module named for its backend
+(``xla.py``, ``triton.py``, the ``attention.mosaic`` package). Config and kernel classes stay in
+the ``__init__`` modules: caches name them ``ejlabel.kernels.<op>:<Class>``. Beside the
+packages: the argument checks (:mod:`.checks`), the Pallas helpers every op shares
+(:mod:`.pallas_common`), and ejkernel's sequence and numerics helpers, re-exported here
+(:mod:`.ejkernel_compat`).
 """
 
 from .attention import AttentionConfig, AttentionKernel, cu_seqlens_to_segment_ids, flash_attention
@@ -9,7 +16,7 @@ from .cross_entropy import CrossEntropyConfig, CrossEntropyKernel, softmax_cross
 from .linear_cross_entropy import LinearCrossEntropyConfig, LinearCrossEntropyKernel, linear_cross_entropy
 from .matmul import MatmulConfig, MatmulKernel, matmul
 from .norms import LayerNormKernel, NormConfig, RMSNormKernel, layer_norm, rms_norm
-from .sequence import (
+from .ejkernel_compat import (
     chunk_array,
     identity_dtype_convert,
     log_sum_exp,

@@ -1,9 +1,12 @@
-"""Checks shared by the kernel tests: relative errors, labels in a lowered program, tuning, documents."""
+"""Checks shared by the kernel tests: relative errors, labels in a lowered program, tuning, documents,
+and the Mosaic attention tests' inputs, reference, lowering and interpreter race detector."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +14,12 @@ import numpy as np
 import pytest
 
 import ejlabel
+from ejlabel.kernels.attention.masks import window_bounds
+from ejlabel import BwdParams, FwdParams
+from ejlabel.kernels.attention.mosaic import kernel as mosaic_kernel
+from ejlabel.kernels.attention.mosaic import plan as mosaic_plan
+from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
+from ejlabel.kernels.attention.xla import attention_xla
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.gpu
@@ -83,3 +92,86 @@ def documents(batch: int, seq: int, count: int, padding: int, seed: int = 0) -> 
         ids[: seq - padding] = 1 + np.searchsorted(cuts, np.arange(seq - padding), side="right")
         rows.append(ids)
     return jnp.asarray(np.stack(rows))
+
+
+# --------------------------------------------------------------------------------------------
+# The Mosaic attention tests (test_attention_mosaic.py, test_mosaic_experimental.py)
+
+
+def qkv(batch: int, seq: int, heads: int, kv_heads: int, dim: int, dtype: Any, seed: int = 0) -> tuple[jax.Array, ...]:
+    """Standard normal ``q [batch, seq, heads, dim]`` and ``k, v [batch, seq, kv_heads, dim]``."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    shapes = ((batch, seq, heads, dim), (batch, seq, kv_heads, dim), (batch, seq, kv_heads, dim))
+    return tuple(jax.random.normal(kk, s, jnp.float32).astype(dtype) for kk, s in zip(keys, shapes))
+
+
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window: Any, segment_ids: Any, scale: float) -> jax.Array:
+    """The XLA implementation's masked softmax in float32."""
+    f32 = [t.astype(jnp.float32) for t in (q, k, v)]
+    return attention_xla(*f32, segment_ids, scale=scale, bounds=window_bounds(causal, window))
+
+
+def lower_for_cuda(fn: Any, *args: Any) -> str:
+    """``fn``'s program lowered for CUDA (no GPU needed), as StableHLO text."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def kernel_hashes(text: str) -> list[str]:
+    """The hash of every Mosaic GPU module in a lowered program's text, in order."""
+    return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+
+
+@pytest.fixture
+def races(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], bool]]:
+    """The Mosaic GPU interpreter with its race detector on; the returned function tells whether
+    it found an access the kernels' barriers leave unordered."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    params_type = type(mosaic_kernel.interpret_params())
+    monkeypatch.setattr(mosaic_kernel, "interpret_params", lambda: params_type(detect_races=True))
+    yield lambda: gpu_callbacks.get_races().races_found
+
+
+def interpreted_values_and_gradients(
+    q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, params: tuple[FwdParams, BwdParams], probe: jax.Array,
+    fused_backward: bool = False,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Causal attention with segment ids in the Mosaic GPU interpreter, its output and its
+    gradients along ``probe``, checked against the float32 reference; returns both (with
+    ``fused_backward``, the gradients of the experimental fused backward)."""
+    attend = lambda q, k, v: mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params, interpret=True, fused_backward=fused_backward)
+    out, vjp = jax.vjp(attend, q, k, v)
+    grads = vjp(probe.astype(out.dtype))
+    f32 = tuple(t.astype(jnp.float32) for t in (q, k, v))
+    scale = q.shape[3] ** -0.5
+    want, want_vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=scale), *f32)
+    assert rel_error(out, want) < 1e-2
+    for got, expected in zip(grads, want_vjp(probe)):
+        assert rel_error(got, expected) < 2e-2
+    return out, grads
+
+
+def check_interpreted_backward(races: Callable[[], bool], fused: bool) -> None:
+    """Four tiles over three programs (one walks two), a query head group of 2, three documents
+    and padding, in the interpreter: values and gradients against the reference, no races, and
+    padding rows exactly 0. Some tiles visit masked blocks on both sides of an unmasked run
+    (asserted): the producer and the consumers must agree on the order of the walk. The
+    interpreter's race detector must find no access that the kernels' barriers leave
+    unordered. ``fused``: the experimental fused backward (test_mosaic_experimental.py)."""
+    seq, dim = 512, 64
+    q, k, v = qkv(1, seq, 2, 1, dim, jnp.bfloat16, seed=13)
+    position = jnp.arange(seq)
+    ids = jnp.where(position < seq - 11, 1 + (position >= 60) + (position >= 90), 0)[None].astype(jnp.int32)
+    shape = mosaic_plan.Shape(0.125, window_bounds(True, None), None, 2, True, True)
+    for transpose in (False, True):  # dq and forward walk key blocks of 64; dk/dv, query blocks of 64
+        lo, hi, a, c, u_lo, u_hi = np.asarray(mosaic_plan.visit_plan(seq, seq, 128, 64, shape, ids, 1, transpose=transpose))[:, 0]
+        assert np.any((lo < a) & (a < c) & (c < hi))
+        # Every kind of step runs: blocks masked by the segment ids, by positions alone, neither.
+        assert np.any((lo < u_lo) | (u_hi < hi)) and np.any((u_lo < a) | (c < u_hi)) and np.any(a < c)
+    probe = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
+    params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
+    out, grads = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=fused)
+    assert not races()
+    # Padding rows see nothing: output and dq exactly 0.
+    assert not np.any(np.asarray(out.astype(jnp.float32))[0, seq - 11 :])
+    assert not np.any(np.asarray(grads[0].astype(jnp.float32))[0, seq - 11 :])

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ejlabel.kernels._attention_blocks import intersect_window, segment_block_ranges, uniform_block_ranges, window_block_ranges
+from ejlabel.kernels.attention.blocks import intersect_window, segment_block_ranges, uniform_block_ranges, window_block_ranges
 
 # Jitted once per block-size pair: eager calls would compile every small op for every shape.
 # The window functions run eagerly: jitted, every window (static) would compile anew.

@@ -1,16 +1,21 @@
-"""The Mosaic GPU flash attention (kernels/attention_mosaic.py).
+"""The Mosaic GPU flash attention (kernels/attention/mosaic/).
 
 On the CPU (the plans and the work order have tests of their own, test_mosaic_plan.py and
-test_mosaic_work.py): lowering to the Mosaic GPU module for a grid of shapes and options (it catches shape, layout and type errors without a GPU), and
-values and gradients in the Mosaic GPU interpreter at small sizes. On a Hopper GPU: values and
-gradients against a float32 reference over head dims, odd lengths, segments and GQA ratios.
+test_mosaic_work.py; the experimental schedules test_mosaic_experimental.py): lowering to the
+Mosaic GPU module for a grid of shapes and options (it catches shape, layout and type errors
+without a GPU), and values and gradients in the Mosaic GPU interpreter at small sizes. On a
+Hopper GPU: values and gradients against a float32 reference over head dims, odd lengths,
+segments and GQA ratios (arg_specs.GPU_GRID).
+
+The kernels are driven through ``experimental.mosaic_attention``, their one differentiable
+entry point with every knob; with its defaults it runs the product's kernels, and
+``test_gpu_flash_attention_mosaic`` runs them through ``flash_attention`` itself.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -19,18 +24,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ejlabel.kernels import attention as attention_module
-from ejlabel.kernels import attention_mosaic as am
-from ejlabel.kernels import _mosaic_backward as mbackward
-from ejlabel.kernels import _mosaic_kernel as mkernel
-from ejlabel.kernels import _mosaic_plan as mplan
-from ejlabel.kernels.attention import (
-    AttentionConfig,
-    AttentionKernel,
-    _attention_xla,
-    _bounds,
-    flash_attention,
+from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
+from ejlabel.kernels.attention import mosaic as am
+from ejlabel.kernels.attention.arg_specs import GPU_GRID, ArgSpec
+from ejlabel.kernels.attention.masks import window_bounds
+from ejlabel.kernels.attention.mosaic import backward as mbackward
+from ejlabel.kernels.attention.mosaic import kernel as mkernel
+from ejlabel.kernels.attention.mosaic import plan as mplan
+from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
+from kernel_checks import attention_reference as reference
+from kernel_checks import (
+    check_interpreted_backward, documents, gpu, interpreted_values_and_gradients, kernel_hashes, lower_for_cuda, needs_gpu, qkv, rel_error,
 )
-from kernel_checks import documents, gpu, needs_gpu, rel_error
+from kernel_checks import races  # noqa: F401  (a fixture)
 
 import ejlabel
 from ejlabel import BwdParams, FwdParams, Invocation, analysis, label, label_scope
@@ -38,28 +44,8 @@ from ejlabel import BwdParams, FwdParams, Invocation, analysis, label, label_sco
 pytestmark = pytest.mark.skipif(not am.mosaic_available(), reason="this JAX has no Pallas Mosaic GPU backend")
 
 
-def qkv(batch: int, seq: int, heads: int, kv_heads: int, dim: int, dtype: Any, seed: int = 0) -> tuple[jax.Array, ...]:
-    keys = jax.random.split(jax.random.key(seed), 3)
-    shapes = ((batch, seq, heads, dim), (batch, seq, kv_heads, dim), (batch, seq, kv_heads, dim))
-    return tuple(jax.random.normal(kk, s, jnp.float32).astype(dtype) for kk, s in zip(keys, shapes))
-
-
-def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window: Any, segment_ids: Any, scale: float) -> jax.Array:
-    f32 = [t.astype(jnp.float32) for t in (q, k, v)]
-    return _attention_xla(*f32, segment_ids, scale=scale, bounds=_bounds(causal, window))
-
-
 # --------------------------------------------------------------------------------------------
 # Lowering to the Mosaic GPU module (no GPU needed)
-
-
-def lower_for_cuda(fn: Any, *args: Any) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def kernel_hashes(text: str) -> list[str]:
-    """The hash of every Mosaic GPU module in a lowered program's text, in order."""
-    return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
 
 
 @pytest.mark.parametrize(
@@ -76,7 +62,7 @@ def test_forward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, options: dict[str
     q = jax.ShapeDtypeStruct((2, 300, 4, dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 300, kv_heads, dim), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 300), jnp.int32) if options.get("segments") else None
-    bounds = _bounds(options.get("causal", False), options.get("window"))
+    bounds = window_bounds(options.get("causal", False), options.get("window"))
 
     def fwd(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         return am.mosaic_forward(q, k, v, seg, scale=0.1, bounds=bounds, params=params, pingpong=options.get("pingpong", False))
@@ -93,7 +79,7 @@ def test_sequences_are_not_copied_to_whole_tiles_on_the_gpu(seq: int, copied: bo
     q = jax.ShapeDtypeStruct((2, seq, 4, 128), jnp.bfloat16)
 
     def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return am.mosaic_attention(q, k, v, causal=True).astype(jnp.float32).sum()
+        return mosaic_attention(q, k, v, causal=True).astype(jnp.float32).sum()
 
     padded = [line for line in lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q).splitlines() if "stablehlo.pad" in line]
     assert any(f"x{seq}x4x128x" in line for line in padded) == copied
@@ -101,26 +87,23 @@ def test_sequences_are_not_copied_to_whole_tiles_on_the_gpu(seq: int, copied: bo
     assert not any(f"x{whole_tiles}x4x128x" in line for line in padded)  # nor to whole 128-row tiles
 
 
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize(("dim", "kv_heads", "segments"), [(64, 2, True), (128, 4, False), (256, 2, True)])
-def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, fused: bool) -> None:
+def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool) -> None:
     q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.float16)
     k = jax.ShapeDtypeStruct((1, 200, kv_heads, dim), jnp.float16)
     seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
 
     def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> jax.Array:
-        return am.mosaic_attention(q, k, v, causal=True, segment_ids=seg, fused_backward=fused).astype(jnp.float32).sum()
+        return mosaic_attention(q, k, v, causal=True, segment_ids=seg).astype(jnp.float32).sum()
 
     text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
-    # Forward, then dq and dk/dv kernels, or one fused kernel adding dq up with TMA reduce-adds;
-    # above head dim 128 dv and dk take a kernel each, and nothing is fused.
-    fused = fused and dim <= 128
-    assert text.count("@mosaic_gpu") == (2 if fused else 3 if dim <= 128 else 4)
-    assert ("cp.reduce.async.bulk" in text) == fused
+    # Forward, then dq and dk/dv kernels; above head dim 128 dv and dk take a kernel each.
+    assert text.count("@mosaic_gpu") == (3 if dim <= 128 else 4)
+    assert "cp.reduce.async.bulk" not in text  # no reduce-adds: those are the fused backward's
     # delta = sum_d out * dO: in the dq kernel where its tiles fit twice with the output's
     # (head dim 64), else one contraction before the kernels.
-    assert mbackward._dq_tiles(dim, jnp.float16, am._blocks(BwdParams(), dim)[1], 2) == {64: (2, True), 128: (2, False), 256: (1, False)}[dim]
-    assert ("stablehlo.dot_general" in text) == (fused or dim > 64)
+    assert mbackward.dq_tiles(dim, jnp.float16, am.tile_blocks(BwdParams(), dim)[1], 2) == {64: (2, True), 128: (2, False), 256: (1, False)}[dim]
+    assert ("stablehlo.dot_general" in text) == (dim > 64)
 
 
 @pytest.mark.parametrize("window", [None, (64, 16)])
@@ -132,7 +115,7 @@ def test_positional_plans_and_orders_are_constants(window: tuple[int, int] | Non
     seg = jax.ShapeDtypeStruct((2, 300), jnp.int32)
 
     def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> jax.Array:
-        return am.mosaic_attention(q, k, v, causal=window is None, window=window, segment_ids=seg).astype(jnp.float32).sum()
+        return mosaic_attention(q, k, v, causal=window is None, window=window, segment_ids=seg).astype(jnp.float32).sum()
 
     grad = jax.grad(loss, argnums=(0, 1, 2))
     positional, segmented = (lower_for_cuda(grad, q, q, q, s) for s in (None, seg))
@@ -156,10 +139,10 @@ def test_call_sites_share_one_module_per_kernel() -> None:
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
 
     def loss(x: jax.Array, *, second_label: str) -> jax.Array:
-        x = am.mosaic_attention(x, x, x, causal=True)
+        x = mosaic_attention(x, x, x, causal=True)
         x = 2 * x
         with label_scope(second_label):
-            x = am.mosaic_attention(x, x, x, causal=True)
+            x = mosaic_attention(x, x, x, causal=True)
         return x.astype(jnp.float32).sum()
 
     def hashes_with(second_label: str) -> list[str]:
@@ -233,32 +216,10 @@ def test_flash_attention_offers_mosaic_only_where_it_runs() -> None:
     # Shared memory: three stages of 128-row key and value blocks at dim 128 do not fit.
     assert not am.mosaic_fits(128, FwdParams(kv_blocksize=128, num_stages=3), BwdParams())
     assert am.mosaic_fits(128, FwdParams(kv_blocksize=64, num_stages=3), BwdParams())
-    # The fused backward's ds and float32 dq shares leave room for two stages at dim 128, not three.
-    three = BwdParams(q_blocksize=64, kv_blocksize=64, num_stages=3)
-    assert am.mosaic_fits(128, FwdParams(), three) and not am.mosaic_fits(128, FwdParams(), three, fused_backward=True)
-    assert am.mosaic_fits(128, FwdParams(), BwdParams(q_blocksize=64), fused_backward=True)
 
 
 # --------------------------------------------------------------------------------------------
 # Values in the Mosaic GPU interpreter (CPU)
-
-
-def interpreted_values_and_gradients(
-    q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, params: tuple[FwdParams, BwdParams], probe: jax.Array,
-    fused_backward: bool = False,
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Causal attention with segment ids in the Mosaic GPU interpreter, its output and its
-    gradients along ``probe``, checked against the float32 reference; returns both."""
-    attend = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params, interpret=True, fused_backward=fused_backward)
-    out, vjp = jax.vjp(attend, q, k, v)
-    grads = vjp(probe.astype(out.dtype))
-    f32 = tuple(t.astype(jnp.float32) for t in (q, k, v))
-    scale = q.shape[3] ** -0.5
-    want, want_vjp = jax.vjp(lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=scale), *f32)
-    assert rel_error(out, want) < 1e-2
-    for got, expected in zip(grads, want_vjp(probe)):
-        assert rel_error(got, expected) < 2e-2
-    return out, grads
 
 
 @pytest.mark.slow
@@ -274,56 +235,22 @@ def test_interpreted_persistent_programs_walk_several_tiles(races: Callable[[], 
     seq, dim = 256, 128
     q, k, v = qkv(1, seq, 2, 2, dim, jnp.bfloat16, seed=11)
     ids = jnp.where(jnp.arange(seq) < seq - 9, 1 + (jnp.arange(seq) >= 96) + (jnp.arange(seq) >= 200), 0)[None].astype(jnp.int32)
-    assert mkernel._tile_buffers(128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2 and mkernel._tile_buffers(2 * 128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2
-    assert mkernel._tile_buffers(2 * 128 * dim * 2, 2 * 2 * 128 * dim * 2) == 1  # dq with 128-row key blocks
+    assert mkernel.tile_buffers(128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2 and mkernel.tile_buffers(2 * 128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2
+    assert mkernel.tile_buffers(2 * 128 * dim * 2, 2 * 2 * 128 * dim * 2) == 1  # dq with 128-row key blocks
     probe = jax.random.normal(jax.random.key(12), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=128))
     interpreted_values_and_gradients(q, k, v, ids, params, probe)
     assert not races()
 
 
-@pytest.fixture
-def races(monkeypatch: pytest.MonkeyPatch) -> Callable[[], bool]:
-    """The interpreter with its race detector on; the returned function tells whether it found
-    an access the kernels' barriers leave unordered."""
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-    params_type = type(mkernel._interpret_params())
-    monkeypatch.setattr(mkernel, "_interpret_params", lambda: params_type(detect_races=True))
-    return lambda: gpu_callbacks.get_races().races_found
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("fused", "diagonal_apart"), [(False, True), (True, True), (False, False)])
-def test_interpreted_backward(races: Callable[[], bool], fused: bool, diagonal_apart: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Four tiles over three programs (one walks two), a query head group of 2, three documents
-    # and padding. Some tiles visit masked blocks on both sides of an unmasked run (asserted
-    # below): the producer and the consumers must agree on the order of the walk. Fused: each
-    # step's dq share lands in its own slot (the interpreter has no reduce-add) and the visited
-    # ones are summed, so a share written to the wrong block, head or tile shows in dq; the
-    # consumers take turns sending shares and read each other's ds and keys. The interpreter's
-    # race detector must find no access that the kernels' barriers leave unordered (taking out
-    # one of the turns' waits makes it report the race). Not ``diagonal_apart``: the blocks
-    # masked by positions alone share the segment ids' loop, as they do above head dim 64.
+@pytest.mark.parametrize("diagonal_apart", [True, False])
+def test_interpreted_backward(races: Callable[[], bool], diagonal_apart: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not ``diagonal_apart``: the blocks masked by positions alone share the segment ids' loop,
+    # as they do above head dim 64.
     if not diagonal_apart:
         monkeypatch.setattr(mplan, "POSITIONS_APART_MAX_DIM", 0)
-    seq, dim = 512, 64
-    q, k, v = qkv(1, seq, 2, 1, dim, jnp.bfloat16, seed=13)
-    position = jnp.arange(seq)
-    ids = jnp.where(position < seq - 11, 1 + (position >= 60) + (position >= 90), 0)[None].astype(jnp.int32)
-    shape = mplan.Shape(0.125, _bounds(True, None), None, 2, True, True)
-    for transpose in (False, True):  # dq and forward walk key blocks of 64; dk/dv, query blocks of 64
-        lo, hi, a, c, u_lo, u_hi = np.asarray(mplan.visit_plan(seq, seq, 128, 64, shape, ids, 1, transpose=transpose))[:, 0]
-        assert np.any((lo < a) & (a < c) & (c < hi))
-        # Every kind of step runs: blocks masked by the segment ids, by positions alone, neither.
-        assert np.any((lo < u_lo) | (u_hi < hi)) and np.any((u_lo < a) | (c < u_hi)) and np.any(a < c)
-    probe = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
-    params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
-    out, grads = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=fused)
-    assert not races()
-    # Padding rows see nothing: output and dq exactly 0.
-    assert not np.any(np.asarray(out.astype(jnp.float32))[0, seq - 11 :])
-    assert not np.any(np.asarray(grads[0].astype(jnp.float32))[0, seq - 11 :])
+    check_interpreted_backward(races, fused=False)
 
 
 @pytest.mark.slow
@@ -335,23 +262,13 @@ def test_interpreted_backward_above_head_dim_128(races: Callable[[], bool]) -> N
     q, k, v = qkv(1, seq, 1, 1, dim, jnp.bfloat16, seed=15)
     position = jnp.arange(seq)
     ids = jnp.where(position < seq - 11, 1 + (position >= 40) + (position >= 80), 0)[None].astype(jnp.int32)
-    assert mbackward._dkv_passes(dim) == (("dv",), ("dk",)) and am._blocks(BwdParams(), dim) == (64, 64, None)
+    assert mbackward.dkv_passes(dim) == (("dv",), ("dk",)) and am.tile_blocks(BwdParams(), dim) == (64, 64, None)
     tile, stage = am.TILE * dim * 2, 2 * 64 * dim * 2  # one 128-row tile; a stage of 64-row blocks
-    assert mkernel._ring_stages(None, tile, stage) == 2 and mkernel._ring_stages(None, 2 * tile, stage) == 1
+    assert mkernel.ring_stages(None, tile, stage) == 2 and mkernel.ring_stages(None, 2 * tile, stage) == 1
     probe = jax.random.normal(jax.random.key(16), q.shape, jnp.float32)
     out, grads = interpreted_values_and_gradients(q, k, v, ids, (FwdParams(), BwdParams()), probe)
     assert not races()
     assert not np.any(np.asarray(grads[1].astype(jnp.float32))[0, seq - 11 :])  # padded keys: dk exactly 0
-
-
-def test_sum_shares_adds_only_visited_blocks() -> None:
-    # Unvisited slots hold whatever the memory held (NaN here): they must not reach dq.
-    shares = jnp.full((1, 2, 256, 1, 8), jnp.nan, jnp.float32)
-    plan = jnp.array([[[0, 2]], [[2, 4]], [[0, 2]], [[2, 4]]], jnp.int32)  # tile 0 visits q blocks 0-1, tile 1 blocks 2-3
-    shares = shares.at[0, 0, :128].set(1.0).at[0, 1, 128:].set(2.0)
-    dq = np.asarray(mbackward._sum_shares(shares, plan, 64))
-    np.testing.assert_array_equal(dq[0, :128], 1.0)
-    np.testing.assert_array_equal(dq[0, 128:], 2.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,7 +292,7 @@ def test_interpreted_pingpong_forward(races: Callable[[], bool]) -> None:
     seq = 256
     q, k, v = qkv(1, seq, 1, 1, 64, jnp.bfloat16, seed=6)
     ids = jnp.where(jnp.arange(seq) < seq - 7, 1 + (jnp.arange(seq) >= 3 * seq // 4), 0)[None].astype(jnp.int32)
-    out, _ = am.mosaic_forward(q, k, v, ids, scale=0.125, bounds=_bounds(True, None), params=FwdParams(kv_blocksize=64), interpret=True, pingpong=True)
+    out, _ = am.mosaic_forward(q, k, v, ids, scale=0.125, bounds=window_bounds(True, None), params=FwdParams(kv_blocksize=64), interpret=True, pingpong=True)
     assert not races()
     assert rel_error(out, reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=0.125)) < 1e-2
 
@@ -400,7 +317,7 @@ def test_gpu_forward_pingpong(pingpong: bool, segments: bool) -> None:
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_head_dim_256_forward(causal: bool) -> None:
     q, k, v = qkv(2, 700, 4, 2, 256, jnp.bfloat16, seed=11)
-    out, lse = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, None, scale=0.0625, bounds=_bounds(causal, None), params=FwdParams()))(q, k, v)
+    out, lse = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, None, scale=0.0625, bounds=window_bounds(causal, None), params=FwdParams()))(q, k, v)
     assert rel_error(out, reference(q, k, v, causal=causal, window=None, segment_ids=None, scale=0.0625)) < 2e-2
     assert np.all(np.isfinite(np.asarray(lse)))
 
@@ -412,7 +329,7 @@ def test_gpu_head_dim_256_forward(causal: bool) -> None:
 def test_gpu_other_tiles(params: tuple[FwdParams, BwdParams]) -> None:
     q, k, v = qkv(1, 900, 4, 2, 128, jnp.bfloat16, seed=2)
     ids = documents(1, 900, 3, padding=50, seed=4)
-    mosaic = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params)
+    mosaic = lambda q, k, v: mosaic_attention(q, k, v, causal=True, segment_ids=ids, params=params)
     ref = lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=128**-0.5)
     assert rel_error(jax.jit(mosaic)(q, k, v), ref(q, k, v)) < 2e-2
     got = jax.jit(jax.grad(lambda q, k, v: jnp.sum(mosaic(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))(q, k, v)
@@ -424,28 +341,15 @@ def test_gpu_other_tiles(params: tuple[FwdParams, BwdParams]) -> None:
 @gpu
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize(
-    ("dim", "seq", "heads", "kv_heads", "options"),
-    [
-        (64, 1000, 12, 4, {"causal": True, "segments": 4}),
-        (128, 1000, 4, 2, {"causal": False, "window": (200, 50)}),
-        (64, 333, 6, 3, {"causal": True, "segments": 3, "window": (100, 0)}),
-        (128, 513, 4, 2, {"causal": False, "segments": 2}),
-        (64, 640, 4, 4, {"causal": True, "segments": 1}),
-        (64, 1000, 8, 2, {"causal": True}),
-        (128, 777, 4, 4, {"causal": True}),
-        (128, 1024, 8, 1, {"causal": False}),
-        (256, 513, 4, 2, {"causal": True, "segments": 2}),
-        (256, 1000, 4, 4, {"causal": False, "window": (200, 50)}),
-    ],
-)
+@pytest.mark.parametrize("spec", GPU_GRID, ids=lambda spec: spec.name)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_gpu_values_and_gradients(dim: int, seq: int, heads: int, kv_heads: int, options: dict[str, Any], dtype: Any) -> None:
-    q, k, v = qkv(2, seq, heads, kv_heads, dim, dtype, seed=seq + dim)
-    ids = documents(2, seq, options["segments"], padding=seq // 10, seed=seq) if "segments" in options else None
-    causal, window = options["causal"], options.get("window")
+def test_gpu_values_and_gradients(spec: ArgSpec, dtype: Any) -> None:
+    seq, dim = spec.seq, spec.dim
+    q, k, v = spec.arrays(jax.random.key(seq + dim), dtype)
+    ids = documents(spec.batch, seq, spec.documents, padding=seq // 10, seed=seq) if spec.documents else None
+    causal, window = spec.causal, spec.window
     probe = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
-    mosaic = lambda q, k, v: am.mosaic_attention(q, k, v, causal=causal, window=window, segment_ids=ids)
+    mosaic = lambda q, k, v: mosaic_attention(q, k, v, causal=causal, window=window, segment_ids=ids)
     ref = lambda q, k, v: reference(q, k, v, causal=causal, window=window, segment_ids=ids, scale=dim**-0.5)
     tol = 2e-2 if dtype == jnp.bfloat16 else 5e-3
 
@@ -465,26 +369,6 @@ def test_gpu_values_and_gradients(dim: int, seq: int, heads: int, kv_heads: int,
         pad = np.asarray(ids) <= 0
         assert not np.any(np.asarray(out.astype(jnp.float32))[pad])
         assert not np.any(np.asarray(got[0].astype(jnp.float32))[pad])
-
-
-@gpu
-@needs_gpu
-@needs_hopper
-@pytest.mark.parametrize(
-    ("dim", "seq", "heads", "kv_heads", "segments"),
-    [(64, 1000, 12, 4, 4), (128, 777, 4, 4, None), (128, 1024, 8, 2, 3), (64, 333, 6, 3, None)],
-)
-def test_gpu_fused_backward(dim: int, seq: int, heads: int, kv_heads: int, segments: int | None) -> None:
-    q, k, v = qkv(2, seq, heads, kv_heads, dim, jnp.bfloat16, seed=seq)
-    ids = documents(2, seq, segments, padding=seq // 10, seed=seq) if segments else None
-    probe = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
-
-    fused = lambda q, k, v: am.mosaic_attention(q, k, v, causal=True, segment_ids=ids, fused_backward=True)
-    grads = jax.jit(lambda q, k, v: jax.vjp(fused, q, k, v)[1](probe.astype(q.dtype)))(q, k, v)
-    ref = lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=dim**-0.5)
-    want = jax.vjp(ref, *(t.astype(jnp.float32) for t in (q, k, v)))[1](probe)
-    for name, g, w in zip("qkv", grads, want):
-        assert rel_error(g, w) < 4e-2, name
 
 
 @gpu

@@ -13,8 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ejlabel import BwdParams, FwdParams, Invocation
-from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, _Geometry, cu_seqlens_to_segment_ids, flash_attention
-from ejlabel.kernels.attention_mosaic import on_hopper
+from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, cu_seqlens_to_segment_ids, flash_attention
+from ejlabel.kernels.attention.arg_specs import REAL_SIZE
+from ejlabel.kernels.attention.mosaic import on_hopper
+from ejlabel.kernels.attention.triton import Geometry
 
 from kernel_checks import assert_close, assert_labelled, assert_tunes, gpu, needs_gpu
 
@@ -161,8 +163,10 @@ def test_tunes_on_small_space_with_segments() -> None:
 
 
 def three_documents() -> jax.Array:
-    """``[2, 1000]`` ids of the GPU tests: documents of 300, 300 and 300 tokens, then 100 of padding."""
-    return jnp.broadcast_to(jnp.where(jnp.arange(1000) < 900, 1 + jnp.arange(1000) // 300, 0), (2, 1000)).astype(jnp.int32)
+    """``[2, 1000]`` ids of the GPU tests (REAL_SIZE): documents of 300, 300 and 300 tokens, then
+    100 of padding."""
+    batch, seq = REAL_SIZE.batch, REAL_SIZE.seq
+    return jnp.broadcast_to(jnp.where(jnp.arange(seq) < 900, 1 + jnp.arange(seq) // 300, 0), (batch, seq)).astype(jnp.int32)
 
 
 @gpu
@@ -170,7 +174,7 @@ def three_documents() -> jax.Array:
 @pytest.mark.parametrize("impl", ["pallas", "cudnn"])
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_gpu_real_size(impl: str, kv_heads: int) -> None:
-    q, k, v = qkv(2, 1000, 8, kv_heads, 128, jnp.bfloat16)
+    q, k, v = REAL_SIZE.replace(kv_heads=kv_heads).arrays(jax.random.key(0))
     kernel = AttentionKernel()
     cfg = AttentionConfig(impl) if impl == "cudnn" else kernel.heuristic_cfg(Invocation(kernel, (q, k, v), {"causal": True}))
     probe = jax.random.normal(jax.random.key(7), q.shape)
@@ -190,7 +194,7 @@ def test_gpu_real_size(impl: str, kv_heads: int) -> None:
 @pytest.mark.parametrize("kwargs", [{"segment_ids": "segments"}, {"sliding_window": (128, 0)}, {"cu_seqlens": "packed"}])
 def test_gpu_pallas_masks_real_size(kwargs: dict[str, Any]) -> None:
     batch = 1 if "cu_seqlens" in kwargs else 2
-    q, k, v = qkv(batch, 1000, 8, 2, 64, jnp.bfloat16)
+    q, k, v = REAL_SIZE.replace(batch=batch, kv_heads=2, dim=64).arrays(jax.random.key(0))
     if "segment_ids" in kwargs:
         kwargs = {"segment_ids": three_documents()}
     if "cu_seqlens" in kwargs:
@@ -209,7 +213,7 @@ def test_gpu_pallas_masks_real_size(kwargs: dict[str, Any]) -> None:
 def test_gpu_default_with_segments_is_cudnn_with_a_dense_mask() -> None:
     """Untuned, packed documents run where a JAX user's call would: cuDNN with the dense mask,
     and XLA where cuDNN refuses (odd lengths); values and gradients match, padding gets 0."""
-    q, k, v = qkv(2, 1000, 8, 2, 64, jnp.bfloat16)
+    q, k, v = REAL_SIZE.replace(kv_heads=2, dim=64).arrays(jax.random.key(0))
     ids = three_documents()
     kernel = AttentionKernel()
     kwargs = {"causal": True, "segment_ids": ids}
@@ -233,7 +237,7 @@ def test_gpu_default_with_segments_is_cudnn_with_a_dense_mask() -> None:
 )
 def test_gpu_cudnn_head_dim_256(dtype: Any, kv_heads: int, kwargs: dict[str, Any]) -> None:
     """Head dim 256, where cuDNN is offered on Hopper: values and gradients match XLA's."""
-    q, k, v = qkv(2, 1000, 8, kv_heads, 256, dtype)
+    q, k, v = REAL_SIZE.replace(kv_heads=kv_heads, dim=256).arrays(jax.random.key(0), dtype)
     if "segment_ids" in kwargs:
         kwargs = {**kwargs, "segment_ids": three_documents()}
     kernel = AttentionKernel()
@@ -280,7 +284,7 @@ def test_unmasked_block_ranges_are_exactly_the_whole_blocks(
     """The blocks the Pallas kernels run without a mask are exactly those every pair sees."""
     seq_q, seq_kv = blocks * block_q, blocks * block_k
     kv_len = seq_kv - kv_short if kv_short else None
-    geo = _Geometry(1.0, (left, right), block_q, block_k, kv_len, 1)
+    geo = Geometry(1.0, (left, right), block_q, block_k, kv_len, 1)
     q_pos, k_pos = np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :]
     visible = np.ones((seq_q, seq_kv), bool) if kv_len is None else np.broadcast_to(k_pos < kv_len, (seq_q, seq_kv))
     if right is not None:

@@ -70,7 +70,7 @@ def test_tunes_on_small_space() -> None:
 @pytest.mark.parametrize("cfg", [None, CrossEntropyConfig("pallas", 4, 2048, 4)], ids=["default", "pallas"])
 def test_gpu_pallas_real_size(cfg: CrossEntropyConfig | None) -> None:
     """The executor's pick (the XLA path while untuned) and the Pallas kernel at the config
-    tuned on the H100 (bench/RESULTS.md, runs 109-111)."""
+    tuned on the H100 (bench/results/bench_kernels.cross_entropy.json)."""
     logits, labels = inputs(4096, 32000, jnp.bfloat16, ignored=16)
     assert_close(softmax_cross_entropy(logits, labels, cfg=cfg), cross_entropy64(logits, labels), jnp.float32, factor=10)
     got = jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, labels, cfg=cfg)))(logits)

@@ -1,4 +1,4 @@
-"""The Mosaic attention's visiting plans and walk (kernels/_mosaic_plan.py), on the CPU.
+"""The Mosaic attention's visiting plans and walk (kernels/attention/mosaic/plan.py), on the CPU.
 
 Plans are checked against a dense visibility mask (every visible pair is visited, a block is
 walked without a mask only if every pair in it is visible), on hand-worked documents, and the
@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ejlabel.kernels import _mosaic_plan as mplan
-from ejlabel.kernels.attention import _bounds
+from ejlabel.kernels.attention.masks import window_bounds
+from ejlabel.kernels.attention.mosaic import plan as mplan
 from kernel_checks import documents
 
 
 
 def dense_visibility(seq_q: int, seq_kv: int, causal: bool, window: Any, segment_ids: jax.Array | None, kv_len: int | None) -> np.ndarray:
-    left, right = _bounds(causal, window)
+    left, right = window_bounds(causal, window)
     i, j = np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :]
     visible = np.ones((seq_q, seq_kv), bool)
     if right is not None:
@@ -57,7 +57,7 @@ def test_plan_covers_every_visible_pair_and_skips_masks_only_on_whole_blocks(opt
         ids = documents(2, seq, options["segments"], padding=40, seed=3)
     if options.get("unsorted"):
         ids = jnp.asarray(np.random.default_rng(0).integers(0, 3, (2, seq)), jnp.int32)
-    bounds = _bounds(options["causal"], options.get("window"))
+    bounds = window_bounds(options["causal"], options.get("window"))
     shape = mplan.Shape(1.0, bounds, options.get("kv_len"), 1, ids is not None)
     batch = 2
     plan = np.asarray(mplan.visit_plan(seq, seq, block_r, block_c, shape, ids, batch, transpose=transpose))

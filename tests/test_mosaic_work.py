@@ -1,5 +1,5 @@
 """The items of the Mosaic attention kernels and the order programs take them in
-(kernels/_mosaic_work.py), on the CPU: the snake deal hands out every item once and evenly,
+(kernels/attention/mosaic/work.py), on the CPU: the snake deal hands out every item once and evenly,
 the work order's sections and costliest-first rule (hypothesis), the balance it keeps, and
 where sections apply.
 """
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ejlabel.kernels import _mosaic_work as mwork
+from ejlabel.kernels.attention.mosaic import work as mwork
 
 
 @given(count=st.integers(1, 400), programs=st.integers(1, 140))

@@ -1,4 +1,5 @@
-"""Tests for the sequence bookkeeping and numerics helpers, each also run under jit."""
+"""Tests for the ejkernel compatibility helpers (kernels/ejkernel_compat.py): sequence bookkeeping
+and numerics, each also run under jit."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ejlabel.kernels.sequence import (
+from ejlabel.kernels.ejkernel_compat import (
     chunk_array,
     identity_dtype_convert,
     log_sum_exp,
@@ -227,9 +228,9 @@ def test_mask_to_segment_ids_four_dim():
 
 def test_mask_to_segment_ids_exact_integer_path(monkeypatch):
     # Very long rows switch the row comparison to int32; force that path on a small mask.
-    from ejlabel.kernels import sequence
+    from ejlabel.kernels import ejkernel_compat
 
-    monkeypatch.setattr(sequence, "_EXACT_F32_COUNT", 1)
+    monkeypatch.setattr(ejkernel_compat, "_EXACT_F32_COUNT", 1)
     mask = np.array([[2, 2, 0], [0, 0, 0], [1, 1, 0], [0, 0, 5]], dtype=np.int32)
     q_ids, kv_ids = mask_to_segment_ids(jnp.asarray(mask))
     np.testing.assert_array_equal(q_ids, [1, -1, 1, 2])

@@ -1,0 +1,287 @@
+"""Flash attention: softmax(q k^T * scale + mask) v over ``[batch, seq, heads, dim]`` arrays.
+
+Features, in every implementation that accepts them:
+
+- grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q``; query head ``h``
+  reads key/value head ``h // (heads_q // heads_kv)``;
+- ``causal``: query ``i`` sees keys ``j <= i`` (positions counted from 0 in both);
+- ``sliding_window=(left, right)``: query ``i`` sees keys ``i - left <= j <= i + right``
+  (with ``causal`` the right side is 0);
+- ``segment_ids [batch, seq]``: tokens see only tokens with the same id; ids ``<= 0`` are
+  padding, which sees nothing and gets output 0;
+- ``cu_seqlens [n + 1]``: a packed batch; ``q``, ``k`` and ``v`` are ``[1, total, heads,
+  dim]`` and sequence ``s`` is ``tokens cu_seqlens[s]:cu_seqlens[s + 1]``; tokens past
+  ``cu_seqlens[-1]`` are padding. It is turned into segment ids ``1..n`` (padding 0), so
+  causal masks and windows act within each sequence.
+
+A query that sees no key gets output 0 and gradient 0, never NaN.
+
+Implementations, chosen by :class:`AttentionConfig.impl`:
+
+- ``"xla"``: what a JAX user writes, differentiated by JAX itself (no custom VJP):
+  ``jax.nn.dot_product_attention(implementation="xla")`` for causal or full attention, with
+  segment ids (or ``cu_seqlens``) as a dense block-diagonal ``mask``; the masked softmax in
+  float32 with a window.
+- ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, differentiated by JAX;
+  GPU, 16-bit inputs, causal or not, segment ids as the same dense mask (which cuDNN takes as a
+  bias), no windows. ``use_implementation("xla")`` and the untuned default pick it on a GPU
+  wherever cuDNN takes the call, as ``jax.nn.dot_product_attention`` would, so a labelled
+  packed-documents model is never slower than the plain one.
+- ``"mosaic"``: flash attention on the Pallas Mosaic GPU backend for Hopper (TMA, wgmma, warp
+  specialisation; :mod:`.mosaic`), 16-bit inputs, head dim <= 256 (above 128 the dk/dv kernel
+  walks once for dv and once for dk). Where it runs, the tuning space offers it and not the
+  Triton kernels below, which it beat at every shape measured.
+- ``"pallas"``: flash attention on Pallas's Triton backend (:mod:`.triton`; tuned on other GPUs
+  and for float32 inputs; selectable everywhere, interpreted off the GPU).
+
+The Pallas and Mosaic implementations have their own backward kernels: the forward keeps its
+output and base-2 log-sum-exp ``[batch, heads, seq]`` (``fwd_with_residuals``) and ``vjp``
+starts from them, as flash attention does. The masks every implementation shares are in
+:mod:`.masks`, the block tables of segment ids in :mod:`.blocks`, named shapes of the tests and
+benchmarks in :mod:`.arg_specs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ejlabel import BwdParams, FwdParams, Invocation, Kernel
+
+from ..checks import check_config, check_floating, check_integer, check_same_dtype
+from ..pallas_common import on_gpu
+from .masks import Window, cu_seqlens_to_segment_ids, window_bounds
+from .mosaic import mosaic_backward, mosaic_fits, mosaic_forward, mosaic_supports, on_hopper
+from .triton import default_fwd, triton_backward, triton_forward
+from .xla import attention_plain, attention_xla
+
+__all__ = ["AttentionConfig", "AttentionKernel", "cu_seqlens_to_segment_ids", "flash_attention"]
+
+_IMPLS = ("xla", "cudnn", "pallas", "mosaic")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """How to run one attention call.
+
+    Attributes:
+      impl: ``"xla"``, ``"cudnn"``, ``"pallas"`` or ``"mosaic"`` (Hopper).
+      fwd: tiles and launch parameters of the Pallas forward (unset fields get defaults).
+      bwd: the same for the Pallas backward kernels.
+    """
+
+    impl: str = "xla"
+    fwd: FwdParams = FwdParams()
+    bwd: BwdParams = BwdParams()
+
+    def __post_init__(self) -> None:
+        if self.impl not in _IMPLS:
+            raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
+
+
+# Triton tiles, the leaders of a sweep of every tile shape on the H100 (causal, B4 S4096 H16
+# D128); the tuner tries every pairing, since forward and backward add up.
+_FWD_TILES = ((128, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3))
+_BWD_TILES = ((64, 64, 4, 2), (64, 64, 4, 1), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2))
+# Mosaic GPU tiles: forward (kv block, stages); backward (q block, kv block) with 2 stages.
+_MOSAIC_FWD = ((128, 2), (64, 3))
+_MOSAIC_BWD = ((64, 128, None, 2), (128, 64, None, 2), (64, 64, None, 2))
+
+
+class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
+    """Flash attention with masks, segments and grouped heads; see the module docstring."""
+
+    version = "1"
+
+    def __init__(self) -> None:
+        super().__init__("flash_attention")
+
+    def run(
+        self, q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+        *, cfg: AttentionConfig, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+    ) -> Float[Array, "batch sq heads dim"]:
+        segment_ids = _segments(q, k, segment_ids, cu_seqlens)
+        scale = _scale(q, softmax_scale)
+        bounds = window_bounds(causal, sliding_window)
+        if cfg.impl in ("xla", "cudnn"):
+            if sliding_window is None:
+                return attention_plain(q, k, v, segment_ids, scale=scale, causal=causal, implementation=cfg.impl)
+            if cfg.impl == "cudnn":
+                raise ValueError("the cudnn implementation takes no sliding window")
+            return attention_xla(q, k, v, segment_ids, scale=scale, bounds=bounds)
+        return self.fwd_with_residuals(
+            q, k, v, cfg=cfg, causal=causal, softmax_scale=softmax_scale, sliding_window=sliding_window, segment_ids=segment_ids
+        )[0]
+
+    def fwd_with_residuals(
+        self, q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+        *, cfg: AttentionConfig, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+    ) -> tuple[Float[Array, "batch sq heads dim"], Float[Array, "batch heads sq"]]:
+        """The output and its base-2 log-sum-exp ``[batch, heads, seq_q]``, which the backward
+        keeps (with the output) instead of rerunning the forward.
+
+        Only the Pallas and Mosaic paths get here: XLA's and cuDNN's are differentiated by JAX.
+        """
+        segment_ids = _segments(q, k, segment_ids, cu_seqlens)
+        scale, bounds = _scale(q, softmax_scale), window_bounds(causal, sliding_window)
+        forward = mosaic_forward if cfg.impl == "mosaic" else triton_forward
+        return forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd)
+
+    def vjp(
+        self, lse: Float[Array, "batch heads sq"], out: Float[Array, "batch sq heads dim"], g: Float[Array, "batch sq heads dim"],
+        q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+        *, cfg: AttentionConfig, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        segment_ids = _segments(q, k, segment_ids, cu_seqlens)
+        scale, bounds = _scale(q, softmax_scale), window_bounds(causal, sliding_window)
+        backward = mosaic_backward if cfg.impl == "mosaic" else triton_backward
+        return backward(q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=cfg.bwd)
+
+    def differentiated_by_jax(self, cfg: AttentionConfig) -> bool:
+        return cfg.impl not in ("pallas", "mosaic")
+
+    def config_for(self, inv: Invocation[AttentionConfig, jax.Array], implementation: str) -> AttentionConfig | None:
+        """``"xla"`` means what ``jax.nn.dot_product_attention`` gives a JAX user: cuDNN on a GPU
+        where cuDNN takes the call (bf16/fp16, head dim <= 256 on Hopper and <= 128 elsewhere, no window; segment ids and
+        ``cu_seqlens`` as a dense mask), XLA's own expression otherwise (always on the CPU)."""
+        if implementation == "xla":
+            cudnn = AttentionConfig("cudnn")
+            return cudnn if self.candidate_is_valid(inv, cudnn) else AttentionConfig("xla")
+        if implementation in _IMPLS:
+            return AttentionConfig(implementation)
+        return None
+
+    def reference(
+        self, q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+        *, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+    ) -> Float[Array, "batch sq heads dim"]:
+        segment_ids = _segments(q, k, segment_ids, cu_seqlens)
+        return attention_xla(q, k, v, segment_ids, scale=_scale(q, softmax_scale), bounds=window_bounds(causal, sliding_window))
+
+    def make_inputs(self, inv: Invocation[AttentionConfig, jax.Array], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        keys = jax.random.split(key, 3)
+        args = tuple(jax.random.normal(kk, a.shape, jnp.float32).astype(a.dtype) for kk, a in zip(keys, inv.args))
+        kwargs = dict(inv.kwargs)
+        batch, seq = inv.args[0].shape[:2]
+        if kwargs.get("segment_ids") is not None:
+            # Four contiguous segments per row, the last eighth of each row padding.
+            ids = 1 + (jnp.arange(seq) * 4) // seq
+            ids = jnp.where(jnp.arange(seq) < seq - seq // 8, ids, 0)
+            kwargs["segment_ids"] = jnp.broadcast_to(ids, (batch, seq)).astype(kwargs["segment_ids"].dtype)
+        if kwargs.get("cu_seqlens") is not None:
+            count = kwargs["cu_seqlens"].shape[0] - 1
+            used = seq - seq // 8
+            kwargs["cu_seqlens"] = ((jnp.arange(count + 1) * used) // max(count, 1)).astype(kwargs["cu_seqlens"].dtype)
+        return args, kwargs
+
+    def heuristic_cfg(self, inv: Invocation[AttentionConfig, jax.Array]) -> AttentionConfig:
+        # The plain-JAX path until tuning in context shows something faster: an untuned
+        # labelled model compiles to the plain model's program, never to a slower one.
+        return self.config_for(inv, "xla")
+
+    def config_space(self, inv: Invocation[AttentionConfig, jax.Array]) -> list[AttentionConfig]:
+        if not on_gpu():
+            small = BwdParams(16, 16, 4, 1)
+            return [AttentionConfig("xla"), AttentionConfig("pallas", FwdParams(16, 16, 4, 1), small), AttentionConfig("pallas", FwdParams(32, 16, 4, 1), small)]
+        q = inv.args[0]
+        mosaic = [AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd)) for bk, st in _MOSAIC_FWD for bwd in _MOSAIC_BWD]
+        if q.shape[3] > 128:  # none of those fit shared memory: the kernels' own defaults do
+            mosaic = [AttentionConfig("mosaic")]
+        # Where the Mosaic kernels run, the Triton ones beat them nowhere we measured: over 14 shapes
+        # Mosaic ran 1.16x to 1.70x Triton's speed, forward and forward+backward (H100,
+        # bench_attention.py sections a-e). Their 30 tiles would only
+        # cost tuning time (one Triton backward compiled for 267 s at 16:1 grouped heads). Still
+        # selectable by config.
+        pairs = () if on_hopper() and mosaic_supports(q.dtype, q.shape[3]) else itertools.product(_FWD_TILES, _BWD_TILES)
+        pallas = [AttentionConfig("pallas", FwdParams(*fwd), BwdParams(*bwd)) for fwd, bwd in pairs]
+        return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas + mosaic
+
+    def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:
+        q = inv.args[0]
+        if cfg.impl == "cudnn":
+            masked = any(inv.kwargs.get(name) is not None for name in ("segment_ids", "cu_seqlens"))
+            # cuDNN trains with a mask (a bias to it) only on even sequence lengths.
+            # Head dims up to 256 on Hopper (H100: values and gradients with and without a mask,
+            # bf16 and fp16), up to 128 on the GPUs it has not run on.
+            widest = 256 if on_hopper() else 128
+            shapes = q.shape[3] % 8 == 0 and q.shape[3] <= widest and not (masked and (q.shape[1] % 2 or inv.args[1].shape[1] % 2))
+            return on_gpu() and inv.kwargs.get("sliding_window") is None and q.dtype in (jnp.bfloat16, jnp.float16) and shapes
+        if cfg.impl == "mosaic":  # Hopper, 16-bit, head dim <= 256, tiles that fit shared memory
+            return on_hopper() and mosaic_supports(q.dtype, q.shape[3]) and mosaic_fits(q.shape[3], cfg.fwd, cfg.bwd)
+        if cfg.impl == "pallas":
+            fwd = default_fwd(q.shape[3]).merge(cfg.fwd)
+            return fwd.q_blocksize <= max(16, 2 * q.shape[1]) and fwd.kv_blocksize <= max(16, 2 * inv.args[1].shape[1])
+        return True
+
+
+def _segments(q: jax.Array, k: jax.Array, segment_ids: jax.Array | None, cu_seqlens: jax.Array | None) -> jax.Array | None:
+    if segment_ids is not None and cu_seqlens is not None:
+        raise ValueError("pass segment_ids or cu_seqlens, not both")
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens, q, k and v are [1, total, heads, dim]; got q of shape {q.shape}")
+        segment_ids = cu_seqlens_to_segment_ids(cu_seqlens, q.shape[1])
+    if segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
+        raise ValueError(f"segment_ids: expected shape {q.shape[:2]} with equal q and kv lengths, got {segment_ids.shape} (kv {k.shape[1]})")
+    return segment_ids
+
+
+def _scale(q: jax.Array, softmax_scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+
+
+def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with k and v alike, got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q, k: batch and dim must match and kv heads divide q heads, got {q.shape} and {k.shape}")
+
+
+_ATTENTION = AttentionKernel()
+
+
+def flash_attention(
+    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+    *, causal: bool = False, segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+    softmax_scale: float | None = None, sliding_window: tuple[int, int] | None = None, cfg: AttentionConfig | None = None,
+) -> Float[Array, "batch sq heads dim"]:
+    """Multi-head attention with optional causal mask, window, segments and grouped heads.
+
+    Args:
+      q: ``[batch, seq_q, heads, dim]`` queries.
+      k, v: ``[batch, seq_kv, kv_heads, dim]``; ``kv_heads`` divides ``heads``.
+      causal: query ``i`` sees keys ``j <= i``.
+      segment_ids: ``[batch, seq]`` int; tokens see only equal ids; ids ``<= 0`` are padding
+        (output 0). Needs ``seq_q == seq_kv``.
+      cu_seqlens: ``[n + 1]`` int cumulative lengths of a packed batch; ``q``, ``k``, ``v``
+        are then ``[1, total, ...]``. Exclusive with ``segment_ids``.
+      softmax_scale: multiplies ``q k^T``; default ``1 / sqrt(dim)``.
+      sliding_window: ``(left, right)``: query ``i`` sees keys ``i - left .. i + right``.
+      cfg: force a config; by default the executor picks one.
+
+    Returns:
+      ``[batch, seq_q, heads, dim]`` in the dtype of ``q``.
+    """
+    _check_shapes(q, k, v)
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        check_floating(array, name)
+    check_same_dtype({"q": q, "k": k, "v": v})
+    for name, ids in (("segment_ids", segment_ids), ("cu_seqlens", cu_seqlens)):
+        if ids is not None:
+            check_integer(ids, name)
+    check_config(cfg, AttentionConfig)
+    window = None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1]))
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return _ATTENTION(
+        q, k, v, causal=bool(causal), softmax_scale=scale, sliding_window=window, segment_ids=segment_ids, cu_seqlens=cu_seqlens, cfg=cfg
+    )

@@ -1,0 +1,463 @@
+"""The Mosaic GPU attention backward (see :mod:`ejlabel.kernels.attention.mosaic`): a ``dq``
+kernel over query tiles and a ``dk, dv`` kernel over key/value tiles.
+
+The dk/dv kernel takes an optional :class:`DkvExtension`, work its steps do with each step's
+``ds`` besides ``dk`` and ``dv``. The product passes none; the experimental fused backward
+(:mod:`.experimental`, measured slower than this split) adds each step's share of ``dq`` up in
+global memory through one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float
+
+from ...pallas_common import pad_axis
+from .kernel import (
+    CONSUMER_REGISTERS, LOG2E, PRODUCER_REGISTERS, SMEM_BYTES, cast, col_layout, consume_items, key_value_items,
+    key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
+    smem_tile, tile_buffers, tile_ready, visibility,
+)
+from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
+from .work import deal_items
+
+__all__ = [
+    "SOFTMAX_BESIDE_DP_MAX_DIM", "DkvExtension", "DkvSite", "dkv_call", "dkv_passes", "dq_call", "dq_tiles", "softmax_delta",
+]
+
+
+# Up to this head dim the dq kernel's softmax runs while the tensor cores compute dP; above it,
+# before dP is issued. Beside dP, the probabilities, dP's accumulator and the 64 x 256 float32 dq
+# exceed a consumer's registers: at head dim 256 the kernel spilled 1352 bytes per thread with
+# the softmax beside dP, 848 with it before, and causal B2 S4096 H8 D256 fwd+bwd ran 2.45 ms
+# against 1.83 (H100).
+SOFTMAX_BESIDE_DP_MAX_DIM = 128
+
+
+def dq_tiles(dim: int, dtype: Any, block_k: int, stages: int) -> tuple[int, bool]:
+    """``(buffers, computes_delta)`` of the dq kernel's tiles: the kernel reads the forward's
+    output tile beside ``q`` and ``dO`` and computes ``delta`` itself only where the three
+    still fit twice beside the ring (see :func:`dq_call`); else ``delta`` comes in."""
+    row_bytes = dim * jnp.dtype(dtype).itemsize
+    ring_bytes = stages * 2 * block_k * row_bytes
+    if tile_buffers(3 * TILE * row_bytes, ring_bytes) == 2:
+        return 2, True
+    return tile_buffers(2 * TILE * row_bytes, ring_bytes), False
+
+
+def softmax_delta(out: jax.Array, do: jax.Array, rows: int) -> Float[Array, "batch heads rows"]:
+    """``delta_i = sum_d out_id * dO_id``, the row term of the softmax backward, in float32,
+    over ``rows`` (whole tiles: a TMA row stride must be a multiple of 16 bytes)."""
+    return pad_axis(jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32)), 2, rows)
+
+
+def dq_call(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, out: jax.Array,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_k: int, stages: int | None, persistent: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """``(dq [batch, seq_q, heads, dim], delta [batch, heads, seq_q])``: items are 128-row query
+    tiles of one head, walking the key/value blocks of the plan; ``p`` is rebuilt from the saved
+    log-sum-exp; ``delta`` (see :func:`softmax_delta`) goes on to the dk/dv kernel.
+
+    Where :func:`dq_tiles` says so, each item computes its rows' ``delta`` from its tile of
+    ``out`` (loaded beside ``q`` and ``dO``) and writes it out: that replaces a reduction over
+    all of ``out`` and ``dO`` before the kernel (18.6 us a layer at the packed model's shape on
+    the H100). Else that reduction runs first and the kernel loads ``delta``.
+    """
+    batch, seq_q, heads, dim = q.shape
+    dtype = q.dtype
+    segmented = segment_ids is not None
+    items, order = key_value_items(plan, heads, persistent, shape, segmented, k)
+    row_bytes = dim * jnp.dtype(dtype).itemsize
+    stages = ring_stages(stages, 2 * TILE * row_bytes, 2 * block_k * row_bytes)
+    buffers, computes_delta = dq_tiles(dim, dtype, block_k, stages)
+    out_or_delta = out if computes_delta else softmax_delta(out, do, lse.shape[2])
+
+    def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, in_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
+        refs = list(refs)
+        seg_ref = refs.pop(0) if segmented else None
+        dq_ref = refs.pop(0)
+        delta_out_ref = refs.pop(0) if computes_delta else None
+        scratch, barriers = refs
+        q_smem, do_smem, k_ring, v_ring, lse_smem, delta_smem, qseg_smem, kseg_ring, *rest = scratch
+        o_smem = rest[0] if computes_delta else None
+        q_ready, k_ready, v_ready, k_used, v_used, kseg_ready = barriers
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer() -> None:
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
+            def load(visit: Visit, buf: jax.Array) -> None:
+                b, h = visit.b, visit.h
+                rows = pl.ds(visit.row0(wg), WG_ROWS)
+                # One barrier, several copies: it expects one arrival per copy.
+                ready = tile_ready(q_ready, buf, wg)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[buf, wg], ready)
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[buf, wg], ready)
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[buf, wg], ready)
+                if computes_delta:
+                    plgpu.copy_gmem_to_smem(in_ref.at[b, rows, h], o_smem.at[buf, wg], ready)
+                else:
+                    plgpu.copy_gmem_to_smem(in_ref.at[b, h, rows], delta_smem.at[buf, wg], ready)
+                if segmented:
+                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
+
+            def own_delta(visit: Visit, buf: jax.Array) -> jax.Array:
+                """This item's rows of ``delta`` from its output and ``dO`` tiles, also sent
+                out to the dk/dv kernel."""
+                with jax.named_scope("delta"):
+                    out = load_smem(shape, o_smem.at[buf, wg], plgpu.Layout.WGMMA).astype(jnp.float32)
+                    do = load_smem(shape, do_smem.at[buf, wg], plgpu.Layout.WGMMA).astype(jnp.float32)
+                    delta = cast(shape, (out * do).sum(axis=1), row_layout())
+                    delta_smem.at[buf, wg][...] = delta
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(delta_smem.at[buf, wg], delta_out_ref.at[visit.b, visit.h, pl.ds(visit.row0(wg), WG_ROWS)])
+                return delta
+
+            def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+                b, h = visit.b, visit.h
+                row0 = visit.row0(wg)
+                my_q, my_do = q_smem.at[buf, wg], do_smem.at[buf, wg]
+                lse = load_smem(shape, lse_smem.at[buf, wg], row_layout())
+                delta = own_delta(visit, buf) if computes_delta else load_smem(shape, delta_smem.at[buf, wg], row_layout())
+                q_seg = load_smem(shape, qseg_smem.at[buf, wg], row_layout()) if segmented else None
+
+                def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: Mask) -> jax.Array:
+                    slot = lax.rem(t, stages)
+                    segments = None
+                    if segmented:
+                        plgpu.barrier_wait(kseg_ready.at[slot])
+                        if kind is Mask.SEGMENTS:
+                            segments = (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout()))
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
+
+                    def probabilities() -> jax.Array:
+                        p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+                        if kind is not Mask.NONE:
+                            mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False)
+                            if mask is not None:
+                                p = jnp.where(mask, p, 0.0)
+                        return p
+
+                    if dim <= SOFTMAX_BESIDE_DP_MAX_DIM:
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        # The softmax runs while the tensor cores compute dP.
+                        dp, p = mma_new(shape, my_do, v_ring.at[slot], transpose_b=True, between=probabilities)
+                    else:
+                        p = probabilities()
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        dp = mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
+                    plgpu.barrier_arrive(v_used.at[slot])
+                    ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+                    dq = mma_into(shape, dq, ds, k_ring.at[slot])
+                    plgpu.barrier_arrive(k_used.at[slot])
+                    return dq
+
+                zeros = cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
+                dq = walk(visit, step, zeros, offset=t0, masks=mask_loops(segmented, dim))
+
+                def write() -> None:
+                    my_q[...] = (dq * (shape.scale / LOG2E)).astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(my_q, dq_ref.at[b, pl.ds(row0, WG_ROWS), h])
+
+                return t0 + visit.steps, write
+
+            consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process)
+
+        @pl.when(wg == CONSUMERS)
+        def _producer() -> None:
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+            streams_of = key_value_streams(
+                k_ref, v_ref, seg_ref, (k_ring, v_ring, kseg_ring), (k_ready, v_ready, k_used, v_used, kseg_ready), block_k, shape.group,
+                values_first=stages == 1,  # see _produce
+            )
+            produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
+
+    copies = 5 if segmented else 4
+    scratch = (
+        smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
+        smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
+        smem_tile((stages, block_k, dim), dtype),
+        smem_tile((stages, block_k, dim), dtype),
+        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32),
+        plgpu.SMEM((stages, block_k), jnp.int32),
+    ) + ((smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),) if computes_delta else ())
+    barriers = (
+        plgpu.Barrier(num_arrivals=copies, num_barriers=buffers * CONSUMERS),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+    )
+    operands = (q, k, v, do, lse, out_or_delta, plan, order) + ((segment_ids,) if segmented else ())
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype),) + ((jax.ShapeDtypeStruct(lse.shape, jnp.float32),) if computes_delta else ())
+    results = launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
+    return results[0], (results[1] if computes_delta else out_or_delta)
+
+
+class DkvSite(NamedTuple):
+    """Where a :class:`DkvExtension` works inside the dk/dv kernel: one consumer's item.
+
+    ``inputs``, ``outputs``, ``scratch`` and ``barriers`` are the refs of what the extension
+    asked for (:meth:`DkvExtension.operands` and the rest), in its order; ``k_smem [buffers,
+    consumers, 64, dim]`` holds the item's key tile in buffer ``buf``.
+    """
+
+    shape: Shape
+    wg: jax.Array
+    t0: jax.Array  # the producer's step at the item's start
+    b: jax.Array
+    tile: jax.Array
+    buf: jax.Array
+    block_q: int
+    k_smem: Any
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+    scratch: tuple[Any, ...]
+    barriers: tuple[Any, ...]
+
+
+class DkvExtension(Protocol):
+    """Work the dk/dv kernel's steps do besides ``dk`` and ``dv`` with each step's ``ds`` (in the
+    dtype of the keys, ``[64 keys, block_q queries]`` per consumer), and what it adds to the
+    kernel's launch. Its refs come after the kernel's own: inputs after the segment ids, outputs
+    after the gradients, shared memory and barriers after the kernel's."""
+
+    def smem_bytes(self, dim: int) -> int:
+        """Shared memory it holds per program at this (padded) head dim."""
+        ...
+
+    def operands(self, q: jax.Array) -> tuple[Any, ...]:
+        """Inputs of the kernel (a ``jax.Ref`` is read and written in place); ``q`` padded."""
+        ...
+
+    def out_types(self, q: jax.Array, plan: jax.Array) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Outputs of the kernel."""
+        ...
+
+    def scratch(self, dtype: Any, block_q: int, dim: int) -> tuple[Any, ...]:
+        """Shared-memory buffers of every program."""
+        ...
+
+    def barriers(self) -> tuple[Any, ...]:
+        """Barriers of every program."""
+        ...
+
+    def step(self, site: DkvSite, ds: jax.Array, t: jax.Array, j: jax.Array, head: jax.Array) -> None:
+        """At producer step ``t``, query block ``j`` of query head ``head``: the step's ``ds``."""
+        ...
+
+    def item_done(self, site: DkvSite, steps: jax.Array) -> None:
+        """After the item's ``steps`` steps, before its results overwrite the tiles."""
+        ...
+
+    def result(self, operands: tuple[Any, ...], outputs: tuple[jax.Array, ...], plan: jax.Array, block_q: int) -> jax.Array:
+        """What the call returns for it, from its operands and outputs after the launch."""
+        ...
+
+
+def dkv_call(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
+    plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_q: int, stages: int | None, persistent: bool = True,
+    grads: tuple[str, ...] = ("dk", "dv"), extension: DkvExtension | None = None,
+) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
+    """``(dk, dv, extra)``, the gradients ``[batch, seq_kv, kv_heads, dim]``: items are 128-row
+    key/value tiles of one key/value head, walking the planned query blocks once per query head
+    of its group, so the group's sum stays in registers (no per-query-head partials, no atomics).
+
+    ``grads``: which of ``dk`` and ``dv`` the walk accumulates (None for the other; see
+    :func:`dkv_passes`). ``dv`` alone needs neither the value tile nor ``delta``.
+
+    ``extension`` (with both gradients): more work each step with its ``ds`` (see
+    :class:`DkvExtension`); the third result is its :meth:`~DkvExtension.result`, else None.
+    """
+    kv_heads, dim = k.shape[2], k.shape[3]
+    seq_q, heads = q.shape[1], q.shape[2]
+    dtype = k.dtype
+    segmented = segment_ids is not None
+    group = shape.group
+    if not grads or set(grads) - {"dk", "dv"} or (extension is not None and grads != ("dk", "dv")):
+        raise ValueError(f"grads: expected dk, dv or both (both with an extension), got {grads}")
+    with_dk = "dk" in grads  # dk needs dP = dO v^T, so the value tile and delta
+    row_bytes = dim * jnp.dtype(dtype).itemsize
+    # A batch row's queries, their gradients, log-sum-exps and deltas.
+    items, order = deal_items(
+        plan, kv_heads, persistent, shape.interpret, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8),
+    )
+    tile_bytes = (2 if with_dk else 1) * TILE * row_bytes  # key (and value) rows of one tile
+    extra_bytes = extension.smem_bytes(dim) if extension is not None else 0
+    stages = ring_stages(stages, tile_bytes + extra_bytes, 2 * block_q * row_bytes)
+    ring_bytes = stages * 2 * block_q * row_bytes + extra_bytes
+    if extension is not None and tile_bytes + ring_bytes > SMEM_BYTES:
+        raise ValueError(f"num_stages: {stages} stages of the dk/dv kernel and its extension do not fit shared memory at head dim {dim}")
+    buffers = tile_buffers(tile_bytes, ring_bytes)
+
+    def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
+        refs = list(refs)
+        seg_ref = refs.pop(0) if segmented else None
+        extra_inputs = tuple(refs.pop(0) for _ in extra_operands)
+        grad_refs = dict(zip(grads, (refs.pop(0) for _ in grads)))
+        extra_output_refs = tuple(refs.pop(0) for _ in extra_outputs)
+        scratch, barriers = refs
+        scratch = list(scratch)
+        k_smem = scratch.pop(0)
+        v_smem = scratch.pop(0) if with_dk else None
+        kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch[:6]
+        extra_scratch = tuple(scratch[6:])
+        kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used = barriers[:8]
+        extra_barriers = tuple(barriers[8:])
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer() -> None:
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
+            def load(visit: Visit, buf: jax.Array) -> None:
+                b, hk = visit.b, visit.h
+                rows = pl.ds(visit.row0(wg), WG_ROWS)
+                ready = tile_ready(kv_ready, buf, wg)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[buf, wg], ready)
+                if with_dk:
+                    plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], v_smem.at[buf, wg], ready)
+                if segmented:
+                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[buf, wg], ready)
+
+            def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+                b, hk = visit.b, visit.h
+                row0 = visit.row0(wg)
+                my_k = k_smem.at[buf, wg]
+                my_v = v_smem.at[buf, wg] if with_dk else None
+                k_seg = load_smem(shape, kseg_smem.at[buf, wg], row_layout()) if segmented else None
+
+                site = DkvSite(shape, wg, t0, b, visit.tile, buf, block_q, k_smem, extra_inputs, extra_output_refs, extra_scratch, extra_barriers)
+
+                def step(r: jax.Array, j: jax.Array, t: jax.Array, acc: dict[str, jax.Array], kind: Mask) -> dict[str, jax.Array]:
+                    acc = dict(acc)
+                    slot = lax.rem(t, stages)
+                    for barrier in (lse_ready,) + ((delta_ready,) if with_dk else ()) + ((qseg_ready,) if segmented else ()):
+                        plgpu.barrier_wait(barrier.at[slot])
+                    plgpu.barrier_wait(q_ready.at[slot])
+                    s_t = mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
+                    lse = load_smem(shape, lse_ring.at[slot], col_layout())
+                    p_t = jnp.exp2(s_t * shape.scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+                    if kind is not Mask.NONE:
+                        segments = (load_smem(shape, qseg_ring.at[slot], col_layout()), k_seg) if kind is Mask.SEGMENTS else None
+                        mask = visibility(shape, j * block_q, row0, WG_ROWS, block_q, segments, transpose=True)
+                        if mask is not None:
+                            p_t = jnp.where(mask, p_t, 0.0)
+                    # dP before the dV product (delta loaded only now): P and dP in float32 die
+                    # into 16-bit P and dS before dV and dK accumulate. Spills at head dim 128:
+                    # 108-128 bytes per thread, 120-188 the other way round.
+                    plgpu.barrier_wait(do_ready.at[slot])
+                    if with_dk:
+                        dp_t = mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
+                        delta = load_smem(shape, delta_ring.at[slot], col_layout())
+                        ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+                    if "dv" in acc:
+                        acc["dv"] = mma_into(shape, acc["dv"], p_t.astype(dtype), do_ring.at[slot])
+                    plgpu.barrier_arrive(do_used.at[slot])
+                    if with_dk:
+                        acc["dk"] = mma_into(shape, acc["dk"], ds_t, q_ring.at[slot])
+                    plgpu.barrier_arrive(q_used.at[slot])
+                    if extension is not None:
+                        extension.step(site, ds_t, t, j, hk * group + r)
+                    return acc
+
+                zeros = cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
+                n = visit.steps
+                # A loop, not an unrolled one: every copy of the walk is more code to compile.
+                acc = lax.fori_loop(
+                    0, group, lambda r, acc: walk(visit, functools.partial(step, r), acc, offset=t0 + r * n, masks=mask_loops(segmented, dim)),
+                    {name: zeros for name in grads},
+                )
+                if extension is not None:
+                    extension.item_done(site, group * n)
+
+                def write() -> None:
+                    # The tiles just walked hold the results (dv in the key tile when alone).
+                    staging = {"dk": my_k, "dv": my_v if with_dk else my_k}
+                    scales = {"dk": shape.scale / LOG2E, "dv": 1.0}
+                    for name in grads:
+                        staging[name][...] = (acc[name] * scales[name]).astype(dtype)
+                    plgpu.commit_smem()
+                    rows = pl.ds(row0, WG_ROWS)
+                    for name in grads:
+                        plgpu.copy_smem_to_gmem(staging[name], grad_refs[name].at[b, rows, hk])
+
+                return t0 + group * n, write
+
+            consume_items(items, order_ref, plan_ref, buffers, kv_ready, load, process)
+
+        @pl.when(wg == CONSUMERS)
+        def _producer() -> None:
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+            def streams_of(b: jax.Array, hk: jax.Array) -> list[Any]:
+                def block(j: jax.Array) -> Any:
+                    return pl.ds(j * block_q, block_q)
+
+                def head(r: jax.Array) -> jax.Array:
+                    return hk * group + r
+
+                streams = [
+                    (lambda j, r: lse_ref.at[b, head(r), block(j)], lse_ring, lse_ready, q_used),
+                    (lambda j, r: q_ref.at[b, block(j), head(r)], q_ring, q_ready, None),
+                    (lambda j, r: do_ref.at[b, block(j), head(r)], do_ring, do_ready, do_used),
+                ]
+                if segmented:
+                    streams.insert(1, (lambda j, r: seg_ref.at[b, block(j)], qseg_ring, qseg_ready, None))
+                if with_dk:
+                    streams.insert(1, (lambda j, r: delta_ref.at[b, head(r), block(j)], delta_ring, delta_ready, None))
+                return streams[-1:] + streams[:-1] if stages == 1 else streams  # dO first: see _produce
+
+            produce_items(items, order_ref, plan_ref, stages, streams_of, [q_used, do_used], repeats=group)
+
+    tile = smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype)
+    scratch = (tile,) * (2 if with_dk else 1) + (
+        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32),
+        smem_tile((stages, block_q, dim), dtype),
+        smem_tile((stages, block_q, dim), dtype),
+        plgpu.SMEM((stages, block_q), jnp.float32),
+        plgpu.SMEM((stages, block_q), jnp.float32),
+        plgpu.SMEM((stages, block_q), jnp.int32),
+    )
+    if extension is not None:
+        scratch += extension.scratch(dtype, block_q, dim)
+    ring = functools.partial(plgpu.Barrier, num_barriers=stages)
+    barriers = (
+        plgpu.Barrier(num_arrivals=1 + with_dk + segmented, num_barriers=buffers * CONSUMERS),
+        ring(), ring(), ring(), ring(), ring(),
+        ring(num_arrivals=CONSUMERS),
+        ring(num_arrivals=CONSUMERS),
+    )
+    if extension is not None:
+        barriers += extension.barriers()
+    extra_outputs = extension.out_types(q, plan) if extension is not None else ()
+    extra_operands = extension.operands(q) if extension is not None else ()
+    operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ()) + extra_operands
+    out_type = tuple(jax.ShapeDtypeStruct(k.shape, dtype) for _ in grads) + extra_outputs
+    outs = launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
+    extra = extension.result(extra_operands, tuple(outs[len(grads):]), plan, block_q) if extension is not None else None
+    got = dict(zip(grads, outs))
+    return got.get("dk"), got.get("dv"), extra
+
+
+def dkv_passes(dim: int) -> tuple[tuple[str, ...], ...]:
+    """The walks of the dk/dv kernel at this (padded) head dim: one accumulating both up to
+    dim 128; above, a consumer's two float32 accumulators of ``64 x dim`` (256 registers per
+    thread at dim 256) exceed its 240, so ``dv`` and ``dk`` take a walk each, the ``dv`` walk
+    without the value tile, ``dP`` and ``delta``."""
+    return (("dk", "dv"),) if dim <= 128 else (("dv",), ("dk",))

@@ -1,0 +1,182 @@
+"""The Mosaic GPU attention forward (see :mod:`ejlabel.kernels.attention.mosaic`): items are
+query tiles of 128 rows, each walking its key/value blocks with an online softmax in float32,
+base 2, and saving the log-sum-exp for the backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ...pallas_common import MASK_VALUE
+from .kernel import (
+    CONSUMER_REGISTERS, LN2, PRODUCER_REGISTERS, cast, col_layout, consume_items, fits_exactly, key_value_items,
+    key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
+    smem_tile, tile_buffers, tile_ready, visibility,
+)
+from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
+
+__all__ = ["forward_call"]
+
+
+def forward_call(
+    q: jax.Array, k: jax.Array, v: jax.Array, plan: jax.Array, segment_ids: jax.Array | None,
+    shape: Shape, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """``(out [batch, seq_q, heads, dim], lse [batch, heads, seq_q])`` on padded operands.
+
+    Items are query tiles of one head (see :class:`.work.Items`). ``pingpong``: the two consumers
+    meet at a two-arrival barrier twice per step (after issuing ``q k^T``, and after the
+    softmax), offset by half a step, so one's softmax runs while the other's matrix products
+    use the tensor cores. Both walk the same blocks, so their meetings pair up; per item,
+    consumer 1 meets once before its loop and consumer 0 once after.
+    """
+    batch, seq_q, heads, dim = q.shape
+    dtype = q.dtype
+    segmented = segment_ids is not None
+    row_bytes = dim * jnp.dtype(dtype).itemsize
+    items, order = key_value_items(plan, heads, persistent, shape, segmented, k)
+    stages = ring_stages(stages, TILE * row_bytes, 2 * block_k * row_bytes)
+    tile_bytes, ring_bytes = TILE * row_bytes, stages * 2 * block_k * row_bytes
+    buffers = tile_buffers(tile_bytes, ring_bytes)
+    # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
+    # and of the ring's key blocks.
+    small = (4 * CONSUMERS * WG_ROWS,) + ((4 * buffers * CONSUMERS * WG_ROWS, 4 * stages * block_k) if segmented else ())
+    # Results in a buffer of their own (see consume_items) where they fit, above head dim 64:
+    # there the causal D128 forward ran 0.4-1.7% faster with it, in three interleaved runs on
+    # the H100, and the packed D64 forward 0.5-3.1% slower.
+    staged_apart = dim > 64 and buffers == 2 and fits_exactly(3 * tile_bytes, ring_bytes, *small)
+
+    def body(q_ref: Any, k_ref: Any, v_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
+        if segmented:
+            seg_ref, out_ref, lse_ref, scratch, barriers = refs
+        else:
+            (out_ref, lse_ref, scratch, barriers), seg_ref = refs, None
+        q_smem, k_ring, v_ring, *rest = scratch
+        out_smem = rest.pop(0) if staged_apart else None
+        lse_smem = rest.pop(0)
+        qseg_smem, kseg_ring = rest if segmented else (None, None)
+        q_ready, k_ready, v_ready, k_used, v_used, kseg_ready, turn = barriers
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer() -> None:
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
+            def meet() -> None:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
+
+            def load(visit: Visit, buf: jax.Array) -> None:
+                b, h = visit.b, visit.h
+                rows = pl.ds(visit.row0(wg), WG_ROWS)
+                ready = tile_ready(q_ready, buf, wg)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[buf, wg], ready)
+                if segmented:
+                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
+
+            def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
+                b, h = visit.b, visit.h
+                row0 = visit.row0(wg)
+                my_q = q_smem.at[buf, wg]
+                q_seg = load_smem(shape, qseg_smem.at[buf, wg], row_layout()) if segmented else None
+
+                def step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
+                    acc, m, l = carry
+                    slot = lax.rem(t, stages)
+                    segments = None
+                    if segmented:
+                        plgpu.barrier_wait(kseg_ready.at[slot])
+                        if kind is Mask.SEGMENTS:
+                            segments = (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout()))
+                    with jax.named_scope("k_wait"):
+                        plgpu.barrier_wait(k_ready.at[slot])
+
+                    s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
+                    plgpu.barrier_arrive(k_used.at[slot])
+                    s = s * shape.scale
+                    masked = kind is not Mask.NONE
+                    mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False) if masked else None
+                    if mask is not None:
+                        s = jnp.where(mask, s, MASK_VALUE)
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    if mask is not None:
+                        # A row with nothing visible yet has m_new == MASK_VALUE and exp2(0) == 1.
+                        p = jnp.where(mask, p, 0.0)
+                    l = l * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p16 = p.astype(dtype)
+                    if pingpong:
+                        plgpu.barrier_arrive(turn)  # softmax done
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    if pingpong:
+                        plgpu.barrier_wait(turn)  # the other consumer's products are issued
+                    acc = mma_into(shape, acc, p16, v_ring.at[slot])
+                    plgpu.barrier_arrive(v_used.at[slot])
+                    return acc, m_new, l
+
+                init = (
+                    cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA),
+                    cast(shape, jnp.full((WG_ROWS,), MASK_VALUE, jnp.float32), row_layout()),
+                    cast(shape, jnp.zeros((WG_ROWS,), jnp.float32), row_layout()),
+                )
+                if pingpong:
+                    pl.when(wg == 1)(meet)
+                acc, m, l = walk(visit, step, init, offset=t0, masks=mask_loops(segmented, dim))
+                if pingpong:
+                    pl.when(wg == 0)(meet)
+                seen = l > 0.0
+                safe_l = jnp.where(seen, l, 1.0)
+                inv = jnp.where(seen, 1.0 / safe_l, 0.0)
+
+                def write() -> None:
+                    staging = out_smem.at[wg] if staged_apart else my_q
+                    staging[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+                    # Rows that see nothing get any finite value: every use of it is masked.
+                    lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(safe_l) * (1.0 / LN2), 0.0)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(staging, out_ref.at[b, pl.ds(row0, WG_ROWS), h])
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, WG_ROWS)])
+
+                return t0 + visit.steps, write
+
+            consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process, staged_apart=staged_apart)
+
+        @pl.when(wg == CONSUMERS)
+        def _producer() -> None:
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+            streams_of = key_value_streams(
+                k_ref, v_ref, seg_ref, (k_ring, v_ring, kseg_ring), (k_ready, v_ready, k_used, v_used, kseg_ready), block_k, shape.group,
+            )
+            produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
+
+    # The 128-byte-swizzled buffers first (each a multiple of 1024 bytes), the small ones last.
+    scratch = (
+        smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
+        smem_tile((stages, block_k, dim), dtype),
+        smem_tile((stages, block_k, dim), dtype),
+        plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
+    )
+    if staged_apart:
+        scratch = scratch[:3] + (smem_tile((CONSUMERS, WG_ROWS, dim), dtype),) + scratch[3:]
+    if segmented:
+        scratch += (plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32), plgpu.SMEM((stages, block_k), jnp.int32))
+    barriers = (
+        plgpu.Barrier(num_arrivals=2 if segmented else 1, num_barriers=buffers * CONSUMERS),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS),
+    )
+    operands = (q, k, v, plan, order) + ((segment_ids,) if segmented else ())
+    # The log-sum-exp rows over whole tiles: a TMA row stride must be a multiple of 16 bytes.
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, plan.shape[2] * TILE), jnp.float32))
+    return launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)

@@ -1,0 +1,396 @@
+"""The pieces every Mosaic GPU attention kernel shares (see :mod:`ejlabel.kernels.attention.mosaic`).
+
+Register layouts and loads, the attention mask of a block, the producer's and the consumers'
+walks over a program's items, the shared-memory budget, the wgmma products, the compiler and
+interpreter parameters, and the launch. The kernels themselves are in :mod:`.forward`
+and :mod:`.backward`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import source_info_util  # no public API sets the location ops are traced with
+from jax.experimental import pallas as pl
+
+from .modules import share_modules_across_call_sites
+from .plan import CONSUMERS, Shape, Visit
+from .work import Items, deal_items
+
+__all__ = [
+    "CONSUMER_REGISTERS", "LN2", "LOG2E", "PRODUCER_REGISTERS", "SMEM_BYTES", "cast", "col_layout", "consume_items", "fits_exactly",
+    "interpret_params", "key_value_items", "key_value_streams", "launch", "load_smem", "mma_into", "mma_new", "mma_sum", "plgpu",
+    "produce_items", "ring_stages", "row_layout", "smem_tile", "tile_buffers", "tile_ready", "visibility",
+]
+
+try:  # The Mosaic GPU backend may be missing from a JAX build; the modules still import.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - depends on the JAX build
+    plgpu = None
+
+if plgpu is not None:
+    # Every layer's launch of a kernel shares one compiled module (see .modules).
+    share_modules_across_call_sites()
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def smem_tile(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A shared-memory buffer laid out for TMA and wgmma: 8-row tiles, 128-byte swizzle."""
+    elems = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128)))
+
+
+def row_layout() -> Any:
+    return plgpu.Layout.WGMMA.reduce(1)
+
+
+def col_layout() -> Any:
+    return plgpu.Layout.WGMMA.reduce(0)
+
+
+def cast(shape: Shape, x: jax.Array, layout: Any) -> jax.Array:
+    """``x`` in a register layout; the interpreter has no layouts, so there it is ``x``."""
+    return x if shape.interpret else plgpu.layout_cast(x, layout)
+
+
+# Newer JAX releases take the index as part of the ref (``ref.at[idx]``) and deprecate passing it
+# to ``load``; older ones require it.
+_LOAD_INDEX = None if plgpu is None else inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_INDEX_OPTIONAL = _LOAD_INDEX is None or _LOAD_INDEX.default is not inspect.Parameter.empty
+
+
+def load_smem(shape: Shape, ref: Any, layout: Any) -> jax.Array:
+    """A whole shared-memory ref, loaded into ``layout``."""
+    if shape.interpret:
+        return ref[...]
+    return plgpu.load(ref, layout=layout) if _LOAD_INDEX_OPTIONAL else plgpu.load(ref, (), layout=layout)
+
+
+def visibility(
+    shape: Shape, q_start: jax.Array, k_start: jax.Array, rows: int, cols: int,
+    segments: tuple[jax.Array, jax.Array] | None, *, transpose: bool,
+) -> jax.Array | None:
+    """``[rows, cols]`` mask in the wgmma layout: rows are queries (keys with ``transpose``);
+    ``segments`` are the query and key ids, in the row and column layouts of that matrix."""
+    r = cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 0), plgpu.Layout.WGMMA)
+    c = cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 1), plgpu.Layout.WGMMA)
+    q_pos, k_pos = (c + q_start, r + k_start) if transpose else (r + q_start, c + k_start)
+    conditions = []
+    left, right = shape.bounds
+    if right is not None:
+        conditions.append(k_pos <= q_pos + right)
+    if left is not None:
+        conditions.append(k_pos >= q_pos - left)
+    if shape.kv_len is not None:
+        conditions.append(k_pos < shape.kv_len)
+    if segments is not None:
+        q_seg, k_seg = segments
+        q_dim, k_dim = (1, 0) if transpose else (0, 1)
+        qs = lax.broadcast_in_dim(q_seg, (rows, cols), [q_dim])
+        ks = lax.broadcast_in_dim(k_seg, (rows, cols), [k_dim])
+        conditions.append((qs == ks) & (qs > 0))
+    return functools.reduce(jnp.logical_and, conditions) if conditions else None
+
+
+def tile_ready(barriers: Any, buf: jax.Array, wg: jax.Array) -> Any:
+    """The barrier of consumer ``wg``'s tile in buffer ``buf`` (``buffers x consumers`` of them)."""
+    return barriers.at[buf * CONSUMERS + wg]
+
+
+def _wait_for_tile(barriers: Any, buf: jax.Array, wg: jax.Array) -> None:
+    """Wait until consumer ``wg``'s tile in buffer ``buf`` has arrived (a named region, so that a
+    profile of the kernel shows the wait)."""
+    with jax.named_scope("tile_wait"):
+        plgpu.barrier_wait(tile_ready(barriers, buf, wg))
+
+
+def key_value_streams(
+    k_ref: Any, v_ref: Any, seg_ref: Any, rings: tuple[Any, ...], barriers: tuple[Any, ...], block_k: int, group: int, *, values_first: bool = False,
+) -> Any:
+    """``streams_of(b, h)`` for :func:`produce_items` of the kernels that walk key/value blocks
+    (forward and dq): the key, value and (with ``seg_ref``) key segment-id blocks of query head
+    ``h``'s key/value head. ``rings``: ``(k, v, kseg)``; ``barriers``: ``(k_ready, v_ready,
+    k_used, v_used, kseg_ready)``. Slots of the segment ring are freed with the key slots."""
+    k_ring, v_ring, kseg_ring = rings
+    k_ready, v_ready, k_used, v_used, kseg_ready = barriers
+
+    def streams_of(b: jax.Array, h: jax.Array) -> list[Any]:
+        kv_head = lax.div(h, jnp.int32(group))
+        streams = [
+            (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
+            (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
+        ]
+        if seg_ref is not None:
+            streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
+        return streams[-1:] + streams[:-1] if values_first else streams
+
+    return streams_of
+
+
+def _produce(
+    visit: Visit, stages: int,
+    streams: list[tuple[Any, Any, Any, Any]], *, offset: jax.Array, repeats: int = 1,
+) -> jax.Array:
+    """The producer warpgroup's part of one item: for every planned block, TMA each stream's
+    block into its ring; returns the steps taken.
+
+    ``streams``: ``(source(j, r) -> gmem ref, ring, ready barriers, consumed barriers)``; a slot
+    is refilled only after both consumers arrived on its consumed barrier (streams with None
+    there are freed with the stream before them), in the order of ``streams``. With one stage
+    the kernels put first the stream their consumers free mid-step (values in the dq kernel,
+    ``dO`` in the dk walk), so its next block loads during the rest of the step, not after it:
+    fwd+bwd 2.8% faster at causal B2 S4096 H8 D256 on the H100.
+    The planned blocks are walked ``repeats`` times, ``r`` counting the walks (the query heads
+    of a group in the backward). ``offset`` counts the steps of the program's earlier items:
+    the ring runs on across items.
+    """
+    n = visit.steps
+
+    def body(t: jax.Array, carry: Any) -> Any:
+        step = offset + t
+        slot = lax.rem(step, stages)
+        r, j = (jnp.int32(0), visit.block(t)) if repeats == 1 else (lax.div(t, n), visit.block(lax.rem(t, n)))
+        for source, ring, ready, consumed in streams:
+            if consumed is not None:
+                with jax.named_scope("slot_wait"):
+                    pl.when(step >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
+            plgpu.copy_gmem_to_smem(source(j, r), ring.at[slot], ready.at[slot])
+        return carry
+
+    steps = repeats * n
+    lax.fori_loop(0, steps, body, None)
+    return steps
+
+
+def _drain(consumed: list[Any], stages: int, steps: jax.Array) -> None:
+    """Wait for the consumers' last ``stages`` consumptions, so every barrier phase is observed
+    before the program's shared memory goes away (the interpreter checks it; on the GPU it is free)."""
+
+    def body(t: jax.Array, carry: Any) -> Any:
+        for barrier in consumed:
+            plgpu.barrier_wait(barrier.at[lax.rem(t, stages)])
+        return carry
+
+    lax.fori_loop(jnp.maximum(steps - stages, 0), steps, body, None)
+
+
+def key_value_items(plan: jax.Array, heads: int, persistent: bool, shape: Shape, segmented: bool, k: jax.Array) -> tuple[Items, jax.Array]:
+    """:func:`deal_items` of the kernels that walk key/value blocks (forward and dq): a batch row
+    streams its keys and values, ``k`` of ``[batch, seq_kv, kv_heads, dim]`` and as many values."""
+    streamed = 2 * math.prod(k.shape[1:]) * jnp.dtype(k.dtype).itemsize
+    return deal_items(plan, heads, persistent, shape.interpret, segmented=segmented, kv_heads=k.shape[2], batch_row_bytes=streamed)
+
+
+def fits_exactly(*buffer_bytes: int) -> bool:
+    """Whether a kernel's buffers of these sizes (every one of them) fit in shared memory, each
+    aligned to 1 KiB as Pallas places them, with 1 KiB to spare for the barriers."""
+    return sum(-(-n // 1024) * 1024 for n in buffer_bytes) + 1024 <= _SMEM_LIMIT
+
+
+def tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
+    """Buffers for a program's tile: two (the next item's tile loads during this one) when they
+    fit in shared memory beside the ring, else one."""
+    return 2 if 2 * tile_bytes + ring_bytes <= SMEM_BYTES else 1
+
+
+def consume_items(
+    items: Items, order_ref: Any, plan_ref: Any, buffers: int, ready: Any, load: Any, process: Any, *, staged_apart: bool = False,
+) -> None:
+    """A consumer warpgroup's walk over its program's items.
+
+    ``load(visit, buf)`` starts the copies of an item's tile into buffer ``buf``, completing
+    ``ready`` (see :func:`tile_ready`); ``process(visit, buf, t0) -> (t1, write)`` walks the
+    item's blocks (producer steps ``t0 .. t1``) and returns ``write()``, which puts the item's
+    results into the buffer's shared memory and starts their copies out. With two buffers the
+    next item's tile is requested as soon as this one has arrived (once the previous item's
+    results have left the other buffer), so it loads during this item's walk; with one buffer
+    it follows the results. Requesting it early instead of after the walk took the wait for a
+    tile from about 3000 SM cycles per item to 140 (H100, profiled), at the
+    price of waiting for the previous item's results to leave (about 500).
+    With ``staged_apart`` the results have a shared-memory buffer of their own, so the next
+    tile is requested without that wait, and the results' buffer is checked free just before
+    the next write, a whole walk later.
+    """
+    mine = items.mine()
+    wg = lax.axis_index("wg")
+    first = items.visit(order_ref, plan_ref, 0)
+    pl.when(mine > 0)(lambda: load(first, jnp.int32(0)))
+
+    def results_left() -> None:
+        # Results leave shared memory asynchronously: before a buffer is reused (the other
+        # tile buffer, or the one-row outputs every item writes), the reads must be done.
+        with jax.named_scope("out_wait"):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        t0, visit = carry[0], Visit(*carry[1:])
+        upcoming = items.visit(order_ref, plan_ref, i + 1)
+        buf = lax.rem(i, buffers)
+
+        def prefetch() -> None:
+            load(upcoming, lax.rem(i + 1, buffers))
+
+        _wait_for_tile(ready, buf, wg)
+        if buffers > 1:
+            if not staged_apart:
+                results_left()
+            pl.when(i + 1 < mine)(prefetch)
+        t1, write = process(visit, buf, t0)
+        if staged_apart:
+            results_left()
+        with jax.named_scope("write"):
+            write()
+        if buffers == 1:
+            results_left()
+            pl.when(i + 1 < mine)(prefetch)
+        return (t1, *upcoming)
+
+    lax.fori_loop(0, mine, body, (jnp.int32(0), *first))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def produce_items(
+    items: Items, order_ref: Any, plan_ref: Any, stages: int, streams_of: Any, consumed: list[Any], repeats: int = 1,
+) -> None:
+    """The producer warpgroup's walk: ``streams_of(b, h)`` gives an item's streams (see
+    :func:`_produce`), ``consumed`` the barriers the consumers free ring slots on."""
+
+    def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        t0, visit = carry[0], Visit(*carry[1:])
+        upcoming = items.visit(order_ref, plan_ref, i + 1)
+        t1 = t0 + _produce(visit, stages, streams_of(visit.b, visit.h), offset=t0, repeats=repeats)
+        return (t1, *upcoming)
+
+    steps = lax.fori_loop(0, items.mine(), body, (jnp.int32(0), *items.visit(order_ref, plan_ref, 0)))[0]
+    _drain(consumed, stages, steps)
+
+
+def _operand(x: Any) -> jax.Array:
+    return x if isinstance(x, jax.Array) else x[...]
+
+
+def mma_new(shape: Shape, a: Any, b: Any, *, transpose_b: bool, between: Any = None) -> jax.Array | tuple[jax.Array, Any]:
+    """``a @ b`` (``b^T`` with ``transpose_b``) into a fresh float32 accumulator: ``a`` in
+    shared memory or registers, ``b`` in shared memory, the product with wgmma. ``between()``,
+    if given, runs after the wgmma is issued and before its result is awaited (CUDA-core work
+    beside the tensor cores'); what it returns, if not None, comes back as ``(product, it)``."""
+    return mma_sum(shape, [(a, b)], transpose_b=transpose_b, between=between)
+
+
+def mma_sum(
+    shape: Shape, products: list[tuple[Any, Any]], *, transpose_b: bool, transpose_a: bool = False, between: Any = None,
+) -> jax.Array | tuple[jax.Array, Any]:
+    """The sum of ``a @ b`` over ``products`` in one fresh float32 accumulator, one wgmma each
+    (operands as in :func:`mma_new`; ``a^T`` with ``transpose_a``, then from shared memory).
+
+    The interpreter cannot take transposed shared-memory operands, so there the same products
+    are ordinary dots of the loaded values.
+    """
+    if shape.interpret:
+        dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
+        out = sum(lax.dot_general(_operand(a), b[...], dims, preferred_element_type=jnp.float32) for a, b in products)
+        extra = between() if between is not None else None
+        return out if extra is None else (out, extra)
+    a, b = products[0]
+    rows = a.shape[1] if transpose_a else a.shape[0]
+    cols = b.shape[0] if transpose_b else b.shape[1]
+
+    def run(acc_ref: Any) -> Any:
+        for a, b in products:
+            plgpu.wgmma(acc_ref, a.transpose((1, 0)) if transpose_a else a, b.transpose((1, 0)) if transpose_b else b)
+        extra = between() if between is not None else None
+        return acc_ref[...], extra
+
+    acc, extra = pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
+    return acc if extra is None else (acc, extra)
+
+
+def mma_into(shape: Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
+    """``acc + a @ b``, the wgmma accumulating in ``acc``'s registers (``run_state``)."""
+    if shape.interpret:
+        return acc + lax.dot_general(_operand(a), b[...], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def run(acc_ref: Any) -> None:
+        plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def _compiler_params() -> Any:
+    """Approximate math for ``exp2``, and no shared memory set aside for reductions across
+    warps (Pallas reserves 2 KiB by default): every reduction here runs along the rows of the
+    wgmma layout, whose elements sit in one warp, and a reduction that needed the scratch would
+    fail to lower. The forward at head dim 128 needs those bytes for its results' own buffer
+    (:func:`.forward.forward_call`)."""
+    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+
+
+def interpret_params() -> Any:
+    """The Mosaic GPU interpreter's parameters (a private class in the JAX releases we use):
+    it simulates shared memory, barriers, TMA and wgmma on the CPU, so values are tested there."""
+    public = getattr(plgpu, "InterpretParams", None)
+    if public is not None:
+        return public()
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+# 24 x 128 + 2 x 240 x 128 = 64512 of the SM's 65536 registers. The producer only issues copies;
+# 240 rather than 232 per consumer cut the dk/dv kernel's spills at head dim 128 by a fifth.
+CONSUMER_REGISTERS = 240
+PRODUCER_REGISTERS = 24
+
+
+def ring_stages(stages: int | None, tile_bytes: int, stage_bytes: int) -> int:
+    """``stages`` if set, else the ring's default depth for a kernel that holds ``tile_bytes``
+    of resident tiles and streams ``stage_bytes`` per stage: two stages where they fit beside
+    one buffer of the tiles, else one. So up to head dim 128 every kernel gets two; above, the
+    forward (one 128-row tile, 64-key blocks) and the ``dv`` walk (the key tile alone) get two,
+    the dq kernel and the ``dk`` walk (two 128-row tiles) one."""
+    if stages:
+        return stages
+    return 2 if tile_bytes + 2 * stage_bytes <= SMEM_BYTES else 1
+
+
+_SMEM_LIMIT = 227 * 1024  # Hopper's per-block limit of shared memory
+SMEM_BYTES = _SMEM_LIMIT - 4096  # less room for barriers and id rings, where those are not counted
+
+
+# The source location every op of a kernel carries (see :func:`launch`): the Mosaic module's
+# hash covers its locations, and one hash per distinct kernel lets the backend compile a kernel
+# once for all its call sites.
+_KERNEL_TRACEBACK = source_info_util.Traceback.get_traceback()
+
+
+def launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tuple[Any, ...], interpret: bool) -> Any:
+    """Run ``body`` on ``programs`` programs of ``consumers + 1`` warpgroups (named ``wg``),
+    with ``scratch`` allocated in each program. ``operands`` may hold a ``jax.Ref``: the kernel
+    reads and writes it in place (the fused backward's ``dq``).
+
+    The kernel is traced under one fixed source location instead of its caller's: a Mosaic
+    module embeds its ops' locations and its hash covers them, so with the caller's stack two
+    call sites on different source lines (or a forward seen from two backward sites) got two
+    modules of one kernel, each compiled on its own (test_call_sites_share_one_module_per_kernel).
+    The other per-launch difference, jaxlib 0.11's dump counter, is removed by
+    :mod:`.modules`. Errors raised while tracing keep their Python traceback."""
+
+    def kernel_body(*refs: Any) -> None:
+        pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")
+
+    with source_info_util.user_context(_KERNEL_TRACEBACK):
+        return pl.kernel(
+            kernel_body,
+            out_type=out_type,
+            mesh=plgpu.Mesh(grid=(programs,), grid_names=("programs",), num_threads=CONSUMERS + 1, thread_name="wg"),
+            compiler_params=_compiler_params(),
+            interpret=interpret_params() if interpret else False,
+        )(*operands)

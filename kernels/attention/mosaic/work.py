@@ -1,0 +1,151 @@
+"""The items of a Mosaic attention kernel (one tile of one head of one batch row) and the order
+in which persistent programs take them.
+
+At most one program runs per SM and walks several items (:class:`Items`), taken in snake order
+from a list (:func:`work_order`) cut into sections whose blocks stay in L2, the costliest items
+first within each. :func:`deal_items` gives a kernel its items and their list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Int
+
+from .plan import Visit, while_tracing
+
+__all__ = [
+    "L2_SECTION_BYTES", "Items", "deal_items", "decode_item", "program_count", "section_length", "snake_count", "snake_position", "work_order",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Items:
+    """A kernel's work as items (one tile of one head of one batch row) dealt to persistent programs.
+
+    With one program per tile, a tile cost a fixed 11.7 us on the H100 (start, its tile's
+    load, filling the ring, writing out), about seven blocks' work, which
+    short documents cannot hide. So ``programs`` (one per SM) each walk several items: the
+    producer streams the next item's blocks while the consumers finish the current one, the
+    next tile loads while the current results are written, and each item's place and plan are
+    read one item ahead (8.6 us per tile measured with the first two of these). ``order [count]``
+    lists the items (see :func:`work_order`); programs take them in snake order (``p``, then
+    ``2P - 1 - p``, ...), so every program gets a similar mix of long and short items.
+    """
+
+    count: int
+    programs: int
+    heads: int
+    tiles: int
+
+    def at(self, order_ref: Any, i: jax.Array | int) -> jax.Array:
+        """The id of this program's ``i``-th item."""
+        return order_ref[snake_position(i, lax.axis_index("programs"), self.programs)]
+
+    def mine(self) -> jax.Array:
+        """How many items this program walks."""
+        return snake_count(lax.axis_index("programs"), self.count, self.programs)
+
+    def visit(self, order_ref: Any, plan_ref: Any, i: jax.Array | int) -> Visit:
+        """This program's ``i``-th item and its plan, read from global memory. Past the last
+        item it reads the last one again (harmless): the walks below read each item one item
+        ahead, so the reads' latency hides behind the current item's work."""
+        b, h, tile = decode_item(self.at(order_ref, jnp.minimum(i, self.mine() - 1)), self.heads, self.tiles)
+        return Visit(b, h, tile, *(plan_ref[n, b, tile] for n in range(plan_ref.shape[0])))
+
+
+def decode_item(item: Any, heads: int, tiles: int) -> tuple[Any, Any, Any]:
+    """``(batch row, head, tile)`` of an item id ``(b * tiles + tile) * heads + h``."""
+    row_tile, h = item // heads, item % heads
+    return row_tile // tiles, h, row_tile % tiles
+
+
+def snake_position(i: Any, program: Any, programs: int) -> Any:
+    """Where program ``program``'s ``i``-th item is in the order: rounds of ``programs`` items,
+    dealt forwards in even rounds and backwards in odd ones."""
+    return i * programs + jnp.where(i % 2 == 0, program, programs - 1 - program)
+
+
+def snake_count(program: Any, count: int, programs: int) -> Any:
+    """How many of ``count`` items program ``program`` gets (only the last round can be short)."""
+    rounds = -(-count // programs)
+    return jnp.int32(rounds - 1) + (snake_position(rounds - 1, program, programs) < count).astype(jnp.int32)
+
+
+def program_count(items: int, persistent: bool) -> int:
+    """Programs to launch: one per item, or with ``persistent`` at most one per SM."""
+    if not persistent:
+        return items
+    device = jax.devices()[0]
+    sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return min(items, int(sms) if sms else 132)  # 132: the H100 SXM, when lowering elsewhere
+
+
+# Bytes of streamed operands (keys and values; or queries, their gradients and row terms) that
+# the items of one section of the order may share through the H100's 50 MiB of L2 (see
+# work_order). 0: one section.
+L2_SECTION_BYTES = 32 << 20
+
+
+def section_length(programs: int, row_items: int, batch_row_bytes: int, count: int) -> int:
+    """Items per section of the work order: the items of the batch rows whose streamed bytes
+    fit in :data:`L2_SECTION_BYTES` (one row at least), rounded to whole pairs of rounds
+    (``2 * programs`` items)."""
+    if not batch_row_bytes or not L2_SECTION_BYTES:
+        return count
+    rows = max(L2_SECTION_BYTES // batch_row_bytes, 1)
+    return 2 * programs * max(round(rows * row_items / (2 * programs)), 1)
+
+
+def work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: int = 0) -> Int[Array, "items"]:
+    """Item ids (see :class:`Items`): in sections that keep the blocks in flight in L2, each
+    section's items with the most planned blocks first; a constant of the program when the plan
+    is one (positions only, see :func:`visit_plan`) and the items few enough
+    (:func:`while_tracing`).
+
+    ``batch_row_bytes``: what the items of one batch row stream (its keys and values, say).
+    Costliest first over every row, a round of 132 items held one tile of each of 132 heads at
+    1024-token documents, so no two programs read the same blocks and the forward waited on HBM
+    (0.266 ms against 0.177 in sections, H100, B16 S1024 H16 D128).
+    Sections cut the items in id order (batch row, tile, head) into runs of whole pairs of
+    rounds (at row tiles' starts), about the rows that fit in :data:`L2_SECTION_BYTES`
+    (:func:`section_length`); costliest first within a run of two rounds dealt in snake
+    order, every program gets one long and one short item (sections of whole heads instead
+    left programs up to 20% apart, causal S4096). Ties keep id order, as before
+    sections: the heads of one tile together. ``batch_row_bytes=0``: one section."""
+    batch, tiles = plan.shape[1:]
+    count = batch * tiles * heads
+    length = section_length(programs, tiles * heads, batch_row_bytes, count)
+    with while_tracing(count):
+        cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
+        # The sort runs over row tiles (every head of one tile of one row; on the device each
+        # sorted element costs time before the kernel starts), each in the section of its first
+        # item: sections of whole row tiles would drift from whole pairs of rounds, and the
+        # balance with them (B16 S1024 H16 D128 forward and backward: 1.03 ms against 0.90 with
+        # sections cut at items; the dk/dv kernel's items moved).
+        section = jnp.arange(batch * tiles, dtype=jnp.int32) * heads // length
+        # One key: section first, then the most blocks (costs lie in [0, most)).
+        most = jnp.max(cost, initial=0) + 1
+        row_tiles = jnp.argsort(section * most - cost, stable=True).astype(jnp.int32)
+        return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
+
+
+def deal_items(
+    plan: jax.Array, heads: int, persistent: bool, interpret: bool, *, segmented: bool, kv_heads: int, batch_row_bytes: int = 0,
+) -> tuple[Items, jax.Array]:
+    """The items of a kernel with ``plan`` over ``heads`` heads, which read the blocks of
+    ``kv_heads`` key/value heads (see :func:`work_order` for the rest)."""
+    batch, tiles = plan.shape[1:]
+    count = batch * tiles * heads
+    # The interpreter runs programs one after another: three show the walk across items.
+    programs = min(count, 3) if interpret and persistent else program_count(count, persistent)
+    if not segmented and batch * kv_heads <= programs // 2:
+        # Every head plans the same blocks: costliest first, each round already holds two tiles
+        # of every key/value head, and sections only cost balance (causal S4096: the forward
+        # 1-7% slower in sections).
+        batch_row_bytes = 0
+    return Items(count, programs, heads, tiles), work_order(plan, heads, programs, batch_row_bytes=batch_row_bytes)

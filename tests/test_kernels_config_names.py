@@ -1,0 +1,73 @@
+"""The kernels' stored names outlive their modules' layout.
+
+Caches, exported config files and call descriptions name config and kernel classes as
+``module:QualName`` and ops as ``op@vN``. The ops' packages keep their classes in the package
+``__init__`` (``ejlabel.kernels.attention:AttentionConfig``, as when the op was one module), so
+configs written before the ops became packages still decode. ``data/caches`` holds an export
+written then, with one entry per op.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import ejlabel.kernels as K
+from ejlabel import BwdParams, FwdParams, PersistentCache, from_json, to_json
+from ejlabel.core.registry import registered_kernels
+from ejlabel.utils.serialize import qualified_name
+
+BEFORE_PACKAGES = Path(__file__).parent / "data" / "caches" / "kernel_configs_before_packages.json"
+
+CONFIGS = {
+    "flash_attention@v1": K.AttentionConfig("mosaic", FwdParams(kv_blocksize=64, num_stages=3), BwdParams(64, 128, None, 2)),
+    "matmul@v1": K.MatmulConfig("pallas", 64, 128, 32),
+    "rms_norm@v1": K.NormConfig("pallas", 2, 8),
+    "layer_norm@v1": K.NormConfig("xla"),
+    "cross_entropy@v2": K.CrossEntropyConfig("pallas", 4, 1024, 4),
+    "linear_cross_entropy@v6": K.LinearCrossEntropyConfig("chunked_tokens_triton", chunk_tokens=4096),
+}
+
+
+def test_config_and_kernel_classes_keep_their_stored_names() -> None:
+    configs = {qualified_name(t) for t in (K.AttentionConfig, K.MatmulConfig, K.NormConfig, K.CrossEntropyConfig, K.LinearCrossEntropyConfig)}
+    assert configs == {
+        "ejlabel.kernels.attention:AttentionConfig",
+        "ejlabel.kernels.matmul:MatmulConfig",
+        "ejlabel.kernels.norms:NormConfig",
+        "ejlabel.kernels.cross_entropy:CrossEntropyConfig",
+        "ejlabel.kernels.linear_cross_entropy:LinearCrossEntropyConfig",
+    }
+    assert {name for name in registered_kernels() if name.startswith("ejlabel.kernels")} == {
+        "ejlabel.kernels.attention:AttentionKernel",
+        "ejlabel.kernels.cross_entropy:CrossEntropyKernel",
+        "ejlabel.kernels.linear_cross_entropy:LinearCrossEntropyKernel",
+        "ejlabel.kernels.matmul:MatmulKernel",
+        "ejlabel.kernels.norms:LayerNormKernel",
+        "ejlabel.kernels.norms:RMSNormKernel",
+        "ejlabel.kernels.norms:_NormKernel",
+    }
+
+
+def test_op_ids_and_versions_are_unchanged() -> None:
+    kernels = (K.AttentionKernel, K.MatmulKernel, K.RMSNormKernel, K.LayerNormKernel, K.CrossEntropyKernel, K.LinearCrossEntropyKernel)
+    assert sorted(kernel().versioned_id for kernel in kernels) == sorted(CONFIGS)
+
+
+@pytest.mark.parametrize("op_id", sorted(CONFIGS))
+def test_configs_encode_as_before(op_id: str) -> None:
+    """A config written now is the text written before the packages, and that text decodes."""
+    written = {entry["op_id"]: entry for entry in json.loads(BEFORE_PACKAGES.read_text())["entries"]}[op_id]
+    assert json.loads(to_json(CONFIGS[op_id])) == written["config"]
+    assert written["config_type"] == qualified_name(type(CONFIGS[op_id]))
+    assert from_json(json.dumps(written["config"])) == CONFIGS[op_id]
+
+
+def test_a_cache_exported_before_the_packages_imports(tmp_path: Path) -> None:
+    cache = PersistentCache(tmp_path / "cache.db")
+    assert cache.import_(BEFORE_PACKAGES) == len(CONFIGS)
+    entries = cache.entries(include_undecodable=True)
+    assert [entry.status for entry in entries] == ["ok"] * len(CONFIGS)
+    assert {entry.op_id: entry.config for entry in entries} == CONFIGS
