@@ -104,7 +104,10 @@ def test_every_flag_readme_lists_works_where_readme_says():
                 assert set(flags) <= {o for a in command._actions for o in a.option_strings}, name
 
 
-def test_write_your_own_kernel_runs_verbatim(tmp_path):
+def test_write_your_own_kernel_runs_verbatim_end_to_end(tmp_path):
+    # The new user's whole path, on the CPU, in subprocesses in a new folder: a script kernel with
+    # an impl field, jit, tuned alone and in context; the command line from the script's folder
+    # tunes a dump; the script, run again, reads its pick; the step tuned in context.
     (tmp_path / "user_kernels.py").write_text(_block("<!-- user-kernel-file: user_kernels.py -->", "python"))
     commands = [line.split("  #")[0].strip() for line in _block("<!-- user-kernel-commands -->", "bash").splitlines() if line.strip()]
     env = subprocess_env(EJLABEL_CACHE_DIR=str(tmp_path / "cache"))
