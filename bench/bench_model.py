@@ -1,6 +1,6 @@
 """Whole-model step times against the model as a JAX user writes it, all variants in one run.
 
-Run on the GPU machine:  python bench/bench_model.py [--packed] [--quick]
+Run on the GPU machine:  python bench/bench_model.py [--packed] [--quick] [--tune-budget S] [--skip-defaults]
 
 Variants of the example transformer (``ejlabel.examples``), training step (value_and_grad +
 SGD) and serving step (forward):
@@ -13,8 +13,18 @@ SGD) and serving step (forward):
 - ``ejlabel, heuristic``: every call labelled, configs from the kernels' heuristics.
 - ``ejlabel, fused loss``: the same with ``linear_cross_entropy`` forced onto its
   ``"chunked_tokens"`` implementation (``use_implementation``), the loss's effect alone.
-- ``ejlabel, tuned in context``: the configs ``tune_in_context`` picked for the training step,
-  each confirmed by timing the whole step against the all-XLA floor.
+- ``ejlabel, tuned in context (defaults)``: the configs ``tune_in_context(step, params, batch)``
+  picked with no argument but the step and its inputs (what a user following README runs), in
+  a fresh cache directory; the row records its tuning wall time, and that of a second call on
+  the same step (which should rank nothing and keep the same picks). ``--skip-defaults`` leaves
+  it out.
+- ``ejlabel, tuned in context (hand-set)``: the configs ``tune_in_context`` picked with a policy
+  set by hand (``--max-configs`` candidates per call, 12 compile threads, ``--tune-budget``
+  seconds; 0 leaves it out), in a cache directory of its own. Each pick of either row is
+  confirmed by timing the whole step against the all-XLA floor.
+
+One run of either model (dense, or ``--packed``) with both tuned rows fits a 10-minute command
+on an H100; ``--tune-budget 0`` keeps only the defaults row.
 
 Every variant is compiled first, then timed interleaved: each round takes one sample of every
 variant in turn (``--steps-per-sample`` back-to-back steps, synchronised), so clock and thermal
@@ -50,8 +60,10 @@ def main() -> int:
     parser.add_argument("--packed", action="store_true", help="packed documents: segment ids, several documents per row")
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--steps-per-sample", type=int, default=3)
-    parser.add_argument("--tune-budget", type=float, default=200.0, help="seconds for tune_in_context; 0 skips it")
-    parser.add_argument("--max-configs", type=int, default=6, help="candidates per call in the isolated ranking")
+    parser.add_argument("--tune-budget", type=float, default=200.0, help="seconds for the hand-set tune_in_context row; 0 skips the row")
+    parser.add_argument("--max-configs", type=int, default=6, help="the hand-set row's candidates per call in the isolated ranking")
+    parser.add_argument("--skip-defaults", action="store_true", help="leave out the row tuned with tune_in_context's defaults")
+    parser.add_argument("--skip-second-call", action="store_true", help="do not time a second defaults call on the same step")
     args = parser.parse_args()
     os.environ.setdefault("EJLABEL_CACHE_DIR", tempfile.mkdtemp(prefix="ejlabel-bench-model-"))
 
@@ -98,27 +110,64 @@ def main() -> int:
     # on its heuristic (XLA) path: what the loss alone does to the whole step.
     add("ejlabel, fused loss (chunked_tokens), the rest heuristic", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(), "chunked_tokens"))
 
-    tune_note, tune_s = "tune_in_context skipped", None
-    if args.tune_budget > 0:
-        from ejlabel.execution.tuning import tune_in_context
+    notes: list[str] = []
+    extra: dict[str, dict[str, Any]] = {}  # row fields of the tuned variants
+    from ejlabel.execution.tuning import tune_in_context
 
-        # The isolated ranking's policy: at most --max-configs candidates per call (no per-call time budget:
-        # with one, a call whose candidates are still compiling when it runs out gets no timing).
-        policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=10, max_configs=args.max_configs, compile_workers=12)
-        selector = ejlabel.ConfigSelectorChain(persistent=ejlabel.PersistentCache(), policy=policy)
-        ejlabel.set_default_executor(ejlabel.Executor(selector))
+    def tuned_row(name: str, tune: Callable[[], Any], persistent: Any, fields: dict[str, Any]) -> Any:
+        """Run ``tune``, then compile the model with the picks ``persistent`` holds; returns the
+        tuning report (None if tuning failed)."""
         start = time.perf_counter()
         try:
-            report = tune_in_context(examples.make_train_step(cfg, examples.KERNEL_OPS), params, batch, budget_s=args.tune_budget, selector=selector, progress=False)
-            tune_s = time.perf_counter() - start
-            print(report, flush=True)
-            for where, why in report.errors.items():
-                print(f"  tuning error {where}: {why[:400]}", flush=True)
-            tune_note = f"tune_in_context of the training step: {tune_s:.0f} s (budget {args.tune_budget:.0f} s)"
-            add("ejlabel, tuned in context", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(persistent=selector.persistent)))
+            report = tune()
         except Exception as err:
-            failures["ejlabel, tuned in context"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-            print(f"FAILED tuning: {failures['ejlabel, tuned in context']}", flush=True)
+            failures[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            print(f"FAILED tuning: {failures[name]}", flush=True)
+            return None
+        tune_s = time.perf_counter() - start
+        print(report, flush=True)
+        for where, why in report.errors.items():
+            print(f"  tuning error {where}: {why[:400]}", flush=True)
+        extra[name] = {
+            "tune_s": tune_s, "tuned_vs_floor": report.speedup, "changed": [f"{c.op_id}:{c.call_key}" for c in report.changed],
+            "left": [{"call": f"{c.op_id}:{c.call_key}", "share": c.share, "why": c.left} for c in report.left], **fields,
+        }
+        notes.append(f"{name}: tuning {tune_s:.0f} s")
+        add(name, lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(persistent=persistent)))
+        return report
+
+    train_step = examples.make_train_step(cfg, examples.KERNEL_OPS)
+    if not args.skip_defaults:
+        # What README tells a user to run: no argument besides the step and its inputs, the default
+        # executor, a cache directory of its own (nothing tuned before).
+        os.environ["EJLABEL_CACHE_DIR"] = tempfile.mkdtemp(prefix="ejlabel-bench-model-defaults-")
+        ejlabel.set_default_executor(None)
+        defaults = ejlabel.get_default_executor().selector
+        name = "ejlabel, tuned in context (defaults)"
+        first = tuned_row(name, lambda: tune_in_context(train_step, params, batch), defaults.persistent, {"tune_budget_s": "default"})
+        if first is not None and not args.skip_second_call:
+            ejlabel.set_default_executor(ejlabel.Executor(defaults))  # the same caches as the first call
+            start = time.perf_counter()
+            again = tune_in_context(train_step, params, batch)
+            second_s = time.perf_counter() - start
+            same = {c.key: c.cfg for c in first.calls} == {c.key: c.cfg for c in again.calls}
+            ranked = len(again.ranked)
+            extra[name] |= {"second_call_s": second_s, "second_call_same_picks": same, "second_call_ranked": ranked}
+            notes.append(f"second defaults call: {second_s:.0f} s, {ranked} calls ranked, same picks: {same}")
+    if args.tune_budget > 0:
+        # The hand-set policy: at most --max-configs candidates per call (no per-call time budget:
+        # with one, a call whose candidates are still compiling when it runs out gets no timing).
+        policy = ejlabel.AutotunePolicy(num_warmup=2, num_iters=10, max_configs=args.max_configs, compile_workers=12)
+        hand_dir = tempfile.mkdtemp(prefix="ejlabel-bench-model-hand-set-")
+        selector = ejlabel.ConfigSelectorChain(persistent=ejlabel.PersistentCache(hand_dir), policy=policy)
+        ejlabel.set_default_executor(ejlabel.Executor(selector))
+        tuned_row(
+            "ejlabel, tuned in context (hand-set)",
+            lambda: tune_in_context(train_step, params, batch, budget_s=args.tune_budget, selector=selector, progress=False),
+            selector.persistent,
+            {"tune_budget_s": args.tune_budget, "max_configs": args.max_configs, "compile_workers": 12},
+        )
+    tune_note = "; ".join(notes) if notes else "tune_in_context skipped"
 
     train_ms = time_interleaved({n: (lambda s=v[0]: s(params, batch)) for n, v in variants.items()}, args.samples, args.steps_per_sample)
     serve_ms = time_interleaved({n: (lambda s=v[1]: s(params, *serve_args)) for n, v in variants.items()}, args.samples, args.steps_per_sample)
@@ -148,8 +197,7 @@ def main() -> int:
             "first_loss": first_loss[name],
             "first_loss_rel_to_plain": abs(first_loss[name] - first_loss[plain]) / abs(first_loss[plain]) if has_plain else None,
         }
-        if name == "ejlabel, tuned in context":
-            row |= {"tune_s": tune_s, "tune_budget_s": args.tune_budget}
+        row |= extra.get(name, {})
         rows.append(row)
         lines.append(
             f"| {name} | {row['train_ms']:.2f} | {shown(row['train_vs_plain'], '.3f')}x | {row['serve_ms']:.2f} | "

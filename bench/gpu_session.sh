@@ -6,6 +6,7 @@
 #   OUT=DIR bash bench/gpu_session.sh gputests mosaicgpu
 #   OUT=DIR bash bench/gpu_session.sh attention_abc attention_d model
 set -uo pipefail
+started=$(mktemp)  # results written after this are this call's own
 export PYTHONUNBUFFERED=1 EJLABEL_CACHE_DIR=/tmp/ejlabel-cache
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -35,5 +36,5 @@ for name in "$@"; do
     *) echo "unknown step: $name" >&2; exit 2 ;;
   esac
 done
-mkdir -p "$OUT/results" && cp bench/results/*.json "$OUT/results/" 2>/dev/null
+mkdir -p "$OUT/results" && find bench/results -name "*.json" -newer "$started" -exec cp {} "$OUT/results/" \;
 exit 0

@@ -25,7 +25,7 @@ from _results import read_results
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODELS = (("1 document per row", "bench_model"), ("4 documents per row", "bench_model.packed"))
-TUNED = "ejlabel, tuned in context"
+TUNED = "ejlabel, tuned in context"  # the tuned rows' variants start so: "... (defaults)", "... (hand-set)"
 
 
 def provenance(record: dict[str, Any]) -> str:
@@ -42,7 +42,8 @@ def model_table() -> str:
     ]
     for model, name in MODELS:
         for index, row in enumerate(read_results(name)["rows"]):
-            variant = row["variant"] + (f" ({row['tune_s']:.0f} s)" if row["variant"] == TUNED else "")
+            tuned = row["variant"].startswith(TUNED) and isinstance(row.get("tune_s"), (int, float))
+            variant = row["variant"] + (f" ({row['tune_s']:.0f} s)" if tuned else "")
             lines.append(
                 f"| {model if index == 0 else ''} | {variant} | {row['train_ms']:.2f} | {row['train_vs_plain']:.3f}x "
                 f"| {row['serve_ms']:.2f} | {row['serve_vs_plain']:.3f}x |"
@@ -57,7 +58,7 @@ def draw_model(plt: Any, out: Path) -> Path:
         record = read_results(name)
         rows = record["rows"]
         labels = [row["variant"].replace("ejlabel, ", "") for row in rows]
-        bars = ax.barh(labels, [row["train_ms"] for row in rows], color=["#888888" if i == 0 else ("#2a7ab9" if row["variant"] == TUNED else "#9cc3e4") for i, row in enumerate(rows)])
+        bars = ax.barh(labels, [row["train_ms"] for row in rows], color=["#888888" if i == 0 else ("#2a7ab9" if row["variant"].startswith(TUNED) else "#9cc3e4") for i, row in enumerate(rows)])
         for bar, row in zip(bars, rows):
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {row['train_vs_plain']:.3f}x", va="center", fontsize=8)
         ax.set_title(f"{model}\n{provenance(record)}", fontsize=9)

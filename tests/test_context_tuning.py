@@ -211,7 +211,9 @@ def test_clearly_faster_candidate_is_picked_and_stored_with_step_times():
 
 
 def test_one_call_changes_the_other_keeps_xla():
-    report = tune(both_step, X, skip_slower_in_isolation=False)
+    # min_gain 0: ctxslow's share of the step (2 * x beside a busy loop) is far below 1%, and
+    # would not be ranked otherwise (test_context_ranking).
+    report = tune(both_step, X, skip_slower_in_isolation=False, min_gain=0.0)
     picks = {call.op_id: call.cfg for call in report.calls}
     assert picks == {"ctxslow@v1": ImplConfig("xla"), "ctxfast@v1": ImplConfig("direct")}
     assert {t.op_id: t.status for t in report.trials} == {"ctxfast@v1": "accepted", "ctxslow@v1": "rejected"}
@@ -222,15 +224,17 @@ def test_one_call_changes_the_other_keeps_xla():
 
 def test_confirmations_out_of_budget_are_skipped_and_the_floor_stored(monkeypatch):
     monkeypatch.setattr(Search, "_fits", lambda self, seconds: False)  # no time for any confirmation
-    report = tune(both_step, X, skip_slower_in_isolation=False)
+    report = tune(both_step, X, skip_slower_in_isolation=False, min_gain=0.0)
     assert {t.status for t in report.trials} == {"skipped"} and len(report.skipped) == 2
     assert all(t.cfg is not None for t in report.trials)  # planned confirmations, not cut rankings
     assert all(not call.changed for call in report.calls) and report.tuned is report.floor
     assert "2 skipped (time budget)" in report.summary() and "time budget spent" in report.render()
     assert stored("ctxfast").config == ImplConfig("xla")  # unconfirmed: the floor is stored
     assert all(call.isolated_from == "measured" for call in report.calls)
+    assert all(call.left == "time budget: 1 planned confirmations not run" for call in report.calls)
+    assert all(entry.stats["decided"] is False for op in ("ctxslow", "ctxfast") for entry in stored_entries(op))
     # A second run reuses the isolated timings the first one stored (complete rankings).
-    again = tune(both_step, X)
+    again = tune(both_step, X, min_gain=0.0)
     assert all(call.isolated_from == "cache" for call in again.calls)
     assert [t.cfg for t in again.trials] == [ImplConfig("direct")]  # the slower one is not planned
 
@@ -251,39 +255,50 @@ def test_tiny_budget_cuts_the_ranking_before_it_starts(monkeypatch):
     assert stored_entries("ctxfast") == [] and stored_entries("ctxslow") == []  # nothing was decided
 
 
+def fast_two_step(x: jax.Array) -> jax.Array:
+    return fast_alternative(x).sum() + fast_alternative(x * 3.0).sum() + two_alternatives(x).sum()
+
+
 def test_ranking_deadline_leaves_the_confirmations_their_share(monkeypatch, clock):
     deadlines = []
-    tune_each = Autotuner.tune_each
-    monkeypatch.setattr(Autotuner, "tune_each", lambda self, *a, **k: (deadlines.append(k["deadline"]), tune_each(self, *a, **k))[1])
-    # Ranking ctxfast takes (on the fake clock) 60% of the budget: ctxslow is cut, ctxfast confirmed.
-    jump_after(monkeypatch, Autotuner, "_measure", clock, 600.0)
+    tune_jobs = Autotuner.tune_jobs
+    monkeypatch.setattr(Autotuner, "tune_jobs", lambda self, *a, **k: (deadlines.append(k["deadline"]), tune_jobs(self, *a, **k))[1])
+    # The shares take two measurements (one per call); ranking ctxfast (two sites: the larger
+    # share, ranked first) then takes 60% of the budget on the fake clock: ctxtwo's ranking is
+    # cut, ctxfast is confirmed.
+    jump_after(monkeypatch, Autotuner, "_measure", clock, 600.0, after=3)
     began = clock.perf_counter()
-    report = tune(fast_first_step, X, budget_s=1000.0)
-    (deadline,) = deadlines
-    assert 500 <= deadline - began <= 530  # half of the time left once the floor was timed
-    fast, slow = report.calls
+    report = tune(fast_two_step, X, budget_s=1000.0)
+    shares_deadline, rest_deadline = deadlines  # no prior round: neither kernel declares a prior
+    assert 480 <= shares_deadline - began <= 530  # half of the time left once the floor was timed
+    assert 480 <= rest_deadline - began <= 530
+    fast, two = report.calls
+    assert report.ranked == [fast.key, two.key] and fast.share > two.share > 0.01
     assert fast.isolated_from == "measured" and fast.cfg == ImplConfig("direct")
-    assert slow.isolated_from == "cut" and slow.cfg == slow.floor_cfg == ImplConfig("xla")
-    assert [(t.op_id, t.status) for t in report.trials] == [("ctxfast@v1", "accepted"), ("ctxslow@v1", "skipped")]
+    assert two.isolated_from == "cut" and two.cfg == two.floor_cfg == ImplConfig("xla")
+    assert [(t.op_id, t.status) for t in report.trials] == [("ctxfast@v1", "accepted"), ("ctxtwo@v1", "skipped")]
     assert "ranking cut for 1" in report.summary() and "[ranking cut: time budget]" in report.render()
-    assert stored("ctxfast").config == ImplConfig("direct") and stored_entries("ctxslow") == []
-    # The next run reuses the finished ranking and measures the one that was cut.
+    assert report.left == [two] and two.left == "time budget: 2 of 3 candidates not ranked"
+    assert "left untried" in report.render()
+    assert stored("ctxfast").config == ImplConfig("direct") and stored_entries("ctxtwo") == []
+    # The next run takes ctxfast's pick as decided and measures the one that was cut.
     clock.offset = 0.0
-    again = tune(fast_first_step, X, budget_s=None)
-    assert [call.isolated_from for call in again.calls] == ["cache", "measured"]
+    again = tune(fast_two_step, X, budget_s=None)
+    assert [call.isolated_from for call in again.calls] == ["recalled", "measured"]
+    assert again.calls[0].cfg == ImplConfig("direct") and again.calls[1].cfg in (ImplConfig("direct"), ImplConfig("other"))
 
 
 def test_report_says_where_the_time_went(monkeypatch, clock):
-    # The isolated ranking takes 40 s and one confirmation 70 s on the fake clock: the report's
-    # stages say so, in order, and add up to the run's wall time.
+    # Timing the floor alone (the share) takes 40 s and one confirmation 70 s on the fake
+    # clock: the report's stages say so, in order, and add up to the run's wall time.
     jump_after(monkeypatch, Autotuner, "_measure", clock, 40.0)
     jump_after(monkeypatch, Search, "_try", clock, 70.0)
     report = tune(fast_step, X, budget_s=None)
     stages = report.stages_s
-    assert list(stages) == ["calls and floor", "isolated ranking", "confirmations", "final check", "storing"]
-    assert 40.0 <= stages["isolated ranking"] < 70.0 <= stages["confirmations"] < 110.0
+    assert list(stages) == ["calls and floor", "shares of the step", "isolated ranking", "confirmations", "final check", "storing"]
+    assert 40.0 <= stages["shares of the step"] < 70.0 <= stages["confirmations"] < 110.0
     assert sum(stages.values()) == pytest.approx(report.wall_s, abs=0.5)
-    assert "time: calls and floor" in report.render() and "isolated ranking 4" in report.render()
+    assert "time: calls and floor" in report.render() and "shares of the step 4" in report.render()
 
 
 def test_measured_candidates_of_a_cut_ranking_still_rank_but_are_not_reused(monkeypatch, clock):
@@ -467,6 +482,9 @@ def test_plan_tries_every_calls_best_candidate_before_any_runner_up():
         one: CallPick(*one, sites=1, floor_cfg="xla", cfg="xla", floor_isolated_ms=6.0),
     }
     isolated = {many: {"xla": 1.0, "fast": 0.3, "second": 0.4, "third": 0.5}, one: {"xla": 6.0, "fused": 5.3, "other": 5.9}}
-    trials = tuning.in_context._plan(calls, isolated, per_call=3, skip_slower=True)
+    trials = tuning.ranking.plan(calls, isolated, per_call=3, skip_slower=True, tried={})
     assert [t.cfg for t in trials] == ["fast", "fused", "second", "other", "third"]
     assert trials[1].expected_gain_ms < trials[2].expected_gain_ms  # the order is not by gain alone
+    # A later round plans only what earlier rounds did not, up to per_call over the run.
+    later = tuning.ranking.plan(calls, isolated, per_call=3, skip_slower=True, tried={many: {"fast", "second"}, one: {"fused", "other"}})
+    assert [t.cfg for t in later] == ["third"]

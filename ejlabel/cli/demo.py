@@ -8,17 +8,18 @@
    and stored in the persistent cache.
 4. Lower again in this process with a fresh selector: every call is now ``persistent``; run
    the step with the tuned configs.
-5. Tune in context (``tune_in_context``): the picks of step 3 are timings of each call alone.
-   Starting from every call on XLA (the floor), the most promising candidates are compiled into
-   the whole training step and timed against it, next to the model in plain JAX; a config is
-   kept only where the whole step gets faster. On the CPU the Pallas kernels run in interpret
-   mode, so expect XLA to stay everywhere: the step is never slower than the all-XLA floor. The
-   isolated timings of step 3 are reused from the cache, and the search has a 30 s budget. The
-   picks are stored with provenance ``in-context``; when every call of the step has one already
-   (a second run), the step says so and tunes nothing.
+5. Tune in context (``tune_in_context`` with its defaults, as a user calls it): the picks of
+   step 3 are timings of each call alone. Starting from every call on XLA (the floor), calls are
+   taken in order of their share of the step (those below 1% are not ranked), and the most
+   promising candidates are compiled into the whole training step and timed against it, next
+   to the model in plain JAX; a config is kept only where the whole step gets faster. On the
+   CPU the Pallas kernels run in interpret mode, slower than XLA alone, so expect XLA to stay
+   everywhere: the step is never slower than the all-XLA floor. The isolated timings of step 3
+   are reused from the cache. The picks are stored with provenance ``in-context``; when every
+   call of the step has a pick an earlier run decided, the step says so and tunes nothing.
 
-Run it twice: the second time step 3 finds every call tuned and step 5 reuses the in-context
-picks, so nothing is tuned.
+Run it twice: the second time step 3 finds every call tuned and step 5 finds every pick decided,
+so nothing is tuned.
 """
 
 from __future__ import annotations
@@ -96,23 +97,17 @@ def _run(dump_dir: Path) -> int:
     picked, calls = _in_context_picks(lowered, persistent)
     if calls and picked == calls:
         print(
-            f"every one of the step's {calls} distinct calls has an in-context pick in the cache from an earlier "
-            "run: nothing to tune (`ejlabel demo --fresh` starts from an empty cache)"
+            f"every one of the step's {calls} distinct calls has an in-context pick an earlier run decided: "
+            "nothing to tune (`ejlabel demo --fresh` starts from an empty cache)"
         )
         return 0
     print(
-        "step 3 timed each call alone; now the fastest alternative to XLA of each call is compiled "
-        "into the training step and timed against the incumbent (budget 30 s)",
+        "step 3 timed each call alone; now, largest share of the step first, the alternatives to XLA "
+        "that were faster alone are compiled into the training step and timed against the incumbent "
+        "(tune_in_context's defaults)",
         flush=True,
     )
-    context = tune_in_context(
-        step, params, batch,
-        baseline_fn=examples.make_train_step(cfg, examples.PLAIN_OPS),
-        budget_s=30.0, samples=5, candidates_per_call=1,
-        # Confirm even candidates slower than XLA in isolation (interpret mode on the CPU), to
-        # show the whole step deciding.
-        skip_slower_in_isolation=False,
-    )
+    context = tune_in_context(step, params, batch, baseline_fn=examples.make_train_step(cfg, examples.PLAIN_OPS))
     if persistent is not None:
         stored = [e for e in persistent.entries() if e.provenance == PROVENANCE]
         print(f"{len(stored)} picks stored with provenance 'in-context' ({len(context.changed)} not XLA); the next run of the step uses them")
@@ -120,8 +115,9 @@ def _run(dump_dir: Path) -> int:
 
 
 def _in_context_picks(lowered: Any, persistent: Any) -> tuple[int, int]:
-    """How many of the distinct forward calls in ``lowered`` have a finished in-context pick in
-    ``persistent`` (not one whose ranking the budget cut), and how many there are."""
+    """How many of the distinct forward calls in ``lowered`` have an in-context pick in
+    ``persistent`` that its run decided (``decided``: see :mod:`ejlabel.execution.tuning.memory`),
+    and how many there are."""
     from ejlabel import find_labels_in_lowered
     from ejlabel.core.label_format import is_backward, parse_label
     from ejlabel.execution.tuning import PROVENANCE
@@ -136,5 +132,5 @@ def _in_context_picks(lowered: Any, persistent: Any) -> tuple[int, int]:
     for op_id, call_key in keys:
         entry = persistent.get_entry(device, op_id, call_key)
         stats = entry.stats if entry is not None and isinstance(entry.stats, dict) else {}
-        picked += entry is not None and entry.provenance == PROVENANCE and not stats.get("ranking_cut")
+        picked += entry is not None and entry.provenance == PROVENANCE and stats.get("decided") is True
     return picked, len(keys)

@@ -26,6 +26,7 @@ from typing import Any
 
 import ejlabel.kernels  # noqa: F401  (registers the library's kernels and their config types)
 from ejlabel.core.registry import import_user_modules
+from ejlabel.execution.tuning import DEFAULT_BUDGET_S
 from ejlabel.utils.version import VERSION
 
 __all__ = ["main", "build_parser", "usage_text"]
@@ -118,7 +119,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     from ejlabel.analysis import tune_unseen
 
-    for flag in ("baseline", "samples", "candidates", "confirm_slower"):
+    for flag in ("baseline", "samples", "candidates", "confirm_slower", "exhaustive"):
         if getattr(args, flag) not in (None, False):
             raise UsageError(f"--{flag.replace('_', '-')} only applies to tuning a module:function step in context")
     selector = _selector(args.cache_dir)
@@ -191,18 +192,20 @@ def _tune_step_in_context(args: argparse.Namespace) -> int:
     baseline = _import_function(args.baseline, "--baseline") if args.baseline else None
     selector = _selector(args.cache_dir)
     policy = dataclasses.replace(selector.policy, num_iters=args.iters, max_configs=args.max_configs)
+    # Only the flags given: tune_in_context's own defaults are the command's.
+    given = {"budget_s": args.budget, "samples": args.samples, "candidates_per_call": args.candidates}
     report = tune_in_context(
         fn,
         *_parse_example_args(args.example_args),
         baseline_fn=baseline,
-        budget_s=args.budget if args.budget is not None else 300.0,
-        samples=args.samples if args.samples is not None else 10,
-        candidates_per_call=args.candidates if args.candidates is not None else 2,
         skip_slower_in_isolation=not args.confirm_slower,
+        exhaustive=args.exhaustive,
         policy=policy,
         selector=selector,
+        **{name: value for name, value in given.items() if value is not None},
     )
-    print(f"stored {len(report.calls)} picks with provenance 'in-context' in {selector.persistent.path}")
+    if report.stored:
+        print(f"stored {len(report.calls)} picks with provenance 'in-context' in {selector.persistent.path}")
     for what, error in report.errors.items():
         print(f"error  {what}  {error}", file=sys.stderr)
     return 1 if report.errors else 0
@@ -328,7 +331,7 @@ def _add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore
     )
     tune.add_argument("path", help="module:function (in context), or an HLO file / XLA dump directory (isolated)")
     tune.add_argument("--example-args", help="argument specs for module:function, e.g. 'f32[8,16] i32[8]'")
-    tune.add_argument("--budget", type=_positive(float), default=None, metavar="SECONDS", help="in context: seconds for the whole search (default 300); isolated: seconds per call, compile time "
+    tune.add_argument("--budget", type=_positive(float), default=None, metavar="SECONDS", help=f"in context: seconds for the whole search (default {DEFAULT_BUDGET_S:g}); isolated: seconds per call, compile time "
         "included (the heuristic and plain-path candidates are always timed; the report lists what was skipped)")
     tune.add_argument("--iters", type=_positive(int), default=10, help="timed runs per candidate in isolation (default 10)")
     tune.add_argument("--max-configs", type=_positive(int), default=None, help="candidates per call at most")
@@ -336,6 +339,7 @@ def _add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore
     tune.add_argument("--candidates", type=_positive(int), default=None, help="in context: the fastest candidates in isolation confirmed per call (default 2)")
     tune.add_argument("--confirm-slower", action="store_true", help="in context: also confirm candidates slower than XLA in isolation")
     tune.add_argument("--baseline", metavar="MODULE:FUNCTION", help="in context: the step in plain JAX, timed alongside")
+    tune.add_argument("--exhaustive", action="store_true", help="in context: rank every call and candidate, ignoring what earlier runs decided and learned")
     tune.add_argument(
         "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
         help="tune the unseen calls (in isolation, of any PATH) on a Ray cluster: ADDRESS as ray.init takes it ('auto', "

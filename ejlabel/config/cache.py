@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -31,6 +32,7 @@ __all__ = [
     "NEVER_TUNES_WARNING",
     "to_json",
     "from_json",
+    "usable_cores",
 ]
 
 Key = tuple[str, str, str]
@@ -109,6 +111,14 @@ class ConfigCache:
 MissAction = Literal["heuristic", "autotune", "error"]
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the system has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity masks on this system
+        return max(1, os.cpu_count() or 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class AutotunePolicy:
     """What a cache miss does, and how much tuning it may cost.
@@ -125,7 +135,8 @@ class AutotunePolicy:
         short kernels are timed amortised (not as launch plus sync) and not on inputs that sit
         in cache from the previous call; the run's time is divided by it.
       early_stop: drop candidates clearly slower than the best so far (successive halving).
-      compile_workers: threads that compile candidates ahead of time.
+      compile_workers: threads that compile candidates ahead of time; by default one per CPU
+        core this process may run on (XLA compiles outside the GIL, one core each).
       tune_backward: for kernels with a custom VJP, time and check forward and backward
         together (what a training step runs); turn off to tune for serving.
 
@@ -156,7 +167,7 @@ class AutotunePolicy:
     num_iters: int = 10
     calls_per_sample: int = 4
     early_stop: bool = True
-    compile_workers: int = 4
+    compile_workers: int = dataclasses.field(default_factory=usable_cores)
     tune_backward: bool = True
 
     def __post_init__(self) -> None:

@@ -99,6 +99,7 @@ class Kernel(Generic[Cfg, Out]):
     - ``make_inputs(inv, key)``: concrete arguments for tuning, for kernels whose inputs must
       satisfy constraints (integer segment ids, positive lengths).
     - ``reference(*args, **kwargs)``: the output tuning checks candidates against.
+    - ``prior_configs(inv)``: the candidates expected to beat XLA on this device, tried first.
 
     ejkernel's hooks are honoured too: ``prepare(*args, **kwargs) -> (args, kwargs)`` (run by
     the executor before the call is keyed), ``candidate_cfgs[_<platform>](inv)`` (the config
@@ -231,6 +232,15 @@ class Kernel(Generic[Cfg, Out]):
         if candidates is not None and (self._defines("candidate_cfgs") or "candidate_cfgs" in self.__dict__):
             return list(candidates(inv))
         return [self.heuristic_cfg(inv)]
+
+    def prior_configs(self, inv: Invocation[Cfg, Out]) -> Sequence[Cfg]:
+        """The candidates this kernel expects can beat its XLA path for ``inv`` on this device.
+
+        The tuners try them first (tuning in context ranks and confirms them before the rest of
+        the config space), so a tight budget is spent where a gain was seen before. Empty by
+        default: no prior, the config space in its own order.
+        """
+        return ()
 
     def make_inputs(self, inv: Invocation[Cfg, Out], key: jax.Array) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Concrete ``(args, kwargs)`` for tuning: random normal floats, random integers."""

@@ -191,7 +191,8 @@ def _inferred_config_types(cls: type, base: type) -> tuple[type, ...]:
 def _annotated_config_types(cls: type, base: type) -> tuple[type, ...]:
     """Config types named by the annotations of ``cls``'s own methods (``base``'s excluded):
     every parameter called ``cfg``, the return of ``heuristic_cfg*``, the items of the return
-    of ``config_space`` / ``candidate_cfgs*``. Unresolvable annotations are passed over."""
+    of ``config_space`` / ``candidate_cfgs*`` / ``prior_configs``. Unresolvable annotations are
+    passed over."""
     found: list[type] = []
     for klass in cls.__mro__:
         if klass is base or klass is object or klass.__module__ == "typing":
@@ -207,7 +208,7 @@ def _annotated_config_types(cls: type, base: type) -> tuple[type, ...]:
             named = [hints.get("cfg")]
             if name.startswith("heuristic_cfg"):
                 named.append(hints.get("return"))
-            elif name in ("config_space", "candidate_cfgs") or name.startswith("candidate_cfgs_"):
+            elif name in ("config_space", "candidate_cfgs", "prior_configs") or name.startswith("candidate_cfgs_"):
                 named.extend(typing.get_args(hints.get("return"))[:1])  # list[Cfg] -> Cfg
             found.extend(t for hint in named if hint is not None for t in _concrete_types(hint))
     return tuple(t for t in dict.fromkeys(found) if t is not type(None) and t is not object)

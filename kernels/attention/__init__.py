@@ -207,6 +207,14 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         pallas = [AttentionConfig("pallas", FwdParams(*fwd), BwdParams(*bwd)) for fwd, bwd in pairs]
         return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas + mosaic
 
+    def prior_configs(self, inv: Invocation[AttentionConfig, jax.Array]) -> list[AttentionConfig]:
+        # On Hopper our Mosaic GPU kernels are the ones that beat the plain path in the whole
+        # training step, dense and packed (bench_model.py); elsewhere no implementation is known to.
+        q = inv.args[0]
+        if not (on_hopper() and mosaic_supports(q.dtype, q.shape[3])):
+            return []
+        return [cfg for cfg in self.config_space(inv) if cfg.impl == "mosaic"]
+
     def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:
         q = inv.args[0]
         if cfg.impl == "cudnn":

@@ -194,6 +194,13 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
             + [LinearCrossEntropyConfig("chunked", chunk_vocab=c) for c in _fitting(vocab_sizes, vocab)]
         )
 
+    def prior_configs(self, inv: Invocation[LinearCrossEntropyConfig, jax.Array]) -> list[LinearCrossEntropyConfig]:
+        # On GPUs the token-chunked loss, which never holds the whole logits, is what beat the
+        # plain unembedding and cross-entropy in the whole training step (bench_model.py).
+        if not on_gpu():
+            return []
+        return [cfg for cfg in self.config_space(inv) if cfg.impl.startswith("chunked_tokens")]
+
 
 def _gradient_pass(cfg: LinearCrossEntropyConfig) -> Callable[..., TokenPass]:
     """The token-chunked pass that computes the loss with its gradient, by implementation."""

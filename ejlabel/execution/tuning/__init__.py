@@ -14,18 +14,20 @@ The story, in the order the modules tell it:
    correct ones by successive halving. It serves a selector's cache miss, :func:`autotune`,
    :func:`autotune_recorded` and ``ejlabel tune``; the winner is stored with provenance
    ``autotuned``.
-4. **In context** (:mod:`.in_context`, with :mod:`.paired`, :mod:`.search`, :mod:`.report`). A
-   config that wins alone can lose in the step (fusions across call boundaries, layouts), so
-   :func:`tune_in_context` compiles and times the whole step, starting from the all-XLA
-   assignment, and keeps a change only when the noise rule on paired rounds says the step got
-   faster; picks are stored with provenance ``in-context``.
+4. **In context** (:mod:`.in_context`, with :mod:`.ranking`, :mod:`.paired`, :mod:`.search`,
+   :mod:`.memory`, :mod:`.report`). A config that wins alone can lose in the step (fusions
+   across call boundaries, layouts), so :func:`tune_in_context` compiles and times the whole
+   step, starting from the all-XLA assignment, and keeps a change only when the noise rule on
+   paired rounds says the step got faster. It spends its budget by expected gain: calls in
+   order of their share of the step, each kernel's prior candidates first; picks are stored
+   with provenance ``in-context``, with what lost, so the next run skips what is known.
 5. **Remote** (:mod:`.remote`). A worker process, usually on another machine, tunes calls
    rebuilt from the program's own call descriptions, and answers in plain data; the Ray driver
    that sends the calls out and stores the answers is :mod:`ejlabel.analysis.ray_tuning`.
 """
 
 from ejlabel.execution.tuning.candidates import AutotuneError, CandidateResult, TuneResult, TuningCut
-from ejlabel.execution.tuning.in_context import PROVENANCE, RANK_SHARE, tune_in_context
+from ejlabel.execution.tuning.in_context import DEFAULT_BUDGET_S, PROVENANCE, RANK_SHARE, tune_in_context
 from ejlabel.execution.tuning.isolated import Autotuner, Tuner, autotune, autotune_recorded, store_result, tune_invocation
 from ejlabel.execution.tuning.measure import Timing, benchmark
 from ejlabel.execution.tuning.paired import LEVEL, MIN_SAMPLE_MS, ROUND_CAP, Comparison
@@ -33,6 +35,7 @@ from ejlabel.execution.tuning.remote import TuningWorker, call_request, result_f
 from ejlabel.execution.tuning.report import CallPick, ContextTuneReport, Trial
 
 __all__ = [
+    "DEFAULT_BUDGET_S",
     "LEVEL",
     "MIN_SAMPLE_MS",
     "PROVENANCE",

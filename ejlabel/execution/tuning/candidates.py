@@ -48,7 +48,8 @@ class CandidateResult:
     ``status`` is ``ok``, ``compile_error``, ``runtime_error``, ``out_of_memory``, ``nan``,
     ``wrong`` (relative error over tolerance), ``pruned`` (dropped by successive halving after
     timing) or ``skipped`` (never timed: the time budget was spent first). ``floor`` marks the
-    heuristic and plain-path candidates, which the budget never skips.
+    heuristic and plain-path candidates, which the budget never skips; ``prior`` those the kernel
+    expects to beat its floor on this device, which come right after them.
     """
 
     cfg: Any
@@ -58,6 +59,7 @@ class CandidateResult:
     error: float | None = None
     timing: Timing | None = None
     floor: bool = False
+    prior: bool = False  # the kernel expects it can beat XLA here (Kernel.prior_configs)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -68,6 +70,7 @@ class CandidateResult:
             "relative_error": self.error,
             "timing": self.timing.to_dict() if self.timing is not None else None,
             "floor": self.floor,
+            "prior": self.prior,
         }
 
 
@@ -123,7 +126,12 @@ DEADLINE_TIMING = "deadline: the run's time budget was spent before it was timed
 
 @dataclasses.dataclass
 class Job:
-    """One call being tuned: its spec, candidates and compiled executables."""
+    """One call being tuned: its spec, candidates and compiled executables.
+
+    A job can be tuned in rounds (:meth:`~.isolated.Autotuner.tune_jobs`): ``active`` names the
+    candidates a round ranks; what earlier rounds compiled, checked and timed is kept, so no
+    candidate is compiled or checked twice and a timing carries over to the next round.
+    """
 
     inv: Invocation[Any, Any]
     candidates: list[CandidateResult]
@@ -135,7 +143,13 @@ class Job:
     deadline: float = math.inf  # the caller's: no timing starts after it (perf_counter time)
     compile_deadline: float = math.inf  # no compile starts after it
     cut: bool = False  # the deadline made a candidate skip
+    active: list[int] | None = None  # indices of the candidates this round ranks; None: all
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def included(self) -> list[int]:
+        """The indices of the candidates this round ranks, in candidate order."""
+        return list(range(len(self.candidates))) if self.active is None else sorted(set(self.active))
 
     def over_budget(self, measured_from: float | None = None) -> bool:
         """Whether compiling (and, given when timing began, timing) has spent the budget."""

@@ -41,14 +41,16 @@ def race(
     the slower half (except candidates within 3% of the best median) and anything over
     ``_CLEAR_LOSS`` times the best median, and doubles the runs. Samples accumulate across
     rounds, so no measurement is wasted, and the last two candidates are topped up to
-    ``num_iters`` samples each before the final ranking. Once compile and timing seconds reach
+    ``num_iters`` samples each before the final ranking; a candidate an earlier round timed
+    keeps its samples and is timed only up to the count a round asks. Once compile and timing seconds reach
     the budget, candidates not yet timed are skipped (never the floor, which is
     timed first and in full) and every timing so far ranks. The caller's deadline
     (``job.deadline``) skips them the same way.
     """
     if not alive:
         return None
-    samples: dict[int, list[float]] = {i: [] for i in alive}
+    # A candidate an earlier round of the same job timed starts from its samples.
+    samples: dict[int, list[float]] = {i: list(job.candidates[i].timing.samples_ms) if job.candidates[i].timing is not None else [] for i in alive}
     halving = policy.early_stop and len(alive) > 2
     runs = max(2, policy.num_iters // 8) if halving else policy.num_iters
     if job.budget_s is None:
@@ -80,8 +82,8 @@ def race(
 
     # The floor is timed first and in full: it is what every other candidate must beat.
     for i in alive:
-        if job.candidates[i].floor:
-            measure(i, policy.num_iters)
+        if job.candidates[i].floor and len(samples[i]) < policy.num_iters:
+            measure(i, policy.num_iters - len(samples[i]))
     while True:
         for i in list(alive):
             in_time = time.perf_counter() <= deadline  # one reading: an untimed candidate is timed or skipped

@@ -3,77 +3,84 @@
 Tuning one call at a time, outside its program, cannot see what decides the step time: XLA's
 fusions across call boundaries, layouts, custom-VJP boundaries that stop them. A kernel that
 wins in isolation can lose in the step. ``tune_in_context(fn, *args)`` therefore measures the
-compiled step itself:
+compiled step itself, and its defaults are meant to be the product: with no argument but the
+step and its inputs it spends a budget of ``DEFAULT_BUDGET_S`` where the gain is.
 
 1. **Discover.** Trace ``fn`` once under :func:`~ejlabel.recording` with a counting overlay:
    the distinct kernel calls ``(op_id, call_key)`` it makes and at how many sites each.
-2. **Floor.** The all-XLA assignment: every call gets the config of the plain path its kernel
+2. **Recall.** What earlier runs decided and learned (:mod:`.memory`): a call decided before is
+   taken as it was (a second run of the same step ranks nothing), and candidates that lost at a
+   call's shape class are skipped; ``exhaustive=True`` ignores both. When one earlier run decided
+   every call and its final check judged exactly these picks against the floor, nothing is
+   compiled or timed at all (unless ``baseline_fn`` asks for a measurement): the report gives
+   that run's step times and says so.
+3. **Floor.** The all-XLA assignment: every call gets the config of the plain path its kernel
    declares (``kernel.plain_config(inv)``, ``Kernel.plain_implementation``: ``"xla"`` for the
    library's kernels), else its heuristic config. It is written out as an explicit assignment,
-   so that every candidate differs from the incumbent in exactly one call. The floor is
-   compiled and timed first.
-3. **Rank.** Each call's candidates get isolated timings (:meth:`~.isolated.Autotuner.tune_each`, or the
-   per-candidate timings an earlier tuning stored in the persistent cache). A candidate's
-   expected gain is (floor's isolated time - its isolated time) x the number of sites. With a
-   budget, the ranking may use at most ``RANK_SHARE`` (half) of the time left once the floor is
-   timed, so that confirmations get the rest: its deadline stops it starting new compiles and
-   timings (:meth:`~.isolated.Autotuner.tune_each`). What a call had timed before the cut still ranks; a
-   call with nothing timed but its floor is *cut*: it keeps the floor, is reported as a skipped
-   trial, and nothing of it is stored.
-4. **Confirm, greedily.** Every call's best candidate first, in order of expected gain, then
-   the runners-up (see :func:`_plan`): the incumbent assignment with that one call changed is
-   compiled ahead of time (a few at once, in threads: XLA compiles outside the GIL) and its
-   whole step is timed against the incumbent's in paired rounds (:class:`~.search.Search`). The
-   change is kept only if the noise rule (:mod:`.paired`) accepts it. The budget (seconds,
-   whole run) is checked before each batch of compiles, each measurement and each extra block
-   of rounds; what it cut off is reported as skipped.
+   so that every candidate differs from the incumbent in exactly one call. The floor, the warm start (the floor with
+   the recalled picks) and the plain baseline compile at once, on the compile workers (by
+   default one per core); the floor is timed.
+4. **Rank and confirm, by expected gain** (:mod:`.ranking`). Each call's share of the floor step
+   is measured (its floor timed alone x sites); calls below ``min_gain`` are not ranked. Then,
+   largest share first, each call's prior candidates (those its kernel expects to beat XLA
+   here) are ranked in isolation and the best confirmed, then the rest of the config spaces
+   with the time left. A confirmation compiles the incumbent with that one call changed
+   (several at once, in threads: XLA compiles outside the GIL) and times its whole step against
+   the incumbent's in paired rounds (:class:`~.search.Search`); the change is kept only if the
+   noise rule (:mod:`.paired`) accepts it. Each isolated round may use ``RANK_SHARE`` (half) of
+   the time left, so that its confirmations get the rest; the budget (seconds, whole run, the
+   final check's estimated time held back) is checked before each batch of compiles, each
+   measurement and each extra block of rounds; what it cut off is reported as left untried.
 5. **Check and store.** The final assignment is timed against the floor (and ``baseline_fn``,
    if given) in the same paired rounds and judged by the same rule; if it is not accepted, the
    floor is kept. Every call's pick, XLA included, goes to the memory and persistent caches with
-   provenance ``"in-context"`` and the step times that justify it, so the next run uses them;
-   a cut call is not stored, and a call whose ranking the budget cut short is stored with
+   provenance ``"in-context"``, the step times that justify it, its share, whether it was
+   decided, and the candidates that lost, so the next run uses them. A call cut before anything
+   of it was timed is not stored; a call whose ranking the budget cut short is stored with
    ``ranking_cut`` set, so the next run ranks it again instead of reusing a partial ranking.
 
-What the run measured and chose comes back as a :class:`~.report.ContextTuneReport`.
+What the run measured and chose, and what it left, comes back as a
+:class:`~.report.ContextTuneReport`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ejlabel.config.cache import AutotunePolicy
-from ejlabel.config.persistent import CacheError
+from ejlabel.config.persistent import CacheEntry, CacheError
 from ejlabel.config.selection import ConfigSelectorChain
 from ejlabel.core.kernel import Invocation, random_values
 from ejlabel.execution.executor import get_default_executor
-from ejlabel.execution.tuning.candidates import AutotuneError, TuneResult, TuningCut
-from ejlabel.execution.tuning.isolated import Autotuner
+from ejlabel.execution.tuning.measure import Timing
+from ejlabel.execution.tuning.memory import PROVENANCE, Recall, lost_candidates, recall, shape_class
+from ejlabel.execution.tuning.ranking import Ranking, plan
 from ejlabel.execution.tuning.report import CallPick, ContextTuneReport, Key, Trial
 from ejlabel.execution.tuning.search import Search, discover
-from ejlabel.utils.serialize import from_jsonable
 
-__all__ = ["PROVENANCE", "RANK_SHARE", "tune_in_context"]
+__all__ = ["DEFAULT_BUDGET_S", "PROVENANCE", "RANK_SHARE", "tune_in_context"]
 
-PROVENANCE = "in-context"
-RANK_SHARE = 0.5  # the isolated ranking's share of the time left once the floor is timed
+RANK_SHARE = 0.5  # an isolated round's share of the time left when it starts
+DEFAULT_BUDGET_S = 120.0  # seconds for a whole run with the defaults
 
 
 def tune_in_context(
     fn: Callable[..., Any],
     *args: Any,
     baseline_fn: Callable[..., Any] | None = None,
-    budget_s: float | None = 300.0,
+    budget_s: float | None = DEFAULT_BUDGET_S,
     samples: int = 10,
     warmup: int = 2,
     candidates_per_call: int = 2,
     skip_slower_in_isolation: bool = True,
     min_gain: float = 0.01,
+    exhaustive: bool = False,
     policy: AutotunePolicy | None = None,
     selector: ConfigSelectorChain | None = None,
     reuse_isolated: bool = True,
@@ -91,18 +98,22 @@ def tune_in_context(
       *args: example arguments: arrays, ``jax.ShapeDtypeStruct``\\ s (random values are made
         for them) or pytrees of those.
       baseline_fn: the same step written in plain JAX, timed in the final measurement.
-      budget_s: seconds for the whole run (None: no limit). The isolated ranking may use
-        ``RANK_SHARE`` of the time left once the floor is timed, the confirmations the rest;
-        what either did not start in time is reported as skipped. Discovering the calls,
-        the floor and the final check's first block of rounds always run.
+      budget_s: seconds for the whole run (None: no limit). Each isolated round may use
+        ``RANK_SHARE`` of the time left when it starts, its confirmations the rest; what was
+        not started in time is reported as left. Discovering the calls, the floor and the
+        final check's first block of rounds always run.
       samples: paired rounds in a comparison's first block, and in each further block while
         the noise rule is undecided (at most ``ROUND_CAP`` x samples rounds; the final check
         starts with twice as many); warmup: untimed runs of each program before its rounds.
-      candidates_per_call: the fastest candidates in isolation confirmed per call.
-      skip_slower_in_isolation: confirm only candidates faster than XLA in isolation; False also
-        confirms slower ones (fusion can reorder them in context, at a compile each).
+      candidates_per_call: the fastest candidates in isolation confirmed per call, over the run.
+      skip_slower_in_isolation: confirm only candidates faster than the call's pick in
+        isolation; False also confirms slower ones (fusion can reorder them in context, at a
+        compile each).
       min_gain: the smallest relative gain worth a change: the noise rule accepts a change only
-        if its lower bound on the gain exceeds ``min_gain`` x the incumbent's step time.
+        if its lower bound on the gain exceeds ``min_gain`` x the incumbent's step time; a call
+        whose share of the step is below it is not ranked.
+      exhaustive: rank every call (whatever its share) over every candidate, ignoring what
+        earlier runs decided and learned and the isolated timings they stored.
       policy: the isolated ranking's tuning policy (the selector's by default);
         ``compile_workers`` also sets how many whole programs compile at once.
       selector: whose memory and persistent caches receive the picks (default executor's).
@@ -131,29 +142,53 @@ def tune_in_context(
     args = _concrete(args, seed)
     errors: dict[str, str] = {}
 
-    # 1. Discover the calls; 2. compile and time the floor.
+    # 1. Discover the calls; 2. recall what earlier runs decided; 3. compile and time the floor.
     sites, invocations = discover(fn, args)
     floor: dict[Key, Any] = {key: _floor_cfg(inv) for key, inv in invocations.items()}
+    calls = {key: CallPick(*key, sites[key], floor[key], floor[key]) for key in invocations}
+    memory = Recall() if exhaustive else recall(selector.persistent, invocations, sites, floor)
+    warm = dict(floor)
+    for key, entry in memory.picks.items():
+        warm[key] = _recalled(calls[key], entry)
+    together = None if exhaustive or baseline_fn is not None else memory.checked_together(calls)
+    if together is not None:
+        # One earlier run decided every call and checked this very assignment against the floor.
+        return _report_recalled(calls, warm != floor, together, selector, store, budget_s, errors, start, stages, verbose)
     deadline = start + budget_s if budget_s is not None else math.inf
     search = Search(fn, args, sites, samples, warmup, min_gain, policy.compile_workers, deadline)
-    floor_exe = search.compile_floor(floor)
+    floor_exe, floor_time, incumbent_exe, baseline_exe = search.start(floor, warm, baseline_fn)
+    if incumbent_exe is None:  # the recalled picks do not compile together: tune those calls again
+        errors["recalled picks"] = f"did not compile together, tuned again from the floor: {search.warm_error}"
+        for key in memory.picks:
+            calls[key] = CallPick(*key, sites[key], floor[key], floor[key])
+        memory.picks.clear()
+        warm, incumbent_exe = dict(floor), floor_exe
+    search.deadline = deadline - search.final_s(2 + (baseline_fn is not None))  # the final check's time held back
     stages.end("calls and floor")
 
-    # 3. Rank each call's candidates in isolation; 4. confirm the promising ones in the step.
-    calls = {key: CallPick(*key, sites[key], floor[key], floor[key]) for key in invocations}
-    ranking = _Ranking(policy, selector, reuse_isolated, progress, seed, _rank_deadline(deadline))
-    isolated = ranking.rank(invocations, floor, calls, errors)
-    stages.end("isolated ranking")
-    trials = _plan(calls, isolated, candidates_per_call, skip_slower_in_isolation)
-    incumbent, tuned_exe = search.confirm(floor, floor_exe, trials, calls, progress)
+    # 4. Shares of the step; rank and confirm the priors, then the rest, largest share first.
+    ranking = Ranking(policy, selector, reuse_isolated and not exhaustive, progress, seed, calls, floor, errors)
+    ranking.prepare({key: inv for key, inv in invocations.items() if key not in memory.picks}, memory.losers)
+    first_deadline = _rank_deadline(search.deadline)
+    ranking.shares(floor_time.median_ms, min_gain, exhaustive, first_deadline)
+    stages.end("shares of the step")
+    incumbent, trials, tried = warm, [], {}
+    for which in ("prior", "rest"):
+        ranking.rank(which, first_deadline if which == "prior" else _rank_deadline(search.deadline))
+        stages.end("isolated ranking")
+        planned = plan(calls, ranking.isolated, candidates_per_call, skip_slower_in_isolation, tried)
+        for trial in planned:
+            tried.setdefault(trial.key, set()).add(trial.cfg)
+        incumbent, incumbent_exe = search.confirm(incumbent, incumbent_exe, planned, calls, progress)
+        trials += planned
+        stages.end("confirmations")
     trials += _cut_trials(calls.values())
-    stages.end("confirmations")
+    _note_left(calls.values(), trials, min_gain)
 
     # 5. The final check against the floor (and the plain baseline), then store.
     changed = incumbent != floor
-    programs = [floor_exe] + ([tuned_exe] if changed else [])
-    if baseline_fn is not None:
-        programs.append(search.compile_plain(baseline_fn))
+    accepted = {trial.key for trial in trials if trial.status == "accepted"} | {key for key in memory.picks if warm[key] != floor[key]}
+    programs = [floor_exe] + ([incumbent_exe] if changed else []) + ([baseline_exe] if baseline_exe is not None else [])
     timings, final = search.compare(programs, first=2 * samples, judge=changed)
     stages.end("final check")
     reverted = final is not None and not final.accepted
@@ -162,10 +197,11 @@ def tune_in_context(
     report = ContextTuneReport(
         floor=timings[0], tuned=tuned_time, baseline=timings[-1] if baseline_fn is not None else None,
         final=final, calls=list(calls.values()), trials=trials, errors=errors, samples=timings[0].count,
-        budget_s=budget_s, wall_s=0.0, compile_s=search.compile_s, stored=store, reverted=reverted,
+        budget_s=budget_s, wall_s=0.0, compile_s=search.compile_s, stored=store, reverted=reverted, ranked=ranking.in_share_order(),
     )
     if store:
-        _store(report, invocations, trials, selector, errors)
+        undecided = accepted if reverted else set()  # a change the final check undid is looked at again next time
+        _store(report, invocations, trials, selector, errors, skip_slower_in_isolation, undecided, memory.picks)
         stages.end("storing")
     report.wall_s = time.perf_counter() - start
     report.stages_s = stages.seconds
@@ -175,7 +211,8 @@ def tune_in_context(
 
 
 class _Stages:
-    """Wall seconds of each stage of a run, in order: where a budget went."""
+    """Wall seconds of each stage of a run, in order of first use: where a budget went (a stage
+    that runs once per round adds up)."""
 
     def __init__(self, start: float) -> None:
         self.seconds: dict[str, float] = {}
@@ -183,22 +220,72 @@ class _Stages:
 
     def end(self, stage: str) -> None:
         now = time.perf_counter()
-        self.seconds[stage] = now - self._last
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
         self._last = now
 
 
 def _rank_deadline(deadline: float) -> float | None:
-    """When the isolated ranking must stop: ``RANK_SHARE`` of the time left to ``deadline``."""
+    """When an isolated round must stop: ``RANK_SHARE`` of the time left to ``deadline``."""
     if math.isinf(deadline):
         return None
     now = time.perf_counter()
     return now + RANK_SHARE * max(0.0, deadline - now)
 
 
+def _recalled(call: CallPick, entry: CacheEntry) -> Any:
+    """Take the pick an earlier run decided for ``call``; returns it."""
+    stats = entry.stats or {}
+    number = lambda name: stats.get(name) if isinstance(stats.get(name), (int, float)) else None  # noqa: E731
+    call.cfg, call.isolated_from = entry.config, "recalled"
+    call.floor_isolated_ms, call.isolated_ms, call.share = number("floor_isolated_ms"), number("isolated_ms"), number("share")
+    return entry.config
+
+
+def _report_recalled(
+    calls: Mapping[Key, CallPick], changed: bool, times: tuple[float, float], selector: ConfigSelectorChain, store: bool,
+    budget_s: float | None, errors: dict[str, str], start: float, stages: _Stages, verbose: bool,
+) -> ContextTuneReport:
+    """The report of a run that found every pick decided and checked together before: the step
+    times are that run's, nothing is compiled or timed, nothing stored but the memory cache."""
+    floor_ms, step_ms = times
+    floor_time = Timing([floor_ms])
+    for call in calls.values():
+        call.step_ms = step_ms
+        if store:
+            selector.cache.put(*call.key, call.cfg)
+    stages.end("calls and floor")
+    report = ContextTuneReport(
+        floor=floor_time, tuned=Timing([step_ms]) if changed else floor_time, baseline=None, final=None, calls=list(calls.values()),
+        trials=[], errors=errors, samples=0, budget_s=budget_s, wall_s=time.perf_counter() - start, compile_s=0.0, stored=False,
+        measured=False,
+    )
+    report.stages_s = stages.seconds
+    if verbose:
+        print(report.render(), flush=True)
+    return report
+
+
 def _cut_trials(calls: Iterable[CallPick]) -> list[Trial]:
     """One skipped trial per call whose ranking the budget cut before it timed an alternative."""
     reason = "time budget spent before the isolated ranking timed an alternative to the floor"
     return [Trial(*call.key, None, None, None, status="skipped", reason=reason) for call in calls if call.isolated_from == "cut"]
+
+
+def _note_left(calls: Iterable[CallPick], trials: Sequence[Trial], min_gain: float) -> None:
+    """Write on each call what the run left untried of it and why."""
+    for call in calls:
+        notes = []
+        untimed = sum(row.get("status") == "skipped" for row in call.candidates)
+        if call.isolated_from == "unranked":
+            notes.append(f"not ranked: its share is below min_gain ({min_gain:.1%}), so no change of it could pass the noise rule")
+        elif call.isolated_from == "cut" and call.share is None:
+            notes.append("time budget: not measured")
+        elif call.isolated_from in ("cut", "partial"):
+            notes.append(f"time budget: {untimed} of {len(call.candidates)} candidates not ranked")
+        skipped = sum(t.key == call.key and t.cfg is not None and t.status == "skipped" for t in trials)
+        if skipped:
+            notes.append(f"time budget: {skipped} planned confirmations not run")
+        call.left = "; ".join(notes) or None
 
 
 def _settle(calls: Iterable[CallPick], reverted: bool, step_ms: float) -> None:
@@ -219,150 +306,54 @@ def _floor_cfg(inv: Invocation[Any, Any]) -> Any:
     return cfg if cfg is not None else inv.kernel.heuristic_cfg(inv)
 
 
-@dataclasses.dataclass
-class _Ranking:
-    """The isolated ranking of each call's candidates, stopped by ``deadline`` (None: never)."""
-
-    policy: AutotunePolicy
-    selector: ConfigSelectorChain
-    reuse: bool
-    progress: bool | None
-    seed: int
-    deadline: float | None
-
-    def rank(
-        self, invocations: Mapping[Key, Invocation[Any, Any]], floor: Mapping[Key, Any], calls: Mapping[Key, CallPick], errors: dict[str, str]
-    ) -> dict[Key, dict[Any, float]]:
-        """``{key: {cfg: isolated ms}}`` over each call's correct candidates (the floor's included)."""
-        isolated: dict[Key, dict[Any, float]] = {}
-        to_tune: list[Key] = []
-        for key in invocations:
-            stored = self._stored(key)
-            if floor[key] in stored and len(stored) > 1:
-                isolated[key] = stored
-                calls[key].isolated_from = "cache"
-            else:
-                to_tune.append(key)
-        if to_tune:
-            lists = {i: _candidate_list(invocations[key], floor[key]) for i, key in enumerate(to_tune)}
-            tuner = Autotuner(self.policy, progress=self.progress, seed=self.seed)
-            outcomes = tuner.tune_each([invocations[key] for key in to_tune], lists, deadline=self.deadline)
-            for key, outcome in zip(to_tune, outcomes):
-                isolated[key] = _take(calls[key], outcome, errors)
-        for key, timings in isolated.items():
-            call = calls[key]
-            call.floor_isolated_ms = call.isolated_ms = timings.get(floor[key])
-            if not call.candidates:
-                call.candidates = [{"cfg": cfg, "status": "ok", "median_ms": ms} for cfg, ms in timings.items()]
-        return isolated
-
-    def _stored(self, key: Key) -> dict[Any, float]:
-        """The isolated timings an earlier tuning stored for ``key``, unless its ranking was cut."""
-        if not self.reuse or self.selector.persistent is None:
-            return {}
-        try:
-            entry = self.selector.persistent.get_entry(key)
-        except CacheError:
-            return {}
-        if entry is None or (isinstance(entry.stats, dict) and entry.stats.get("ranking_cut")):
-            return {}
-        return _isolated_from_stats(entry.stats)
-
-
-def _take(call: CallPick, outcome: TuneResult | AutotuneError, errors: dict[str, str]) -> dict[Any, float]:
-    """One call's isolated timings from its tuning outcome; notes a cut or a failure on ``call``."""
-    if isinstance(outcome, TuningCut):
-        call.isolated_from = "cut"
-        call.candidates = _candidate_rows(outcome.candidates)
-        return {}
-    if isinstance(outcome, AutotuneError):
-        errors[f"{call.op_id}:{call.call_key}"] = f"isolated tuning failed, XLA stays: {outcome}"
-        call.isolated_from = "failed"
-        return {}
-    call.candidates = _candidate_rows(outcome.candidates)
-    timings = {c.cfg: c.timing.median_ms for c in outcome.candidates if c.timing is not None and c.status in ("ok", "pruned")}
-    if outcome.cut:
-        call.isolated_from = "partial" if any(cfg != call.floor_cfg for cfg in timings) else "cut"
-    return timings
-
-
-def _candidate_rows(candidates: Sequence[Any]) -> list[dict[str, Any]]:
-    return [{"cfg": c.cfg, "status": c.status, "median_ms": c.timing.median_ms if c.timing is not None else None} for c in candidates]
-
-
-def _isolated_from_stats(stats: Any) -> dict[Any, float]:
-    """``{cfg: isolated median ms}`` of the correct candidates an earlier tuning stored, if any.
-
-    Understands the ``candidates`` list of both ``autotuned`` entries (timing dicts, configs as
-    tagged JSON) and ``in-context`` entries (``median_ms``, configs decoded).
-    """
-    timings: dict[Any, float] = {}
-    for item in (stats or {}).get("candidates") or []:
-        if not isinstance(item, dict) or item.get("status") not in ("ok", "pruned"):
-            continue
-        cfg = item.get("cfg")
-        try:
-            cfg = from_jsonable(cfg) if isinstance(cfg, dict) else cfg
-            hash(cfg)
-        except (ValueError, TypeError, KeyError, AttributeError, ImportError):
-            continue
-        timing = item.get("timing")
-        median = timing.get("median_ms") if isinstance(timing, dict) else item.get("median_ms")
-        if isinstance(median, (int, float)) and math.isfinite(median):
-            timings[cfg] = float(median)
-    return timings
-
-
-def _candidate_list(inv: Invocation[Any, Any], floor_cfg: Any) -> list[Any]:
-    kernel = inv.kernel
-    return list(dict.fromkeys([floor_cfg, kernel.heuristic_cfg(inv), *kernel.config_space(inv)]))
-
-
-def _plan(calls: Mapping[Key, CallPick], isolated: Mapping[Key, Mapping[Any, float]], per_call: int, skip_slower: bool) -> list[Trial]:
-    """The confirmations to try: every call's best candidate first, by expected gain (isolated
-    gain x sites), then the calls' second candidates, and so on.
-
-    A runner-up's expected gain is measured from the floor; once its call's best is accepted,
-    what it can still add is the difference to that best, usually nothing. Ordered by gain
-    alone, the runners-up of a call with many sites would come before other calls' best
-    candidates and could spend the whole budget before those are tried."""
-    trials = []
-    for key, timings in isolated.items():
-        call = calls[key]
-        if not timings:
-            continue
-        reference = call.floor_isolated_ms if call.floor_isolated_ms is not None else max(timings.values())
-        ranked = sorted((ms, i, cfg) for i, (cfg, ms) in enumerate(timings.items()) if cfg != call.floor_cfg)
-        chosen = [(ms, cfg) for ms, _, cfg in ranked if not skip_slower or ms < reference][:per_call]
-        for place, (ms, cfg) in enumerate(chosen):
-            trials.append((place, Trial(*key, cfg, ms, (reference - ms) * call.sites)))
-    trials.sort(key=lambda pt: (pt[0], -pt[1].expected_gain_ms))
-    return [trial for _, trial in trials]
-
-
-def _store(report: ContextTuneReport, invocations: Mapping[Key, Invocation[Any, Any]], trials: list[Trial], selector: ConfigSelectorChain, errors: dict[str, str]) -> None:
-    """Every call's pick into the memory and persistent caches, with the step times behind it.
+def _store(
+    report: ContextTuneReport, invocations: Mapping[Key, Invocation[Any, Any]], trials: list[Trial], selector: ConfigSelectorChain,
+    errors: dict[str, str], skip_slower: bool, undecided: set[Key], recalled: Mapping[Key, CacheEntry],
+) -> None:
+    """Every call's pick into the memory and persistent caches, with the step times behind it,
+    all marked with one ``run`` id: the calls this run's final check judged together.
 
     A call whose ranking was cut before it timed an alternative is not stored: nothing about it
-    was decided, and whatever the caches held for it stays.
+    was decided, and whatever the caches held for it stays. A recalled call keeps its entry with
+    this run's step times, unless the final check undid its pick.
     """
+    run = uuid.uuid4().hex[:16]
     for call in report.calls:
         if call.isolated_from == "cut":
             continue
         key = call.key
-        stats = _stats(report, call, trials)
-        inv = invocations[key]
         selector.cache.put(*key, call.cfg)
+        inv = invocations[key]
+        fresh = _stats(report, call, trials)
+        fresh["run"] = run
+        if call.isolated_from == "recalled" and key not in undecided:
+            step = ("run", "step_ms", "floor_step_ms", "samples", "noise_ms", "final", "baseline_step_ms")
+            stats = {name: value for name, value in (recalled[key].stats or {}).items() if name not in step}
+            stats |= {name: fresh[name] for name in step if name in fresh}
+        else:
+            stats = fresh
+            stats["decided"] = _decided(call, trials) and key not in undecided
+            stats["shape_class"] = shape_class(inv)
+            stats["lost"] = lost_candidates(call, trials, skip_slower)
         if selector.persistent is not None:
             try:
                 selector.persistent.put(*key, call.cfg, provenance=PROVENANCE, stats=stats, kernel_version=inv.kernel_version)
-            except (CacheError, TypeError) as err:
+            except (CacheError, TypeError, ValueError) as err:
                 errors[f"{call.op_id}:{call.call_key}"] = f"not stored in the persistent cache: {err}"
 
 
+def _decided(call: CallPick, trials: Sequence[Trial]) -> bool:
+    """Whether this run finished with ``call``: complete ranking (or too small a share to rank)
+    and every confirmation planned for it measured."""
+    if call.isolated_from not in ("measured", "cache", "unranked"):
+        return False
+    return not any(t.key == call.key and t.status in ("skipped", "pending") for t in trials)
+
+
 def _stats(report: ContextTuneReport, call: CallPick, trials: list[Trial]) -> dict[str, Any]:
-    """The statistics stored with one call's pick: step times, the comparisons behind it, the
-    isolated ranking (flagged ``ranking_cut`` when the budget cut it, so no later run reuses it)."""
+    """The statistics stored with one call's pick: step times, the comparisons behind it, its
+    share of the step and what was left of it, the isolated ranking (flagged ``ranking_cut``
+    when the budget cut it, so no later run reuses it)."""
     own = [t for t in trials if t.key == call.key and t.status in ("accepted", "rejected")]
     deciding = next((t for t in reversed(own) if t.status == "accepted" and t.cfg == call.cfg), None)
     if deciding is None and own and not call.changed:
@@ -376,6 +367,8 @@ def _stats(report: ContextTuneReport, call: CallPick, trials: list[Trial]) -> di
         "isolated_ms": call.isolated_ms,
         "floor_isolated_ms": call.floor_isolated_ms,
         "sites": call.sites,
+        "share": _finite(call.share),
+        "left": call.left,
         "candidates": call.candidates,
         "ranking_cut": call.ranking_cut,
     }

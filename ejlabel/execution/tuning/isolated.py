@@ -30,6 +30,15 @@ buys a worse pick:
   the stored winner is never slower than the heuristic or the plain path. ``TuneResult.skipped`` (and the
   stored statistics) say how many candidates were skipped and which.
 
+Candidates come in this order: the floor, then the kernel's prior (the configs it expects to
+beat XLA on this device, :meth:`~ejlabel.core.kernel.Kernel.prior_configs`), then the rest of
+its config space; a ``max_configs`` cap keeps the floor and then the prior.
+
+A caller can also tune in rounds: :meth:`Autotuner.jobs` builds each call's job once, and each
+:meth:`Autotuner.tune_jobs` ranks the candidates a job's ``active`` names (tuning in context
+times the floors alone first, then the priors, then the rest). A job keeps what earlier rounds
+compiled, checked and timed, so no candidate is compiled or checked twice.
+
 A caller with a whole-run budget (tuning in context) passes ``tune_each(..., deadline=t)``, a
 ``time.perf_counter()`` time. Unlike the per-call budget it is a hard stop, the floor included:
 no compile starts after the midpoint between the call to ``tune_each`` and ``t`` (the timing
@@ -78,7 +87,7 @@ from ejlabel.execution.tuning.halving import race
 from ejlabel.execution.tuning.measure import Progress, benchmark, describe_error, output_tolerance, relative_error
 from ejlabel.utils.fingerprint import device_fingerprint
 
-__all__ = ["Autotuner", "Tuner", "autotune", "autotune_recorded", "store_result", "tune_invocation"]
+__all__ = ["Autotuner", "Tuner", "autotune", "autotune_recorded", "prior_configs", "store_result", "tune_invocation"]
 
 
 class Autotuner:
@@ -151,28 +160,51 @@ class Autotuner:
         module docstring says: a call it cut before any timing gives a :class:`TuningCut`, one
         it cut midway a result with ``cut`` set.
         """
-        # A separate thread has no active JAX trace, so tuning triggered while tracing a jit'd
-        # function compiles and runs concretely instead of being staged into that function.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as outside_trace:
-            return outside_trace.submit(self._tune_each, list(invocations), configs or {}, deadline).result()
+        return self.tune_jobs(self.jobs(invocations, configs), deadline=deadline)
 
-    def _tune_each(
-        self, invocations: list[Invocation[Any, Any]], configs: dict[int, list[Any]], deadline: float | None
-    ) -> list[TuneResult | AutotuneError]:
+    def jobs(
+        self, invocations: Sequence[Invocation[Any, Any]], configs: dict[int, list[Any]] | None = None, *, floors: dict[int, Any] | None = None
+    ) -> list[Job | AutotuneError]:
+        """One :class:`~.candidates.Job` per call (its error in place when it has no valid
+        candidate), to tune with :meth:`tune_jobs`, in one round or several.
+
+        ``configs`` ({index: configs}) limits a call to those; ``floors`` ({index: config})
+        marks one more config of a call as floor, never skipped (tuning in context's all-XLA
+        pick, for a kernel whose own floor lacks it).
+        """
+        return _outside_trace(self._jobs, list(invocations), configs or {}, floors or {})
+
+    def tune_jobs(self, jobs: Sequence[Job | AutotuneError], *, deadline: float | None = None) -> list[TuneResult | AutotuneError]:
+        """Compile, check and rank the active candidates of each job (``job.active``; all when
+        None), the calls measured in the given order; errors pass through in place.
+
+        A job tuned before keeps what it compiled, checked and timed: this round compiles and
+        checks only candidates new to it, and a candidate timed before starts from its samples.
+        ``deadline`` as in :meth:`tune_each`, for this round.
+        """
+        return _outside_trace(self._tune_jobs, list(jobs), deadline)
+
+    def _jobs(self, invocations: list[Invocation[Any, Any]], configs: dict[int, list[Any]], floors: dict[int, Any]) -> list[Job | AutotuneError]:
         jobs: list[Job | AutotuneError] = []
         for i, inv in enumerate(invocations):
             try:
-                jobs.append(self._job(abstract_invocation(inv), configs.get(i)))
+                jobs.append(self._job(abstract_invocation(inv), configs.get(i), floors.get(i)))
             except AutotuneError as err:
                 jobs.append(err)
-        if deadline is not None:
-            now = time.perf_counter()
-            compile_deadline = now + (deadline - now) / 2  # the other half is for timing
-            for job in jobs:
-                if isinstance(job, Job):
-                    job.deadline, job.compile_deadline = deadline, compile_deadline
+        return jobs
+
+    def _tune_jobs(self, jobs: list[Job | AutotuneError], deadline: float | None) -> list[TuneResult | AutotuneError]:
+        now = time.perf_counter()
         live = [job for job in jobs if isinstance(job, Job)]
-        progress = Progress(2 * sum(len(job.candidates) for job in live), "autotuning", self.progress)
+        for job in live:
+            job.deadline = math.inf if deadline is None else deadline
+            job.compile_deadline = math.inf if deadline is None else now + (deadline - now) / 2  # the other half is for timing
+            job.cut = False
+            for i in job.included:
+                candidate = job.candidates[i]
+                if candidate.status == "skipped":  # an earlier round's budget skipped it; this round may reach it
+                    candidate.status, candidate.reason = "pending", None
+        progress = Progress(2 * sum(len(job.included) for job in live), "autotuning", self.progress)
         try:
             self._compile_all(live, progress)
             return [job if isinstance(job, AutotuneError) else self._measure_or_error(job, progress) for job in jobs]
@@ -185,35 +217,44 @@ class Autotuner:
         except AutotuneError as err:
             return err
 
-    def _job(self, inv: Invocation[Any, Any], configs: list[Any] | None) -> Job:
-        """The call's candidates: the floor (heuristic, then plain path) first, then the config space.
+    def _job(self, inv: Invocation[Any, Any], configs: list[Any] | None, extra_floor: Any = None) -> Job:
+        """The call's candidates: the floor (heuristic, then plain path) first, then the kernel's prior
+        (:meth:`~ejlabel.core.kernel.Kernel.prior_configs`), then the rest of the config space.
 
-        Given ``configs``, only those are tried (in their order, the floor among them first).
-        ``max_configs`` caps the list but never drops a floor candidate, and takes the others
-        round-robin over their implementations, so a cap never leaves a whole implementation out.
+        Given ``configs``, only those are tried (in their order, the floor and prior among them
+        first). ``max_configs`` caps the list but never drops a floor candidate, keeps the prior
+        next, and takes the others round-robin over their implementations, so a cap never leaves
+        a whole implementation out.
         """
         kernel = inv.kernel
         floor = floor_configs(inv)
+        if extra_floor is not None and extra_floor not in floor:
+            floor.append(extra_floor)
+        prior = [cfg for cfg in prior_configs(inv) if cfg not in floor]
         if configs is None:
-            unique = list(dict.fromkeys([*floor, *kernel.config_space(inv)]))
+            unique = list(dict.fromkeys([*floor, *prior, *kernel.config_space(inv)]))
         else:
             given = list(dict.fromkeys(configs))
-            unique = [cfg for cfg in floor if cfg in given] + [cfg for cfg in given if cfg not in floor]
+            unique = [cfg for cfg in [*floor, *prior] if cfg in given] + [cfg for cfg in given if cfg not in floor and cfg not in prior]
         unique = [cfg for cfg in unique if kernel.candidate_is_valid(inv, cfg)]
         floored = sum(cfg in floor for cfg in unique)
         if self.policy.max_configs is not None:
-            unique = spread_over_implementations(unique, floored, max(self.policy.max_configs, floored))
+            limit = max(self.policy.max_configs, floored)
+            leading = min(limit, floored + sum(cfg in prior for cfg in unique))
+            unique = spread_over_implementations(unique, leading, limit)
         if not unique:
             raise AutotuneError(f"{inv.op_id} call {inv.call_key}: no valid candidate configs")
-        job = Job(inv, [CandidateResult(cfg, floor=cfg in floor) for cfg in unique], budget_s=self.policy.time_budget_s)
+        candidates = [CandidateResult(cfg, floor=cfg in floor, prior=cfg in prior) for cfg in unique]
+        job = Job(inv, candidates, budget_s=self.policy.time_budget_s)
         if self.policy.tune_backward and kernel.has_custom_vjp:
             job.cotangent = output_spec(inv, unique)
         return job
 
     def _compile_all(self, jobs: list[Job], progress: Progress) -> None:
-        # Every call's floor first, so a budget spent on compiling never starves it.
-        work = [(job, i) for job in jobs for i, c in enumerate(job.candidates) if c.floor]
-        work += [(job, i) for job in jobs for i, c in enumerate(job.candidates) if not c.floor]
+        # Only candidates no round has tried to compile; every call's floor first, so a budget
+        # spent on compiling never starves it.
+        new = [(job, i) for job in jobs for i in job.included if job.candidates[i].status == "pending" and i not in job.executables]
+        work = [(job, i) for job, i in new if job.candidates[i].floor] + [(job, i) for job, i in new if not job.candidates[i].floor]
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.policy.compile_workers) as pool:
             futures = {pool.submit(self._compile, job, job.candidates[i]): (job, i) for job, i in work}
             for future in concurrent.futures.as_completed(futures):
@@ -259,12 +300,15 @@ class Autotuner:
         operands, kwargs = inputs(self.seed)
         if job.cotangent is not None:
             operands += (random_inputs(Invocation(inv.kernel, (job.cotangent,)), jax.random.key(self.seed + 1))[0][0],)
-        reference = self._reference(job, operands, kwargs)
+        included = job.included
+        # Candidates an earlier round checked and ranked compete again; the others are checked once.
+        alive = [i for i in included if job.candidates[i].status == "ok"]
+        unchecked = [i for i in included if i in job.executables and job.candidates[i].status == "pending"]
+        reference = self._reference(job, operands, kwargs) if unchecked else None
         # A second input set to rotate through while timing (see AutotunePolicy.calls_per_sample).
         rotation = (operands, inputs(self.seed + 2)[0] + operands[2:])
-        alive: list[int] = []
-        for i, executable in job.executables.items():
-            candidate = job.candidates[i]
+        for i in unchecked:
+            candidate, executable = job.candidates[i], job.executables[i]
             try:
                 out = jax.block_until_ready(executable(*operands))
             except Exception as err:
@@ -279,27 +323,30 @@ class Autotuner:
                 candidate.reason = f"relative error {candidate.error:.3g} over tolerance {tolerance:.3g}"
             else:
                 alive.append(i)
-        progress.advance(len(job.candidates) - len(alive))
+        alive.sort()
+        progress.advance(len(included) - len(alive))
         winner = race(job, alive, rotation, progress, measure_start, self.policy)
         if winner is None and job.cut:
             self._cut(job, progress)
+        candidates = [job.candidates[i] for i in included]
         if winner is None:
-            reasons = "; ".join(f"{c.cfg!r}: {c.status} ({c.reason})" for c in job.candidates)
+            reasons = "; ".join(f"{c.cfg!r}: {c.status} ({c.reason})" for c in candidates)
             raise AutotuneError(f"every candidate of {inv.op_id} call {inv.call_key} failed: {reasons}")
         best = job.candidates[winner]
         now = time.perf_counter()
-        return TuneResult(inv.op_id, inv.call_key, best.cfg, best, job.candidates, now - job.start, now - measure_start, job.cut)
+        return TuneResult(inv.op_id, inv.call_key, best.cfg, best, candidates, now - job.start, now - measure_start, job.cut)
 
     @staticmethod
     def _cut(job: Job, progress: Progress) -> None:
-        """Mark every candidate not yet decided ``skipped`` and raise :class:`TuningCut`."""
-        pending = [c for c in job.candidates if c.status == "pending"]
+        """Mark every candidate of this round not yet decided ``skipped`` and raise :class:`TuningCut`."""
+        candidates = [job.candidates[i] for i in job.included]
+        pending = [c for c in candidates if c.status == "pending"]
         for candidate in pending:
             candidate.status, candidate.reason = "skipped", DEADLINE_TIMING
         progress.advance(len(pending))
         raise TuningCut(
             f"{job.inv.op_id} call {job.inv.call_key}: the run's time budget was spent before any candidate was timed",
-            job.candidates,
+            candidates,
         )
 
     def _reference(self, job: Job, operands: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -329,6 +376,23 @@ class Autotuner:
                 continue
         return None
 
+
+
+def _outside_trace(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a separate thread, which has no active JAX trace: tuning triggered while
+    tracing a jit'd function compiles and runs concretely instead of being staged into it."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def prior_configs(inv: Invocation[Any, Any]) -> list[Any]:
+    """The kernel's prior for ``inv`` (:meth:`~ejlabel.core.kernel.Kernel.prior_configs`), valid ones only."""
+    try:
+        prior = list(dict.fromkeys(inv.kernel.prior_configs(inv)))
+    except Exception as err:  # noqa: BLE001 - a kernel's own hook failing only loses the prior
+        warnings.warn(f"{inv.op_id}: prior_configs failed ({describe_error(err)[1]}); no prior", RuntimeWarning, stacklevel=2)
+        return []
+    return [cfg for cfg in prior if inv.kernel.candidate_is_valid(inv, cfg)]
 
 
 def store_result(result: TuneResult, inv: Invocation[Any, Any], cache: ConfigCache | None, persistent: Any) -> None:

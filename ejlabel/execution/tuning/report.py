@@ -66,7 +66,14 @@ class CallPick:
     the floor). ``isolated_from`` says where the isolated timings came from (``measured``,
     ``cache``) or what became of them: ``partial`` (the budget cut the ranking after some
     candidates were timed; those rank), ``cut`` (it cut it before any alternative to the floor
-    was timed: the floor stays, nothing is stored) or ``failed``.
+    was timed: the floor stays, nothing is stored), ``failed``, ``unranked`` (its share of the
+    step was below ``min_gain``: not worth ranking) or ``recalled`` (an earlier run decided
+    this call: its pick was taken as it is, nothing ranked).
+
+    ``share`` is the floor's isolated time x sites over the floor step's time (None: not
+    measured); ``left`` says what the run left untried of this call and why (None: nothing);
+    ``skipped_losers`` the candidates skipped because they lost at this shape class before,
+    ``{cfg: (why, call key where it lost)}``.
     """
 
     device: str
@@ -81,6 +88,9 @@ class CallPick:
     compared_to_ms: float | None = None
     isolated_from: str = "measured"
     candidates: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    share: float | None = None
+    left: str | None = None
+    skipped_losers: dict[Any, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> Key:
@@ -102,7 +112,8 @@ class ContextTuneReport:
     ``floor``, ``tuned`` and ``baseline`` come from one final measurement in paired rounds
     (``samples`` of them), so they compare directly; ``final`` is the noise rule's judgement of
     the tuned step against the floor (None when nothing changed). When nothing beat the floor,
-    ``tuned`` is the floor's timing.
+    ``tuned`` is the floor's timing. When an earlier run decided every pick and checked them
+    together, nothing is measured (``measured`` False): the step times are that run's medians.
     """
 
     floor: Timing
@@ -119,6 +130,8 @@ class ContextTuneReport:
     stored: bool
     reverted: bool = False  # the final check found the tuned step no faster than the floor
     stages_s: dict[str, float] = dataclasses.field(default_factory=dict)  # wall seconds per stage, in order
+    ranked: list[Key] = dataclasses.field(default_factory=list)  # the calls ranked (or ranked from stored timings), largest share first
+    measured: bool = True  # False: every pick recalled, the step times those of the run that checked them
 
     @property
     def noise_ms(self) -> float:
@@ -139,6 +152,17 @@ class ContextTuneReport:
         return [call for call in self.calls if call.ranking_cut]
 
     @property
+    def recalled(self) -> list[CallPick]:
+        """Calls whose pick an earlier run decided: taken as it was, nothing ranked."""
+        return [call for call in self.calls if call.isolated_from == "recalled"]
+
+    @property
+    def left(self) -> list[CallPick]:
+        """Calls the run left (partly) untried, largest share first: what a bigger budget (or,
+        for a share below ``min_gain``, nothing) could still try."""
+        return sorted((call for call in self.calls if call.left), key=lambda call: -(call.share or 0.0))
+
+    @property
     def speedup(self) -> float:
         """The floor's median step time over the tuned one's."""
         return self.floor.median_ms / self.tuned.median_ms
@@ -152,6 +176,10 @@ class ContextTuneReport:
             f"{len(self.changed)} changed from XLA, {len(self.skipped)} skipped (time budget{cut}); "
             f"{self.wall_s:.1f} s"
         )
+        if self.calls and len(self.recalled) == len(self.calls):
+            text += "; ranked nothing: every pick recalled from an earlier run"
+        elif self.recalled:
+            text += f"; {len(self.recalled)} picks recalled from an earlier run"
         return text + ("; the final check kept the floor" if self.reverted else "")
 
     def render(self) -> str:
@@ -160,7 +188,10 @@ class ContextTuneReport:
         if self.stages_s:
             spent = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in self.stages_s.items())
             lines.append(f"time: {spent} (compile work {self.compile_s:.1f} s, summed over threads)")
-        lines.append(f"step time, median of {self.samples} paired rounds:")
+        if self.measured:
+            lines.append(f"step time, median of {self.samples} paired rounds:")
+        else:
+            lines.append("step time, as the run that decided every pick measured it (nothing compiled or timed now; exhaustive=True measures again):")
         if self.baseline is not None:
             lines.append(f"  plain JAX (baseline)  {self.baseline.median_ms:10.4g} ms")
         lines.append(f"  all-XLA (floor)       {self.floor.median_ms:10.4g} ms")
@@ -170,15 +201,31 @@ class ContextTuneReport:
             lines.append(f"  tuned vs floor: {self.final.describe()}: {self.final.outcome()}{kept}")
         lines.append("")
         width = max([len("call"), *(len(f"{call.op_id}:{call.call_key}") for call in self.calls)])
-        lines.append(f"{'call':{width}} {'sites':>5}  {'isolated ms':>11}  {'XLA iso ms':>10}  {'step ms':>9}  pick")
+        lines.append(f"{'call':{width}} {'sites':>5}  {'share':>6}  {'isolated ms':>11}  {'XLA iso ms':>10}  {'step ms':>9}  pick")
         for call in self.calls:
             note = f" (beat {call.compared_to_ms:.4g} ms)" if call.changed and call.compared_to_ms is not None else ""
-            cut = {"partial": "  [ranking cut short: time budget]", "cut": "  [ranking cut: time budget]"}.get(call.isolated_from, "")
+            cut = {
+                "partial": "  [ranking cut short: time budget]", "cut": "  [ranking cut: time budget]",
+                "recalled": "  [recalled: decided by an earlier run]", "unranked": "  [not ranked: share below min_gain]",
+            }.get(call.isolated_from, "")
             lines.append(
-                f"{call.op_id + ':' + call.call_key:{width}} {call.sites:>5}  {_ms(call.isolated_ms):>11}  "
+                f"{call.op_id + ':' + call.call_key:{width}} {call.sites:>5}  {_share(call.share):>6}  {_ms(call.isolated_ms):>11}  "
                 f"{_ms(call.floor_isolated_ms):>10}  {_ms(call.step_ms):>9}  {call.cfg!r}{note}"
                 + ("" if call.changed else "  [XLA stays]") + cut
             )
+        if self.ranked:
+            order = ", ".join(f"{key[1]}:{key[2][:8]}" for key in self.ranked)
+            lines.append(f"ranked by share of the step, largest first: {order}")
+        elif self.calls and len(self.recalled) == len(self.calls):
+            lines.append("ranked nothing: every call's pick was recalled from an earlier run (exhaustive=True measures again)")
+        losers = sum(len(call.skipped_losers) for call in self.calls)
+        if losers:
+            lines.append(f"skipped {losers} candidates that lost at the same shape class before (exhaustive=True tries them)")
+        if self.left:
+            lines.append("")
+            lines.append("left untried (share of the floor step: what each could at most save):")
+            for call in self.left:
+                lines.append(f"  {call.op_id}:{call.call_key} {_share(call.share):>6}  {call.left}")
         if self.trials:
             lines.append("")
             lines.append("confirmations, in order (whole step, paired rounds with the incumbent):")
@@ -194,6 +241,10 @@ class ContextTuneReport:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _candidate(trial: Trial) -> str:

@@ -10,9 +10,11 @@ that did not consult the assignment for every call (an inner ``jax.jit`` served 
 cache) is redone after ``jax.clear_caches()``.
 
 :class:`Search` compiles assignments of one step ahead of time and runs the greedy
-confirmation: each trial is the incumbent with one call changed, compiled (a few at once, in
-threads) and timed against the incumbent in paired rounds (:mod:`.paired`); an accepted trial
-becomes the incumbent. Every step is checked against the time left before it starts.
+confirmation: each trial is the incumbent with one call changed, compiled (as many at once as
+there are compile workers, in threads) and timed against the incumbent in paired rounds
+(:mod:`.paired`); an accepted trial becomes the incumbent. Every step is checked against the
+time left before it starts. No assignment is compiled twice: the executables that may be
+measured again (the floor, the incumbents) are kept by assignment.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import collections
 import concurrent.futures
 import contextlib
 import contextvars
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +30,7 @@ from typing import Any
 
 import jax
 
-from ejlabel.config.cache import overlay_cache, policy_override
+from ejlabel.config.cache import overlay_cache, policy_override, usable_cores
 from ejlabel.core.kernel import Invocation
 from ejlabel.core.label_format import is_backward, parse_label
 from ejlabel.core.labels import find_labels_in_lowered
@@ -131,14 +132,22 @@ class Search:
         self.fn, self.args, self.sites = fn, args, sites
         self.samples, self.warmup, self.min_gain = samples, warmup, min_gain
         # XLA compiles on CPU threads: more compiles at once than cores only slows each down.
-        self.workers = max(1, min(workers, os.cpu_count() or 1))
+        self.workers = max(1, min(workers, usable_cores()))
         self.deadline = deadline
         self.compile_s = 0.0  # summed over threads: compile work, not wall time
         self.compile_wall_s = 0.0  # estimate: wall time of one batch of compiles
         self.pair_s = 0.0  # estimate: wall time of a comparison's first block of rounds, warm-up included
+        self._programs: dict[frozenset[tuple[Key, Any]], Any] = {}  # executables that may be measured again
         self._lock = threading.Lock()
 
     def compile(self, configs: Assignment) -> Any:
+        """The executable of the step under ``configs``; an assignment compiled before and kept
+        (:meth:`keep`) is not compiled again."""
+        program = frozenset(configs.items())
+        with self._lock:
+            kept = self._programs.get(program)
+        if kept is not None:
+            return kept
         began = time.perf_counter()
         try:
             return _lower(self.fn, self.args, configs, self.sites).compile()
@@ -146,14 +155,43 @@ class Search:
             with self._lock:
                 self.compile_s += time.perf_counter() - began
 
-    def compile_floor(self, floor: Assignment) -> Any:
+    def keep(self, configs: Assignment, executable: Any) -> None:
+        """Keep ``executable`` as the program of ``configs``, to be measured again."""
+        with self._lock:
+            self._programs[frozenset(configs.items())] = executable
+
+    def start(self, floor: Assignment, warm: Assignment, baseline_fn: Callable[..., Any] | None) -> tuple[Any, Timing, Any | None, Any]:
+        """Compile the floor, the warm start (the floor with the picks earlier runs decided) and
+        the plain baseline at once; time the floor, which also sizes a measurement.
+
+        Returns the floor's executable and timing, the warm start's executable (the floor's when
+        they are the same assignment; None when it failed to compile, the reason in
+        ``warm_error``) and the baseline's (None without ``baseline_fn``).
+        """
         began = time.perf_counter()
-        executable = self.compile(floor)
+        self.warm_error: str | None = None
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.workers) as pool:
+            floor_future = pool.submit(self.compile, floor)
+            warm_future = pool.submit(self.compile, warm) if dict(warm) != dict(floor) else floor_future
+            baseline_future = pool.submit(self.compile_plain, baseline_fn) if baseline_fn is not None else None
+            floor_exe = floor_future.result()
+            try:
+                warm_exe = warm_future.result()
+            except Exception as err:  # stored picks that no longer compile cost the warm start, not the run
+                warm_exe, self.warm_error = None, describe_error(err)[1]
+            baseline_exe = baseline_future.result() if baseline_future is not None else None
         self.compile_wall_s = time.perf_counter() - began
+        self.keep(floor, floor_exe)
+        if warm_exe is not None:
+            self.keep(warm, warm_exe)
         began = time.perf_counter()
-        self.compare([executable], first=self.samples, judge=False)  # warms it up, sizes a measurement
+        (floor_time,), _ = self.compare([floor_exe], first=self.samples, judge=False)  # warms it up, sizes a measurement
         self.pair_s = 2 * (time.perf_counter() - began)
-        return executable
+        return floor_exe, floor_time, warm_exe, baseline_exe
+
+    def final_s(self, programs: int) -> float:
+        """Estimated wall time of the final check: twice the rounds of a first block, ``programs`` programs each."""
+        return self.pair_s * programs
 
     def compare(self, executables: Sequence[Any], first: int, judge: bool = True) -> tuple[list[Timing], Comparison | None]:
         """:func:`compare` with this search's rounds, cap, rule and budget."""
@@ -164,21 +202,27 @@ class Search:
 
     def compile_plain(self, fn: Callable[..., Any]) -> Any:
         began = time.perf_counter()
-        executable = contextvars.Context().run(lambda: jax.jit(lambda *a: fn(*a)).lower(*self.args).compile())
-        self.compile_s += time.perf_counter() - began
-        return executable
+        try:
+            with _TRACE_LOCK:  # no jax.clear_caches() of another trace while this one runs
+                lowered = contextvars.Context().run(lambda: jax.jit(lambda *a: fn(*a)).lower(*self.args))
+            return lowered.compile()
+        finally:
+            with self._lock:
+                self.compile_s += time.perf_counter() - began
 
     def _fits(self, seconds: float) -> bool:
         return time.perf_counter() + seconds <= self.deadline
 
-    def confirm(self, floor: Assignment, floor_exe: Any, trials: list[Trial], calls: Mapping[Key, CallPick], progress: bool | None) -> tuple[dict[Key, Any], Any]:
-        """Greedy confirmation; returns the final assignment and its executable.
+    def confirm(self, start: Assignment, start_exe: Any, trials: list[Trial], calls: Mapping[Key, CallPick], progress: bool | None) -> tuple[dict[Key, Any], Any]:
+        """Greedy confirmation from the incumbent ``start``; returns the final assignment and its executable.
 
         Trials compile in batches against the current incumbent, all before any timing (compiling
-        while timing would skew the timing). Once a trial is accepted the incumbent changes, and
-        the rest of its batch, compiled against the old one, goes back to the queue.
+        while timing would skew the timing). Compile workers the batch leaves idle compile its
+        other trials as if its first (the largest expected gain) were accepted: then they are
+        timed against the new incumbent at once. A trial whose program against the incumbent of
+        the moment was not compiled goes back to the queue.
         """
-        incumbent, incumbent_exe = dict(floor), floor_exe
+        incumbent, incumbent_exe = dict(start), start_exe
         queue = list(trials)
         bar = Progress(len(trials), "confirming in context", progress)
         try:
@@ -190,26 +234,42 @@ class Search:
                     if not size:
                         break
                     batch, queue = queue[:size], queue[size:]
-                    base = dict(incumbent)
                     began = time.perf_counter()
-                    futures = [pool.submit(self.compile, {**base, t.key: t.cfg}) for t in batch]
-                    concurrent.futures.wait(futures)
+                    programs = self._compile_batch(pool, incumbent, batch)
                     self.compile_wall_s = max(self.compile_wall_s, time.perf_counter() - began)
-                    for n, (trial, future) in enumerate(zip(batch, futures)):
-                        if incumbent != base or not self._fits(self.pair_s):
-                            queue = batch[n:] + queue
+                    waiting: list[Trial] = []
+                    for n, trial in enumerate(batch):
+                        if not self._fits(self.pair_s):
+                            waiting += batch[n:]
                             break
+                        future = programs.get(frozenset({**incumbent, trial.key: trial.cfg}.items()))
+                        if future is None:  # compiled against an incumbent that has since changed
+                            waiting.append(trial)
+                            continue
                         began = time.perf_counter()
                         incumbent_exe = self._try(trial, future, incumbent, incumbent_exe, calls[trial.key])
                         # Scaled to a first block: extra rounds one trial needed say little about the next.
                         rounds = trial.comparison.rounds if trial.comparison is not None else self.samples
                         self.pair_s = max(self.pair_s, (time.perf_counter() - began) * self.samples / max(rounds, self.samples))
                         bar.advance()
+                    queue = waiting + queue
         finally:
             bar.close()
         for trial in queue:
             trial.status, trial.reason = "skipped", "time budget spent"
         return incumbent, incumbent_exe
+
+    def _compile_batch(self, pool: concurrent.futures.ThreadPoolExecutor, base: Assignment, batch: Sequence[Trial]) -> dict[frozenset[tuple[Key, Any]], concurrent.futures.Future[Any]]:
+        """Compile each trial of ``batch`` against ``base`` and, on the workers left, the other
+        trials against ``base`` with the first trial's change; waits for all. Keyed by assignment."""
+        assignments = [{**base, trial.key: trial.cfg} for trial in batch]
+        first = batch[0]
+        spare = self.workers - len(batch)
+        # A runner-up of the first trial's call replaces its change: that program is in the batch already.
+        assignments += [{**base, first.key: first.cfg, trial.key: trial.cfg} for trial in batch[1:] if trial.key != first.key][: max(0, spare)]
+        programs = {frozenset(configs.items()): pool.submit(self.compile, configs) for configs in assignments}
+        concurrent.futures.wait(list(programs.values()))
+        return programs
 
     def _try(self, trial: Trial, future: concurrent.futures.Future[Any], incumbent: dict[Key, Any], incumbent_exe: Any, call: CallPick) -> Any:
         """Time one compiled trial against the incumbent; on a win, update both. Returns the
@@ -227,6 +287,7 @@ class Search:
         if trial.comparison is not None and trial.comparison.accepted:
             trial.status = "accepted"
             incumbent[trial.key] = trial.cfg
+            self.keep(incumbent, executable)
             call.cfg, call.isolated_ms = trial.cfg, trial.isolated_ms
             call.step_ms, call.compared_to_ms = trial.candidate.median_ms, trial.incumbent.median_ms
             return executable
