@@ -8,6 +8,11 @@ SGD) and serving step (forward):
 - ``plain``: ``examples.PLAIN_OPS``, the baseline: ``a @ b`` in the input dtype, ``jax.numpy``
   RMSNorm, the unembedding matmul then a logsumexp cross-entropy, ``jax.nn.dot_product_attention``
   on cuDNN (with ``--packed``: 4 documents per row, the dense block-diagonal causal mask on cuDNN).
+- ``plain, cuDNN packed layout`` (``--packed``, on a GPU): ``examples.PLAIN_CUDNN_PACKED_OPS``,
+  the second baseline: the same plain model with the documents given to cuDNN as its packed
+  layout (each document's length and start) instead of a dense mask. Every row then also gets
+  its ratios to this baseline (``*_vs_packed_layout``): the strongest plain model is the one to
+  beat.
 - ``ejlabel, all XLA``: every call labelled, under ``ejlabel.use_implementation("xla")``; the
   compiled program should be the plain one (the zero-cost path).
 - ``ejlabel, heuristic``: every call labelled, configs from the kernels' heuristics.
@@ -104,6 +109,9 @@ def main() -> int:
             print(f"FAILED {name}: {failures[name]}", flush=True)
 
     add("plain JAX (baseline)", lambda: compiled(examples.PLAIN_OPS))
+    packed_layout = "plain JAX, cuDNN packed layout (baseline)"
+    if args.packed and jax.default_backend() == "gpu":  # cuDNN's packed layout runs on the GPU only
+        add(packed_layout, lambda: compiled(examples.PLAIN_CUDNN_PACKED_OPS))
     add("ejlabel, all XLA (use_implementation)", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(), "xla"))
     add("ejlabel, heuristic configs", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain()))
     # The fused loss set by hand (token chunks of 2048, the memory goal's size), every other call
@@ -186,6 +194,10 @@ def main() -> int:
         "| variant | train step ms | vs plain | serve step ms | vs plain | first-step loss (rel. to plain) |",
         "|---|---:|---:|---:|---:|---|",
     ]
+    # With both plain baselines, two more columns: the ratios to the packed-layout one.
+    has_layout = packed_layout in variants
+    if has_layout:
+        lines[-2:] = [lines[-2] + " train vs packed layout | serve vs packed layout |", lines[-1] + "---:|---:|"]
     rows: list[dict[str, Any]] = []
     has_plain = plain in variants  # without the baseline (it failed to compile) there are no ratios
     shown = lambda x, spec: "-" if x is None else format(x, spec)
@@ -197,19 +209,24 @@ def main() -> int:
             "first_loss": first_loss[name],
             "first_loss_rel_to_plain": abs(first_loss[name] - first_loss[plain]) / abs(first_loss[plain]) if has_plain else None,
         }
+        if has_layout:
+            row |= {"train_vs_packed_layout": train_ms[packed_layout] / train_ms[name], "serve_vs_packed_layout": serve_ms[packed_layout] / serve_ms[name]}
         row |= extra.get(name, {})
         rows.append(row)
         lines.append(
             f"| {name} | {row['train_ms']:.2f} | {shown(row['train_vs_plain'], '.3f')}x | {row['serve_ms']:.2f} | "
             f"{shown(row['serve_vs_plain'], '.3f')}x | {first_loss[name]:.5f} ({shown(row['first_loss_rel_to_plain'], '.1e')}) |"
         )
+        if has_layout:
+            lines[-1] += f" {row['train_vs_packed_layout']:.3f}x | {row['serve_vs_packed_layout']:.3f}x |"
     for name, why in failures.items():
         rows.append({"variant": name, "failed": why})
         lines.append(f"| {name} | FAILED: {why} | | | | |")
     lines += ["", tune_note + "."]
     print("\n" + "\n".join(lines))
     size = ".tiny" if args.tiny else (".quick" if args.quick else "")
-    write_results(f"bench_model{'.packed' if args.packed else ''}{size}", rows, notes=f"{model}; {tune_note}; vs_plain: plain time / this time")
+    ratios = "vs_plain: plain time / this time" + ("; vs_packed_layout: the packed-layout plain time / this time" if has_layout else "")
+    write_results(f"bench_model{'.packed' if args.packed else ''}{size}", rows, notes=f"{model}; {tune_note}; {ratios}")
     return 0
 
 

@@ -205,20 +205,62 @@ def test_a_measured_second_run_of_a_step_that_kept_xla_compiles_one_program(monk
     assert list(compiles.steps.values()) == [1] and not compiles.isolated
 
 
-def test_the_kernels_prior_is_ranked_and_confirmed_before_the_rest(monkeypatch, clock):
+def test_the_kernels_prior_goes_straight_to_the_step_and_a_second_run_recalls_it(monkeypatch, clock):
     compiles = Compiles(monkeypatch)
     # The budget ends once the prior's confirmation is done (fake clock): the rest is left.
     try_trial = Search._try
     monkeypatch.setattr(Search, "_try", lambda self, *a: (try_trial(self, *a), setattr(clock, "offset", clock.offset + 10_000.0))[0])
     report = tune(lambda x: choosy(x).sum(), X, budget_s=1000.0)
     (call,) = report.calls
-    # The floor (timed alone for the share), then the prior; the rest was never compiled.
-    assert compiles.order == [("rankchoosy", "xla"), ("rankchoosy", "c")]
+    # The prior was confirmed in the whole step without any isolated compile; the rest was left.
+    assert compiles.order == []
     assert call.cfg == RankConfig("c") and [(t.cfg, t.status) for t in report.trials] == [(RankConfig("c"), "accepted")]
-    assert call.isolated_from == "partial" and call.left == "time budget: 2 of 4 candidates not ranked"
-    assert {row["cfg"].impl: row["status"] for row in call.candidates} == {"xla": "ok", "c": "ok", "a": "skipped", "b": "skipped"}
-    assert entry("rankchoosy").stats["ranking_cut"] is True and entry("rankchoosy").stats["decided"] is False
+    assert report.trials[0].isolated_ms is None and "the kernel's prior (not ranked alone)" in report.render()
+    assert list(report.stages_s)[:2] == ["calls and floor", "priors in the step"]
+    assert entry("rankchoosy").stats["decided"] is False and entry("rankchoosy").config == RankConfig("c")
     assert all(count == 1 for count in compiles.steps.values())
+    # The second run recalls the cut pick as it is: nothing ranked, compiled or timed, same pick.
+    clock.offset = 0.0
+    compiles.steps.clear()
+    again = tune(lambda x: choosy(x).sum(), X, budget_s=1000.0)
+    assert not compiles.steps and not compiles.isolated and again.trials == [] and not again.measured
+    assert again.calls[0].cfg == RankConfig("c") and again.recalled_cut == 1
+    assert "1 of them cut by the earlier run's budget (exhaustive=True, CLI --exhaustive, tunes them further)" in again.summary()
+
+
+def test_priors_are_ordered_by_size_and_compiled_in_one_batch(monkeypatch):
+    compiles = Compiles(monkeypatch)
+    big_prior = BusyKernel("rankbigprior", 400, space=("xla", "c"), prior=("c",))
+    small_prior = BusyKernel("ranksmallprior", 60, space=("xla", "c"), prior=("c",))
+    wide = jax.ShapeDtypeStruct((128, 256), jnp.float32)
+    step = lambda x, w: small_prior(x).sum() + big_prior(w).sum() + big_prior(w * 2.0).sum()  # noqa: E731
+    report = tune(step, X, wide, budget_s=None)
+    # The call with the most argument bytes x sites first; every program compiled once.
+    assert [t.op_id for t in report.trials[:2]] == ["rankbigprior@v1", "ranksmallprior@v1"]
+    assert all(t.status == "accepted" for t in report.trials[:2])
+    assert set(compiles.steps.values()) == {1}
+    assert ("rankbigprior", "c") not in compiles.isolated and ("ranksmallprior", "c") not in compiles.isolated
+
+
+def test_the_whole_run_ends_within_the_budget_when_a_compile_runs_over(monkeypatch):
+    compile_step = Search.compile
+    slow = {"seconds": 0.0}
+
+    def slow_prior(self, configs):
+        if any(getattr(cfg, "impl", None) == "c" for cfg in configs.values()):
+            time.sleep(slow["seconds"])
+        return compile_step(self, configs)
+
+    monkeypatch.setattr(Search, "compile", slow_prior)
+    slow["seconds"] = 25.0  # the prior's whole step compiles far past the budget
+    began = time.perf_counter()
+    report = tune(lambda x: choosy(x).sum(), X, budget_s=6.0)
+    wall = time.perf_counter() - began
+    # Generous slack for a loaded machine, far below the 25 s compile that was not waited for.
+    assert wall < 6.0 + 8.0 and report.wall_s <= wall
+    assert sum(report.stages_s.values()) == pytest.approx(report.wall_s, abs=0.05)
+    (trial,) = [t for t in report.trials if t.cfg == RankConfig("c")]
+    assert trial.status == "skipped" and not report.calls[0].changed
 
 
 def test_the_prior_leads_the_candidate_list_and_survives_a_cap():
@@ -234,7 +276,8 @@ def test_nothing_is_compiled_twice(monkeypatch):
     compiles = Compiles(monkeypatch)
     report = tune(lambda x: choosy(x).sum() + small(x).sum(), X, candidates_per_call=3)
     assert {op for op, _ in compiles.isolated} == {"rankchoosy", "ranksmall"}
-    assert set(compiles.isolated.values()) == {1} and len(compiles.isolated) == 6  # xla, c, a, b; xla, direct
+    # xla, a, b; xla, direct: the prior c went straight to the step, never compiled alone.
+    assert set(compiles.isolated.values()) == {1} and len(compiles.isolated) == 5 and ("rankchoosy", "c") not in compiles.isolated
     assert set(compiles.steps.values()) == {1} and len(compiles.steps) >= 3  # floor and one per confirmation
     assert by_op(report)["rankchoosy"].cfg != RankConfig("xla")
 

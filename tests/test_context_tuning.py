@@ -233,10 +233,10 @@ def test_confirmations_out_of_budget_are_skipped_and_the_floor_stored(monkeypatc
     assert all(call.isolated_from == "measured" for call in report.calls)
     assert all(call.left == "time budget: 1 planned confirmations not run" for call in report.calls)
     assert all(entry.stats["decided"] is False for op in ("ctxslow", "ctxfast") for entry in stored_entries(op))
-    # A second run reuses the isolated timings the first one stored (complete rankings).
+    # A second run recalls the stored picks as they are, however far the budget let the first go.
     again = tune(both_step, X, min_gain=0.0)
-    assert all(call.isolated_from == "cache" for call in again.calls)
-    assert [t.cfg for t in again.trials] == [ImplConfig("direct")]  # the slower one is not planned
+    assert all(call.isolated_from == "recalled" and not call.changed for call in again.calls) and again.trials == []
+    assert again.recalled_cut == 2 and "exhaustive=True" in again.summary()
 
 
 def test_tiny_budget_cuts_the_ranking_before_it_starts(monkeypatch):
@@ -252,7 +252,9 @@ def test_tiny_budget_cuts_the_ranking_before_it_starts(monkeypatch):
     assert len(report.skipped) == 2 and all(t.cfg is None and "isolated ranking" in t.reason for t in report.skipped)
     assert report.tuned is report.floor and report.final is None
     assert "2 skipped (time budget, ranking cut for 2)" in report.summary() and "(not ranked)" in report.render()
-    assert stored_entries("ctxfast") == [] and stored_entries("ctxslow") == []  # nothing was decided
+    # Stored undecided, the floor as their pick: the next run recalls it instead of ranking again.
+    assert all(stored(op).config == ImplConfig("xla") and stored(op).stats["decided"] is False for op in ("ctxfast", "ctxslow"))
+    assert all(stored(op).stats["ranking_cut"] is True for op in ("ctxfast", "ctxslow"))
 
 
 def fast_two_step(x: jax.Array) -> jax.Array:
@@ -280,12 +282,17 @@ def test_ranking_deadline_leaves_the_confirmations_their_share(monkeypatch, cloc
     assert "ranking cut for 1" in report.summary() and "[ranking cut: time budget]" in report.render()
     assert report.left == [two] and two.left == "time budget: 2 of 3 candidates not ranked"
     assert "left untried" in report.render()
-    assert stored("ctxfast").config == ImplConfig("direct") and stored_entries("ctxtwo") == []
-    # The next run takes ctxfast's pick as decided and measures the one that was cut.
+    assert stored("ctxfast").config == ImplConfig("direct") and stored("ctxtwo").config == ImplConfig("xla")
+    assert stored("ctxtwo").stats["ranking_cut"] is True and stored("ctxtwo").stats["decided"] is False
+    # The next run recalls both picks as they are, the cut one included, and says so.
     clock.offset = 0.0
     again = tune(fast_two_step, X, budget_s=None)
-    assert [call.isolated_from for call in again.calls] == ["recalled", "measured"]
-    assert again.calls[0].cfg == ImplConfig("direct") and again.calls[1].cfg in (ImplConfig("direct"), ImplConfig("other"))
+    assert [call.isolated_from for call in again.calls] == ["recalled", "recalled"] and again.recalled_cut == 1
+    assert [call.cfg for call in again.calls] == [ImplConfig("direct"), ImplConfig("xla")]
+    # exhaustive=True tunes the cut one further.
+    full = tune(fast_two_step, X, budget_s=None, exhaustive=True)
+    assert [call.isolated_from for call in full.calls] == ["measured", "measured"]
+    assert full.calls[1].cfg in (ImplConfig("direct"), ImplConfig("other"))
 
 
 def test_report_says_where_the_time_went(monkeypatch, clock):
@@ -295,7 +302,7 @@ def test_report_says_where_the_time_went(monkeypatch, clock):
     jump_after(monkeypatch, Search, "_try", clock, 70.0)
     report = tune(fast_step, X, budget_s=None)
     stages = report.stages_s
-    assert list(stages) == ["calls and floor", "shares of the step", "isolated ranking", "confirmations", "final check", "storing"]
+    assert list(stages) == ["calls and floor", "priors in the step", "shares of the step", "isolated ranking", "confirmations", "final check", "storing"]
     assert 40.0 <= stages["shares of the step"] < 70.0 <= stages["confirmations"] < 110.0
     assert sum(stages.values()) == pytest.approx(report.wall_s, abs=0.5)
     assert "time: calls and floor" in report.render() and "shares of the step 4" in report.render()
@@ -318,7 +325,9 @@ def test_measured_candidates_of_a_cut_ranking_still_rank_but_are_not_reused(monk
     assert entry.config == timed and entry.stats["ranking_cut"] is True
     clock.offset = 0.0
     again = tune(lambda x: two_alternatives(x).sum(), X, budget_s=None)
-    assert again.calls[0].isolated_from == "measured"  # a partial ranking is measured again
+    assert again.calls[0].isolated_from == "recalled" and again.calls[0].cfg == timed  # recalled as it is
+    full = tune(lambda x: two_alternatives(x).sum(), X, budget_s=None, exhaustive=True)
+    assert full.calls[0].isolated_from == "measured"  # exhaustive=True ranks it fully
 
 
 def test_tune_each_with_a_passed_deadline_compiles_and_times_nothing():

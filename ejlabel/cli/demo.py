@@ -16,10 +16,11 @@
    CPU the Pallas kernels run in interpret mode, slower than XLA alone, so expect XLA to stay
    everywhere: the step is never slower than the all-XLA floor. The isolated timings of step 3
    are reused from the cache. The picks are stored with provenance ``in-context``; when every
-   call of the step has a pick an earlier run decided, the step says so and tunes nothing.
+   call of the step has one that tuning in context recalls (an earlier run's pick), the step
+   says so and tunes nothing.
 
-Run it twice: the second time step 3 finds every call tuned and step 5 finds every pick decided,
-so nothing is tuned.
+Run it twice: the second time step 3 finds every call tuned and step 5 finds every call's
+in-context pick, so nothing is tuned.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def _run(dump_dir: Path) -> int:
     picked, calls = _in_context_picks(lowered, persistent)
     if calls and picked == calls:
         print(
-            f"every one of the step's {calls} distinct calls has an in-context pick an earlier run decided: "
+            f"every one of the step's {calls} distinct calls has an in-context pick from an earlier run: "
             "nothing to tune (`ejlabel demo --fresh` starts from an empty cache)"
         )
         return 0
@@ -116,8 +117,9 @@ def _run(dump_dir: Path) -> int:
 
 def _in_context_picks(lowered: Any, persistent: Any) -> tuple[int, int]:
     """How many of the distinct forward calls in ``lowered`` have an in-context pick in
-    ``persistent`` that its run decided (``decided``: see :mod:`ejlabel.execution.tuning.memory`),
-    and how many there are."""
+    ``persistent`` that tuning in context recalls (stored by a run, whether it finished with the
+    call or its budget cut it, and not marked ``recall: False``: see
+    :mod:`ejlabel.execution.tuning.memory`), and how many there are."""
     from ejlabel import find_labels_in_lowered
     from ejlabel.core.label_format import is_backward, parse_label
     from ejlabel.execution.tuning import PROVENANCE
@@ -132,5 +134,5 @@ def _in_context_picks(lowered: Any, persistent: Any) -> tuple[int, int]:
     for op_id, call_key in keys:
         entry = persistent.get_entry(device, op_id, call_key)
         stats = entry.stats if entry is not None and isinstance(entry.stats, dict) else {}
-        picked += entry is not None and entry.provenance == PROVENANCE and stats.get("decided") is True
+        picked += entry is not None and entry.provenance == PROVENANCE and isinstance(stats.get("decided"), bool) and stats.get("recall") is not False
     return picked, len(keys)

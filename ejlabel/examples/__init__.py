@@ -1,8 +1,10 @@
 """The example model: a small decoder-only transformer, labelled and plain.
 
-:mod:`.model` builds the same decoder on two sets of ops: ``KERNEL_OPS`` (every call through an
-``ejlabel.kernels`` kernel, labelled) and ``PLAIN_OPS`` (the model as a JAX user writes it, the
-baseline every comparison is made against), in sizes from ``TINY`` (the CPU) to ``GPU_125M``.
+:mod:`.model` builds the same decoder on sets of ops: ``KERNEL_OPS`` (every call through an
+``ejlabel.kernels`` kernel, labelled), ``PLAIN_OPS`` (the model as a JAX user writes it, the
+baseline every comparison is made against) and ``PLAIN_CUDNN_PACKED_OPS`` (the same with packed
+documents on cuDNN's packed layout, the packed model's second baseline), in sizes from ``TINY``
+(the CPU) to ``GPU_125M``.
 The demo, the tests and the benchmarks all use it: ``from ejlabel import examples``.
 
 It imports ``ejlabel.kernels``, so it sits above the kernels and below the command line, which
@@ -13,6 +15,7 @@ from .model import (
     GPU_125M,
     GPU_125M_PACKED,
     KERNEL_OPS,
+    PLAIN_CUDNN_PACKED_OPS,
     PLAIN_OPS,
     TINY,
     TINY_PACKED,
@@ -32,6 +35,7 @@ __all__ = [
     "GPU_125M",
     "GPU_125M_PACKED",
     "KERNEL_OPS",
+    "PLAIN_CUDNN_PACKED_OPS",
     "PLAIN_OPS",
     "TINY",
     "TINY_PACKED",

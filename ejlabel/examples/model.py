@@ -2,20 +2,25 @@
 
 Embedding, ``n_layers`` blocks of RMSNorm → grouped-query causal attention → RMSNorm → gated
 MLP, a final norm, and the unembedding with the softmax cross-entropy loss. The same model runs
-on two sets of ops (``Ops``):
+on these sets of ops (``Ops``):
 
 - ``PLAIN_OPS``, the model as a JAX user writes it: ``a @ b`` in the input dtype, ``jax.numpy``
   norms, ``jax.nn.dot_product_attention`` (cuDNN on a GPU, XLA on the CPU; with packed
   documents, a dense block-diagonal causal mask), and the unembedding matmul followed by a
   logsumexp loss. The baseline every benchmark compares against.
+- ``PLAIN_CUDNN_PACKED_OPS``, the same model as a JAX user who knows cuDNN's packed layout writes
+  it: packed documents go to cuDNN as each document's length and start (through JAX's cuDNN
+  module, which ``jax.nn.dot_product_attention`` does not yet expose) instead of a dense mask.
+  The second baseline of the packed model, on Hopper GPUs; the rest is ``PLAIN_OPS``.
 - ``KERNEL_OPS``, every call through an ``ejlabel`` kernel, labelled, its config chosen by the
   executor; the unembedding and the loss are one ``linear_cross_entropy`` call, which may run
-  without ever writing the ``[tokens, vocab]`` logits.
+  without ever writing the ``[tokens, vocab]`` logits. Attention gets the count of documents per
+  row (``max_documents``), so the tuner may also pick cuDNN's packed layout.
 
-Under ``ejlabel.use_implementation("xla")`` the two compile to the same program. Sizes:
-``TINY`` for the CPU, ``GPU_125M`` (~125M parameters) for the GPU; the ``*_PACKED`` variants
-pack ``documents`` documents of random lengths into every row (segment ids in the batch), so
-attention stays within each document.
+Under ``ejlabel.use_implementation("xla")`` ``KERNEL_OPS`` and ``PLAIN_OPS`` compile to the
+same program. Sizes: ``TINY`` for the CPU, ``GPU_125M`` (~125M parameters) for the GPU; the
+``*_PACKED`` variants pack ``documents`` documents of random lengths into every row (segment ids
+in the batch), so attention stays within each document.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax._src.cudnn.fused_attention_stablehlo import MaskType
+from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dot_product_attention
 from jaxtyping import Array, Float, Int
 
 from ejlabel.kernels.attention import flash_attention
@@ -35,7 +42,7 @@ from ejlabel.kernels.matmul import matmul
 from ejlabel.kernels.norms import rms_norm
 
 __all__ = [
-    "ModelConfig", "TINY", "TINY_PACKED", "GPU_125M", "GPU_125M_PACKED", "Ops", "KERNEL_OPS", "PLAIN_OPS", "Params",
+    "ModelConfig", "TINY", "TINY_PACKED", "GPU_125M", "GPU_125M_PACKED", "Ops", "KERNEL_OPS", "PLAIN_OPS", "PLAIN_CUDNN_PACKED_OPS", "Params",
     "init_params", "example_batch", "hidden_fn", "logits_fn", "loss_fn", "make_train_step", "make_serve_step",
 ]
 
@@ -75,8 +82,9 @@ class Ops(NamedTuple):
 
     matmul: Callable[[Array, Array], Array]
     rms_norm: Callable[[Array, Array], Array]
-    # (q, k, v, segment_ids or None) -> causal attention; [batch, seq, heads, dim], ids [batch, seq]
-    attention: Callable[[Array, Array, Array, Array | None], Array]
+    # (q, k, v, segment_ids or None, documents per row) -> causal attention; [batch, seq, heads,
+    # dim], ids [batch, seq]; the count is static (ModelConfig.documents)
+    attention: Callable[[Array, Array, Array, Array | None, int], Array]
     # (hidden [tokens, d], unembedding [d, vocab], labels [tokens]) -> mean float32 loss
     unembed_loss: Callable[[Array, Array, Array], Array]
 
@@ -93,18 +101,43 @@ def _plain_rms_norm(x: Array, w: Array, eps: float = 1e-6) -> Array:
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def _plain_attention(q: Array, k: Array, v: Array, segment_ids: Array | None) -> Array:
-    # cuDNN's fused attention where there is one: the fastest thing plain JAX offers.
+def _plain_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, documents: int) -> Array:
+    # cuDNN's fused attention where there is one: what jax.nn.dot_product_attention offers.
     implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
     if segment_ids is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-    # Packed documents: the dense block-diagonal mask, the only way plain JAX has to say it. Ids
-    # <= 0 are the padding a packing pipeline leaves at row ends: a padding query sees nothing,
-    # so its softmax row is meaningless (NaN on some backends) and is zeroed.
+    # Packed documents: the dense block-diagonal mask, the way jax.nn.dot_product_attention has to
+    # say it (cuDNN's own packed layout is the other: _plain_cudnn_packed_attention). Ids <= 0 are
+    # the padding a packing pipeline leaves at row ends: a padding query sees nothing, so its
+    # softmax row is meaningless (NaN on some backends) and is zeroed.
     real = segment_ids > 0
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & real[:, :, None]
     out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], is_causal=True, implementation=implementation)
     return jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _plain_cudnn_packed_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, documents: int) -> Array:
+    if segment_ids is None:
+        return _plain_attention(q, k, v, segment_ids, documents)
+    # Packed documents as cuDNN's packed layout: per row, each document's length [batch, M] and
+    # start [batch, M + 1], -1 where a row has fewer. The pipeline numbers a row's documents 1..M
+    # in order from the row's start and pads the row's end with ids <= 0. cuDNN leaves positions
+    # outside its sequences unspecified (outputs and gradients alike), so that padding joins the
+    # last document: causal, the document's queries never see it, and the padding queries'
+    # outputs are zeroed, which makes their gradients exactly 0.
+    number = jnp.arange(1, documents + 1, dtype=segment_ids.dtype)
+    lengths = jnp.sum(segment_ids[:, None, :] == number[None, :, None], axis=2, dtype=jnp.int32)
+    starts = jnp.cumsum(lengths, axis=1, dtype=jnp.int32) - lengths
+    present = lengths > 0
+    last = documents - 1 - jnp.argmax(present[:, ::-1], axis=1)
+    lengths = jnp.where(jnp.arange(documents) == last[:, None], segment_ids.shape[1] - starts, lengths)
+    seqlen = jnp.where(present, lengths, -1)
+    offsets = jnp.pad(jnp.where(present, starts, -1), ((0, 0), (0, 1)), constant_values=-1)
+    out = cudnn_dot_product_attention(
+        q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets,
+        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=MaskType.PADDING_CAUSAL,
+    )
+    return jnp.where((segment_ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
 def _plain_unembed_loss(hidden: Array, unembedding: Array, labels: Array) -> Array:
@@ -114,10 +147,13 @@ def _plain_unembed_loss(hidden: Array, unembedding: Array, labels: Array) -> Arr
 
 
 PLAIN_OPS = Ops(_plain_matmul, _plain_rms_norm, _plain_attention, _plain_unembed_loss)
+PLAIN_CUDNN_PACKED_OPS = PLAIN_OPS._replace(attention=_plain_cudnn_packed_attention)
 KERNEL_OPS = Ops(
     matmul,
     rms_norm,
-    lambda q, k, v, segment_ids: flash_attention(q, k, v, causal=True, segment_ids=segment_ids),
+    lambda q, k, v, segment_ids, documents: flash_attention(
+        q, k, v, causal=True, segment_ids=segment_ids, max_documents=None if segment_ids is None else documents
+    ),
     lambda hidden, unembedding, labels: linear_cross_entropy(hidden, unembedding, labels, ignore_index=None, reduction="mean"),
 )
 
@@ -176,7 +212,7 @@ def _block(x: Float[Array, "tokens d"], layer: Params, cfg: ModelConfig, ops: Op
     q = ops.matmul(h, layer["wq"]).reshape(b, s, cfg.n_heads, cfg.head_dim)
     k = ops.matmul(h, layer["wk"]).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
     v = ops.matmul(h, layer["wv"]).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
-    attended = ops.attention(q, k, v, segment_ids).reshape(b * s, cfg.d_model)
+    attended = ops.attention(q, k, v, segment_ids, cfg.documents).reshape(b * s, cfg.d_model)
     x = x + ops.matmul(attended, layer["wo"])
     h = ops.rms_norm(x, layer["mlp_norm"])
     gated = jax.nn.silu(ops.matmul(h, layer["w_gate"])) * ops.matmul(h, layer["w_up"])

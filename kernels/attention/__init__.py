@@ -27,6 +27,12 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
   bias), no windows. ``use_implementation("xla")`` and the untuned default pick it on a GPU
   wherever cuDNN takes the call, as ``jax.nn.dot_product_attention`` would, so a labelled
   packed-documents model is never slower than the plain one.
+- ``"cudnn_packed"``: packed documents on cuDNN's own packed layout (:mod:`.cudnn_packed`):
+  each document's length and start, derived from the segment ids, instead of a dense mask;
+  differentiated by JAX. Hopper, 16-bit inputs, segment ids or ``cu_seqlens``, no window. Its
+  call is sized by the most documents in a row, which must be known before the values are:
+  ``max_documents=`` with segment ids, the shape of ``cu_seqlens`` with those. The tuning space
+  offers it on a GPU for the calls that give that count.
 - ``"mosaic"``: flash attention on the Pallas Mosaic GPU backend for Hopper (TMA, wgmma, warp
   specialisation; :mod:`.mosaic`), 16-bit inputs, head dim <= 256 (above 128 the dk/dv kernel
   walks once for dv and once for dk). Where it runs, the tuning space offers it and not the
@@ -46,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 from typing import Any
 
 import jax
@@ -56,6 +63,7 @@ from ejlabel import BwdParams, FwdParams, Invocation, Kernel
 
 from ..checks import check_config, check_floating, check_integer, check_same_dtype
 from ..pallas_common import on_gpu
+from .cudnn_packed import GROUPED_HEADS, attention_cudnn_packed
 from .masks import Window, cu_seqlens_to_segment_ids, window_bounds
 from .mosaic import mosaic_backward, mosaic_fits, mosaic_forward, mosaic_supports, on_hopper
 from .triton import default_fwd, triton_backward, triton_forward
@@ -63,7 +71,7 @@ from .xla import attention_plain, attention_xla
 
 __all__ = ["AttentionConfig", "AttentionKernel", "cu_seqlens_to_segment_ids", "flash_attention"]
 
-_IMPLS = ("xla", "cudnn", "pallas", "mosaic")
+_IMPLS = ("xla", "cudnn", "cudnn_packed", "pallas", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +79,8 @@ class AttentionConfig:
     """How to run one attention call.
 
     Attributes:
-      impl: ``"xla"``, ``"cudnn"``, ``"pallas"`` or ``"mosaic"`` (Hopper).
+      impl: ``"xla"``, ``"cudnn"``, ``"cudnn_packed"`` (Hopper, packed documents), ``"pallas"``
+        or ``"mosaic"`` (Hopper).
       fwd: tiles and launch parameters of the Pallas forward (unset fields get defaults).
       bwd: the same for the Pallas backward kernels.
     """
@@ -107,10 +116,18 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         self, q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
         *, cfg: AttentionConfig, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+        max_documents: int | None = None,
     ) -> Float[Array, "batch sq heads dim"]:
+        documents = _documents(segment_ids, cu_seqlens, max_documents)
         segment_ids = _segments(q, k, segment_ids, cu_seqlens)
         scale = _scale(q, softmax_scale)
         bounds = window_bounds(causal, sliding_window)
+        if cfg.impl == "cudnn_packed":
+            if sliding_window is not None or segment_ids is None or documents is None:
+                raise ValueError(
+                    "the cudnn_packed implementation takes segment ids with max_documents (or cu_seqlens) and no sliding window"
+                )
+            return attention_cudnn_packed(q, k, v, segment_ids, scale=scale, causal=causal, max_documents=documents)
         if cfg.impl in ("xla", "cudnn"):
             if sliding_window is None:
                 return attention_plain(q, k, v, segment_ids, scale=scale, causal=causal, implementation=cfg.impl)
@@ -125,6 +142,7 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         self, q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
         *, cfg: AttentionConfig, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+        max_documents: int | None = None,
     ) -> tuple[Float[Array, "batch sq heads dim"], Float[Array, "batch heads sq"]]:
         """The output and its base-2 log-sum-exp ``[batch, heads, seq_q]``, which the backward
         keeps (with the output) instead of rerunning the forward.
@@ -141,6 +159,7 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
         *, cfg: AttentionConfig, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+        max_documents: int | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         segment_ids = _segments(q, k, segment_ids, cu_seqlens)
         scale, bounds = _scale(q, softmax_scale), window_bounds(causal, sliding_window)
@@ -153,10 +172,13 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
     def config_for(self, inv: Invocation[AttentionConfig, jax.Array], implementation: str) -> AttentionConfig | None:
         """``"xla"`` means what ``jax.nn.dot_product_attention`` gives a JAX user: cuDNN on a GPU
         where cuDNN takes the call (bf16/fp16, head dim <= 256 on Hopper and <= 128 elsewhere, no window; segment ids and
-        ``cu_seqlens`` as a dense mask), XLA's own expression otherwise (always on the CPU)."""
+        ``cu_seqlens`` as a dense mask), XLA's own expression otherwise (always on the CPU).
+        ``"cudnn_packed"`` applies to calls with packed documents and their count only."""
         if implementation == "xla":
             cudnn = AttentionConfig("cudnn")
             return cudnn if self.candidate_is_valid(inv, cudnn) else AttentionConfig("xla")
+        if implementation == "cudnn_packed" and _documents_of(inv) is None:
+            return None  # a call without packed documents keeps its own selection
         if implementation in _IMPLS:
             return AttentionConfig(implementation)
         return None
@@ -165,6 +187,7 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         self, q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
         *, causal: bool = False, softmax_scale: float | None = None, sliding_window: Window | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
+        max_documents: int | None = None,
     ) -> Float[Array, "batch sq heads dim"]:
         segment_ids = _segments(q, k, segment_ids, cu_seqlens)
         return attention_xla(q, k, v, segment_ids, scale=_scale(q, softmax_scale), bounds=window_bounds(causal, sliding_window))
@@ -175,8 +198,10 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         kwargs = dict(inv.kwargs)
         batch, seq = inv.args[0].shape[:2]
         if kwargs.get("segment_ids") is not None:
-            # Four contiguous segments per row, the last eighth of each row padding.
-            ids = 1 + (jnp.arange(seq) * 4) // seq
+            # Four contiguous segments per row (fewer if the call promises fewer), the last
+            # eighth of each row padding.
+            count = min(4, kwargs.get("max_documents") or 4)
+            ids = 1 + (jnp.arange(seq) * count) // seq
             ids = jnp.where(jnp.arange(seq) < seq - seq // 8, ids, 0)
             kwargs["segment_ids"] = jnp.broadcast_to(ids, (batch, seq)).astype(kwargs["segment_ids"].dtype)
         if kwargs.get("cu_seqlens") is not None:
@@ -205,15 +230,22 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         # selectable by config.
         pairs = () if on_hopper() and mosaic_supports(q.dtype, q.shape[3]) else itertools.product(_FWD_TILES, _BWD_TILES)
         pallas = [AttentionConfig("pallas", FwdParams(*fwd), BwdParams(*bwd)) for fwd, bwd in pairs]
-        return [AttentionConfig("xla"), AttentionConfig("cudnn")] + pallas + mosaic
+        # cuDNN's packed layout where the call gives the most documents in a row, which sizes it.
+        packed = [AttentionConfig("cudnn_packed")] if _documents_of(inv) is not None else []
+        return [AttentionConfig("xla"), AttentionConfig("cudnn")] + packed + pallas + mosaic
 
     def prior_configs(self, inv: Invocation[AttentionConfig, jax.Array]) -> list[AttentionConfig]:
         # On Hopper our Mosaic GPU kernels are the ones that beat the plain path in the whole
         # training step, dense and packed (bench_model.py); elsewhere no implementation is known to.
+        # Before them, where a call gives its packed documents' count, cuDNN's packed layout: it
+        # skips the block pairs across documents that the dense mask walks, and at the example
+        # model's packed shape it ran faster than the Mosaic kernel as the model calls it.
         q = inv.args[0]
-        if not (on_hopper() and mosaic_supports(q.dtype, q.shape[3])):
-            return []
-        return [cfg for cfg in self.config_space(inv) if cfg.impl == "mosaic"]
+        packed = AttentionConfig("cudnn_packed")
+        prior = [packed] if self.candidate_is_valid(inv, packed) else []
+        if on_hopper() and mosaic_supports(q.dtype, q.shape[3]):
+            prior += [cfg for cfg in self.config_space(inv) if cfg.impl == "mosaic"]
+        return prior
 
     def candidate_is_valid(self, inv: Invocation[AttentionConfig, jax.Array], cfg: AttentionConfig) -> bool:
         q = inv.args[0]
@@ -225,6 +257,10 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             widest = 256 if on_hopper() else 128
             shapes = q.shape[3] % 8 == 0 and q.shape[3] <= widest and not (masked and (q.shape[1] % 2 or inv.args[1].shape[1] % 2))
             return on_gpu() and inv.kwargs.get("sliding_window") is None and q.dtype in (jnp.bfloat16, jnp.float16) and shapes
+        if cfg.impl == "cudnn_packed":  # cuDNN runs its packed layout from Hopper on
+            shapes = q.shape[3] % 8 == 0 and q.shape[3] <= 256 and (GROUPED_HEADS or q.shape[2] == inv.args[1].shape[2])
+            packed = _documents_of(inv) is not None and inv.kwargs.get("sliding_window") is None
+            return on_hopper() and packed and q.dtype in (jnp.bfloat16, jnp.float16) and shapes
         if cfg.impl == "mosaic":  # Hopper, 16-bit, head dim <= 256, tiles that fit shared memory
             return on_hopper() and mosaic_supports(q.dtype, q.shape[3]) and mosaic_fits(q.shape[3], cfg.fwd, cfg.bwd)
         if cfg.impl == "pallas":
@@ -245,6 +281,18 @@ def _segments(q: jax.Array, k: jax.Array, segment_ids: jax.Array | None, cu_seql
     return segment_ids
 
 
+def _documents(segment_ids: jax.Array | None, cu_seqlens: jax.Array | None, max_documents: int | None) -> int | None:
+    """The most documents in a row, known before the values: ``cu_seqlens``' count of sequences,
+    or the caller's ``max_documents`` with segment ids; None without either."""
+    if cu_seqlens is not None:
+        return max(cu_seqlens.shape[0] - 1, 1)
+    return max_documents if segment_ids is not None else None
+
+
+def _documents_of(inv: Invocation[AttentionConfig, jax.Array]) -> int | None:
+    return _documents(inv.kwargs.get("segment_ids"), inv.kwargs.get("cu_seqlens"), inv.kwargs.get("max_documents"))
+
+
 def _scale(q: jax.Array, softmax_scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
 
@@ -262,7 +310,8 @@ _ATTENTION = AttentionKernel()
 def flash_attention(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     *, causal: bool = False, segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
-    softmax_scale: float | None = None, sliding_window: tuple[int, int] | None = None, cfg: AttentionConfig | None = None,
+    softmax_scale: float | None = None, sliding_window: tuple[int, int] | None = None, max_documents: int | None = None,
+    cfg: AttentionConfig | None = None,
 ) -> Float[Array, "batch sq heads dim"]:
     """Multi-head attention with optional causal mask, window, segments and grouped heads.
 
@@ -276,6 +325,11 @@ def flash_attention(
         are then ``[1, total, ...]``. Exclusive with ``segment_ids``.
       softmax_scale: multiplies ``q k^T``; default ``1 / sqrt(dim)``.
       sliding_window: ``(left, right)``: query ``i`` sees keys ``i - left .. i + right``.
+      max_documents: with ``segment_ids``, the most documents (runs of equal positive ids) any
+        row holds, a static int; it lets the call run on cuDNN's packed layout
+        (``"cudnn_packed"``), which it sizes. There a row that layout cannot say (more
+        documents, or one id in two separate runs) gets NaN; every other implementation is
+        exact for any ids and ignores it.
       cfg: force a config; by default the executor picks one.
 
     Returns:
@@ -291,6 +345,21 @@ def flash_attention(
     check_config(cfg, AttentionConfig)
     window = None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1]))
     scale = None if softmax_scale is None else float(softmax_scale)
+    # Passed only when given: calls without it keep the call keys (and tuned configs) they had.
+    extra = {} if max_documents is None else {"max_documents": _check_max_documents(max_documents, segment_ids)}
     return _ATTENTION(
-        q, k, v, causal=bool(causal), softmax_scale=scale, sliding_window=window, segment_ids=segment_ids, cu_seqlens=cu_seqlens, cfg=cfg
+        q, k, v, causal=bool(causal), softmax_scale=scale, sliding_window=window, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
+        cfg=cfg, **extra,
     )
+
+
+def _check_max_documents(max_documents: Any, segment_ids: jax.Array | None) -> int:
+    try:
+        count = None if isinstance(max_documents, bool) else operator.index(max_documents)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ValueError(f"max_documents: expected an int >= 1, got {max_documents!r}")
+    if segment_ids is None:
+        raise ValueError("max_documents: counts the documents of segment_ids; pass segment_ids with it (cu_seqlens' shape gives its own count)")
+    return count

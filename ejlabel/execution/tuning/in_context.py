@@ -8,36 +8,47 @@ step and its inputs it spends a budget of ``DEFAULT_BUDGET_S`` where the gain is
 
 1. **Discover.** Trace ``fn`` once under :func:`~ejlabel.recording` with a counting overlay:
    the distinct kernel calls ``(op_id, call_key)`` it makes and at how many sites each.
-2. **Recall.** What earlier runs decided and learned (:mod:`.memory`): a call decided before is
-   taken as it was (a second run of the same step ranks nothing), and candidates that lost at a
-   call's shape class are skipped; ``exhaustive=True`` ignores both. When one earlier run decided
-   every call and its final check judged exactly these picks against the floor, nothing is
-   compiled or timed at all (unless ``baseline_fn`` asks for a measurement): the report gives
-   that run's step times and says so.
+2. **Recall.** What earlier runs picked and learned (:mod:`.memory`): a call picked before is
+   taken as it was, whether that run finished with it or its budget cut the ranking (a second
+   run of the same step ranks nothing and gives the same picks; the report counts the cut ones
+   and points to ``exhaustive=True``), and candidates that lost at a call's shape class are
+   skipped; ``exhaustive=True`` ignores both. When one earlier run picked for every call and
+   its final check judged exactly these picks against the floor, nothing is compiled or timed
+   at all (unless ``baseline_fn`` asks for a measurement): the report gives that run's step
+   times and says so.
 3. **Floor.** The all-XLA assignment: every call gets the config of the plain path its kernel
    declares (``kernel.plain_config(inv)``, ``Kernel.plain_implementation``: ``"xla"`` for the
    library's kernels), else its heuristic config. It is written out as an explicit assignment,
-   so that every candidate differs from the incumbent in exactly one call. The floor, the warm start (the floor with
-   the recalled picks) and the plain baseline compile at once, on the compile workers (by
-   default one per core); the floor is timed.
-4. **Rank and confirm, by expected gain** (:mod:`.ranking`). Each call's share of the floor step
-   is measured (its floor timed alone x sites); calls below ``min_gain`` are not ranked. Then,
-   largest share first, each call's prior candidates (those its kernel expects to beat XLA
-   here) are ranked in isolation and the best confirmed, then the rest of the config spaces
-   with the time left. A confirmation compiles the incumbent with that one call changed
-   (several at once, in threads: XLA compiles outside the GIL) and times its whole step against
-   the incumbent's in paired rounds (:class:`~.search.Search`); the change is kept only if the
-   noise rule (:mod:`.paired`) accepts it. Each isolated round may use ``RANK_SHARE`` (half) of
-   the time left, so that its confirmations get the rest; the budget (seconds, whole run, the
-   final check's estimated time held back) is checked before each batch of compiles, each
-   measurement and each extra block of rounds; what it cut off is reported as left untried.
-5. **Check and store.** The final assignment is timed against the floor (and ``baseline_fn``,
+   so that every candidate differs from the incumbent in exactly one call. The floor, the warm
+   start (the floor with the recalled picks) and the plain baseline compile at once, on the
+   compile workers (by default one per core); the floor is timed.
+4. **Priors, then the rest, by expected gain** (:mod:`.ranking`). First each call's prior
+   candidates (those its kernel expects to beat XLA here) go straight to the whole step,
+   largest call first, without isolated ranking: they are few and expected to win, and ranking
+   them alone first costs each a trace and compile of its own, which in a cold process is
+   most of the budget. Then each call's share of the floor step is measured (its floor timed
+   alone x sites; the floors compile in parallel on the compile workers) and calls below
+   ``min_gain`` are left out; measuring the shares *after* the priors is deliberate: they
+   order only the rest round, and a cold process spent its whole budget on them before. The
+   rest of the config spaces are then ranked in isolation, largest share first, with the time
+   left. A confirmation compiles the incumbent with that one call changed (several at once,
+   in threads: XLA compiles outside the GIL) and times its whole step against the
+   incumbent's in paired rounds (:class:`~.search.Search`); the change is kept only if the
+   noise rule (:mod:`.paired`) accepts it. The isolated round may use ``RANK_SHARE`` (half) of
+   the time left, so that its confirmations get the rest.
+5. **The budget is the wall time.** ``budget_s`` bounds the whole run, final check included:
+   the final check's estimated time is held back, the budget is checked before each batch of
+   compiles, each measurement and each extra block of rounds, and a compile still running when
+   the time is up is not waited for (its trial is reported as skipped). The report's stage
+   times add up to the run's wall time; what the budget cut off is reported as left untried.
+6. **Check and store.** The final assignment is timed against the floor (and ``baseline_fn``,
    if given) in the same paired rounds and judged by the same rule; if it is not accepted, the
    floor is kept. Every call's pick, XLA included, goes to the memory and persistent caches with
    provenance ``"in-context"``, the step times that justify it, its share, whether it was
-   decided, and the candidates that lost, so the next run uses them. A call cut before anything
-   of it was timed is not stored; a call whose ranking the budget cut short is stored with
-   ``ranking_cut`` set, so the next run ranks it again instead of reusing a partial ranking.
+   decided, and the candidates that lost, so the next run uses them. A call whose ranking the
+   budget cut is stored too (with ``ranking_cut`` set and ``decided`` False): the final check
+   judged its pick as part of the whole assignment, and the next run recalls it rather than
+   spending its budget again.
 
 What the run measured and chose, and what it left, comes back as a
 :class:`~.report.ContextTuneReport`.
@@ -60,7 +71,7 @@ from ejlabel.core.kernel import Invocation, random_values
 from ejlabel.execution.executor import get_default_executor
 from ejlabel.execution.tuning.measure import Timing
 from ejlabel.execution.tuning.memory import PROVENANCE, Recall, lost_candidates, recall, shape_class
-from ejlabel.execution.tuning.ranking import Ranking, plan
+from ejlabel.execution.tuning.ranking import Ranking, plan, prior_trials
 from ejlabel.execution.tuning.report import CallPick, ContextTuneReport, Key, Trial
 from ejlabel.execution.tuning.search import Search, discover
 
@@ -152,8 +163,8 @@ def tune_in_context(
         warm[key] = _recalled(calls[key], entry)
     together = None if exhaustive or baseline_fn is not None else memory.checked_together(calls)
     if together is not None:
-        # One earlier run decided every call and checked this very assignment against the floor.
-        return _report_recalled(calls, warm != floor, together, selector, store, budget_s, errors, start, stages, verbose)
+        # One earlier run picked for every call and checked this very assignment against the floor.
+        return _report_recalled(calls, warm != floor, together, selector, store, budget_s, errors, start, stages, verbose, len(memory.cut))
     deadline = start + budget_s if budget_s is not None else math.inf
     search = Search(fn, args, sites, samples, warmup, min_gain, policy.compile_workers, deadline)
     floor_exe, floor_time, incumbent_exe, baseline_exe = search.start(floor, warm, baseline_fn)
@@ -166,23 +177,29 @@ def tune_in_context(
     search.deadline = deadline - search.final_s(2 + (baseline_fn is not None))  # the final check's time held back
     stages.end("calls and floor")
 
-    # 4. Shares of the step; rank and confirm the priors, then the rest, largest share first.
+    # 4. The priors straight to the whole step; then the shares, the rest ranked and confirmed.
+    to_rank = {key: inv for key, inv in invocations.items() if key not in memory.picks}
+    incumbent, tried = warm, {}
+    trials = prior_trials(calls, to_rank, memory.losers, candidates_per_call)
+    for trial in trials:
+        tried.setdefault(trial.key, set()).add(trial.cfg)
+    incumbent, incumbent_exe = search.confirm(incumbent, incumbent_exe, trials, calls, progress)
+    stages.end("priors in the step")
     ranking = Ranking(policy, selector, reuse_isolated and not exhaustive, progress, seed, calls, floor, errors)
-    ranking.prepare({key: inv for key, inv in invocations.items() if key not in memory.picks}, memory.losers)
-    first_deadline = _rank_deadline(search.deadline)
-    ranking.shares(floor_time.median_ms, min_gain, exhaustive, first_deadline)
+    ranking.in_context = {key: set(cfgs) for key, cfgs in tried.items()}
+    ranking.prepare(to_rank, memory.losers)
+    rank_deadline = _rank_deadline(search.deadline)
+    ranking.shares(floor_time.median_ms, min_gain, exhaustive, rank_deadline)
     stages.end("shares of the step")
-    incumbent, trials, tried = warm, [], {}
-    for which in ("prior", "rest"):
-        ranking.rank(which, first_deadline if which == "prior" else _rank_deadline(search.deadline))
-        stages.end("isolated ranking")
-        planned = plan(calls, ranking.isolated, candidates_per_call, skip_slower_in_isolation, tried)
-        for trial in planned:
-            tried.setdefault(trial.key, set()).add(trial.cfg)
-        incumbent, incumbent_exe = search.confirm(incumbent, incumbent_exe, planned, calls, progress)
-        trials += planned
-        stages.end("confirmations")
-    trials += _cut_trials(calls.values())
+    ranking.rank("rest", rank_deadline)
+    stages.end("isolated ranking")
+    planned = plan(calls, ranking.isolated, candidates_per_call, skip_slower_in_isolation, tried)
+    for trial in planned:
+        tried.setdefault(trial.key, set()).add(trial.cfg)
+    incumbent, incumbent_exe = search.confirm(incumbent, incumbent_exe, planned, calls, progress)
+    trials += planned
+    stages.end("confirmations")
+    trials += _cut_trials(call for call in calls.values() if call.key not in tried)
     _note_left(calls.values(), trials, min_gain)
 
     # 5. The final check against the floor (and the plain baseline), then store.
@@ -198,12 +215,13 @@ def tune_in_context(
         floor=timings[0], tuned=tuned_time, baseline=timings[-1] if baseline_fn is not None else None,
         final=final, calls=list(calls.values()), trials=trials, errors=errors, samples=timings[0].count,
         budget_s=budget_s, wall_s=0.0, compile_s=search.compile_s, stored=store, reverted=reverted, ranked=ranking.in_share_order(),
+        recalled_cut=len(memory.cut),
     )
     if store:
         undecided = accepted if reverted else set()  # a change the final check undid is looked at again next time
         _store(report, invocations, trials, selector, errors, skip_slower_in_isolation, undecided, memory.picks)
         stages.end("storing")
-    report.wall_s = time.perf_counter() - start
+    report.wall_s = stages.last - start  # the stages add up to it
     report.stages_s = stages.seconds
     if verbose:
         print(report.render(), flush=True)
@@ -216,12 +234,12 @@ class _Stages:
 
     def __init__(self, start: float) -> None:
         self.seconds: dict[str, float] = {}
-        self._last = start
+        self.last = start
 
     def end(self, stage: str) -> None:
         now = time.perf_counter()
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
-        self._last = now
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self.last
+        self.last = now
 
 
 def _rank_deadline(deadline: float) -> float | None:
@@ -243,7 +261,7 @@ def _recalled(call: CallPick, entry: CacheEntry) -> Any:
 
 def _report_recalled(
     calls: Mapping[Key, CallPick], changed: bool, times: tuple[float, float], selector: ConfigSelectorChain, store: bool,
-    budget_s: float | None, errors: dict[str, str], start: float, stages: _Stages, verbose: bool,
+    budget_s: float | None, errors: dict[str, str], start: float, stages: _Stages, verbose: bool, recalled_cut: int,
 ) -> ContextTuneReport:
     """The report of a run that found every pick decided and checked together before: the step
     times are that run's, nothing is compiled or timed, nothing stored but the memory cache."""
@@ -257,7 +275,7 @@ def _report_recalled(
     report = ContextTuneReport(
         floor=floor_time, tuned=Timing([step_ms]) if changed else floor_time, baseline=None, final=None, calls=list(calls.values()),
         trials=[], errors=errors, samples=0, budget_s=budget_s, wall_s=time.perf_counter() - start, compile_s=0.0, stored=False,
-        measured=False,
+        measured=False, recalled_cut=recalled_cut,
     )
     report.stages_s = stages.seconds
     if verbose:
@@ -313,14 +331,13 @@ def _store(
     """Every call's pick into the memory and persistent caches, with the step times behind it,
     all marked with one ``run`` id: the calls this run's final check judged together.
 
-    A call whose ranking was cut before it timed an alternative is not stored: nothing about it
-    was decided, and whatever the caches held for it stays. A recalled call keeps its entry with
-    this run's step times, unless the final check undid its pick.
+    A call whose ranking was cut is stored too, undecided: the final check judged its pick with
+    the others, and the next run recalls it instead of spending its budget on it again. A
+    recalled call keeps its entry with this run's step times, unless the final check undid its
+    pick.
     """
     run = uuid.uuid4().hex[:16]
     for call in report.calls:
-        if call.isolated_from == "cut":
-            continue
         key = call.key
         selector.cache.put(*key, call.cfg)
         inv = invocations[key]
@@ -333,6 +350,7 @@ def _store(
         else:
             stats = fresh
             stats["decided"] = _decided(call, trials) and key not in undecided
+            stats["recall"] = key not in undecided  # a change the final check undid is tuned again
             stats["shape_class"] = shape_class(inv)
             stats["lost"] = lost_candidates(call, trials, skip_slower)
         if selector.persistent is not None:

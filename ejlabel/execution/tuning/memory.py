@@ -3,12 +3,17 @@
 Every call's pick is stored with provenance ``in-context`` and statistics
 (:func:`~.in_context.tune_in_context`). Two of those statistics spare the next run work:
 
-* **Decided picks.** ``decided`` says the run that wrote the entry finished with the call: its
-  isolated ranking was complete and every confirmation planned for it was measured, or its share
-  of the step was too small to be worth a change (:mod:`.ranking`). A later run of a step that
-  makes this exact call (device, op, version and call key, at as many sites) takes the pick as
-  it is: the call is neither ranked nor confirmed again; the final check against the all-XLA
-  floor still judges the whole step. A second run of the same step therefore ranks nothing.
+* **Recalled picks.** A later run of a step that makes this exact call (device, op, version
+  and call key, at as many sites) takes the stored pick as it is, whether the run that wrote it
+  finished with the call or the budget cut its ranking: the call is neither ranked nor confirmed
+  again; the final check against the all-XLA floor still judges the whole step. A second run of
+  the same step therefore ranks nothing and gives the same picks. ``decided`` says whether the
+  writing run finished with the call (complete ranking and every planned confirmation measured,
+  or a share too small to be worth a change, :mod:`.ranking`); a pick recalled without it is
+  counted in the report (:attr:`Recall.cut`), which points to ``exhaustive=True`` (CLI
+  ``--exhaustive``) to tune such calls further. Recalling a cut pick rather than ranking the
+  call again is what keeps a second call within seconds: a cut ranking resumed would spend the
+  same budget the first call ran out of.
   Every entry a run stores carries that run's id (``run``) and the step times of its final
   check; when one run stored the picks of every call of a step, that check judged exactly
   this assignment, and a later run needs to measure nothing (:meth:`Recall.checked_together`).
@@ -86,12 +91,18 @@ def decode_config(value: Any) -> Any | None:
 class Recall:
     """What earlier runs left for this step's calls.
 
-    ``picks``: the stored entry of each call decided before (this exact call, as many sites);
-    ``losers``: per call, the candidates that lost at its shape class: ``{cfg: (why, call key)}``.
+    ``picks``: the stored entry of each call an earlier run picked for (this exact call, as
+    many sites); ``losers``: per call, the candidates that lost at its shape class:
+    ``{cfg: (why, call key)}``.
     """
 
     picks: dict[Key, CacheEntry] = dataclasses.field(default_factory=dict)
     losers: dict[Key, dict[Any, tuple[str, str]]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def cut(self) -> list[Key]:
+        """The recalled calls that the writing run did not finish with (ranking cut by its budget)."""
+        return [key for key, entry in self.picks.items() if (entry.stats or {}).get("decided") is not True]
 
     def checked_together(self, keys: Iterable[Key]) -> tuple[float, float] | None:
         """``(floor step ms, tuned step ms)`` when every one of ``keys`` has a decided pick and all
@@ -129,7 +140,7 @@ def recall(persistent: Any, invocations: Mapping[Key, Invocation[Any, Any]], sit
         losers: dict[Any, tuple[str, str]] = {}
         for entry in by_op[device, op_id]:
             stats = entry.stats or {}
-            if entry.call_key == call_key and stats.get("decided") is True and stats.get("sites") == sites[key] and _usable(inv, entry.config):
+            if entry.call_key == call_key and isinstance(stats.get("decided"), bool) and stats.get("recall") is not False and stats.get("sites") == sites[key] and _usable(inv, entry.config):
                 memory.picks[key] = entry
             if stats.get("shape_class") == klass:
                 losers.update(_losers(stats.get("lost"), entry.call_key))

@@ -1,20 +1,28 @@
-"""Tuning in context's isolated ranking: which calls are ranked, in what order, and what is confirmed.
+"""Tuning in context's ranking: which calls are tried, in what order, and what is confirmed.
 
-A budget spent on calls that cannot gain is a budget the gain never gets. So the ranking is
+A budget spent on calls that cannot gain is a budget the gain never gets. So the work is
 ordered by what each call can win, and done in rounds, each followed by its confirmations in
 the whole step (:func:`~.in_context.tune_in_context` runs them):
 
-1. **Shares.** Each call's floor config (its all-XLA pick) is compiled and timed alone, forward
-   and backward as the step runs it (the first round of the call's
-   :class:`~.candidates.Job`); the call's *share* of the step is that time x its sites over the
-   floor step's time. A call whose share is below ``min_gain`` is not ranked at all: even at no
-   cost it could not make the step ``min_gain`` faster, which is what the noise rule asks of a
-   change (:mod:`.paired`).
-2. **Prior round.** The calls are ranked largest share first, on the candidates their kernel
-   expects to beat XLA on this device (:meth:`~ejlabel.core.kernel.Kernel.prior_configs`: Mosaic
-   attention on Hopper, the token-chunked loss on GPUs), then those are confirmed.
-3. **Rest round.** With the time left, the rest of every call's config space, again largest
-   share first, then its confirmations. A call without a prior is ranked only here.
+1. **Prior round: straight to the whole step.** The candidates a kernel expects to beat XLA on
+   this device (:meth:`~ejlabel.core.kernel.Kernel.prior_configs`: Mosaic attention on Hopper,
+   the token-chunked loss on GPUs) are few and expected to win, so they are not ranked in
+   isolation first: ranking them would cost each one a trace and compile of its own (in a cold
+   process, first-time lowering and autotuning dominate) before the whole-step compile that
+   decides anyway. :func:`prior_trials` makes them confirmations at once: each call's first
+   prior, then the runners-up, calls ordered by :func:`size_estimate` (bytes of the call's
+   arguments x sites). That order needs nothing compiled or timed: the shares are not measured
+   yet, and measuring them first is what made a cold first call spend its budget before any
+   gain landed.
+2. **Shares.** Then each call's floor config (its all-XLA pick) is compiled and timed alone,
+   forward and backward as the step runs it (the first round of the call's
+   :class:`~.candidates.Job`, compiled on the compile workers); the call's *share* of the step
+   is that time x its sites over the floor step's time. A call whose share is below
+   ``min_gain`` is not ranked at all: even at no cost it could not make the step ``min_gain``
+   faster, which is what the noise rule asks of a change (:mod:`.paired`).
+3. **Rest round.** With the time left, the rest of every call's config space is ranked in
+   isolation, largest share first (the candidates the prior round already confirmed in the
+   step are left out), then confirmed.
 
 Rounds of one call share its job, so nothing is compiled, checked or timed twice; the budget
 cuts the lowest shares first. Candidates that lost at the call's shape class in an earlier run
@@ -30,8 +38,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import jax
+import numpy as np
 
 from ejlabel.config.cache import AutotunePolicy
 from ejlabel.config.persistent import CacheError
@@ -42,7 +54,7 @@ from ejlabel.execution.tuning.isolated import Autotuner, prior_configs
 from ejlabel.execution.tuning.memory import decode_config
 from ejlabel.execution.tuning.report import CallPick, Key, Trial
 
-__all__ = ["Ranking", "isolated_from_stats", "plan"]
+__all__ = ["Ranking", "isolated_from_stats", "plan", "prior_trials", "size_estimate"]
 
 
 @dataclasses.dataclass
@@ -66,6 +78,7 @@ class Ranking:
     ranked: list[Key] = dataclasses.field(default_factory=list)
     jobs: dict[Key, Job] = dataclasses.field(default_factory=dict)
     order: list[Key] = dataclasses.field(default_factory=list)  # the calls by share, largest first
+    in_context: dict[Key, set[Any]] = dataclasses.field(default_factory=dict)  # candidates the prior round confirmed in the step
 
     def __post_init__(self) -> None:
         self.tuner = Autotuner(self.policy, progress=self.progress, seed=self.seed)
@@ -135,9 +148,12 @@ class Ranking:
                     continue
                 job.active = [i for i, candidate in enumerate(job.candidates) if candidate.floor] + prior
             else:
-                if all(candidate.status != "pending" and candidate.status != "skipped" for candidate in job.candidates):
+                done = self.in_context.get(key, set())
+                # The floor stays active: it was timed for the share already, and ranks the rest.
+                active = [i for i, c in enumerate(job.candidates) if c.floor or c.cfg not in done]
+                if all(job.candidates[i].status not in ("pending", "skipped") for i in active):
                     continue  # every candidate had its turn in an earlier round
-                job.active = None
+                job.active = active
             chosen.append(key)
         self._round(chosen, deadline)
         self.ranked += [key for key in chosen if key not in self.ranked]
@@ -161,14 +177,15 @@ class Ranking:
         if isinstance(outcome, AutotuneError) and not isinstance(outcome, TuningCut):
             self._failed(key, outcome)
             return
-        call.candidates = _rows(job.candidates)
+        done = self.in_context.get(key, set())
+        call.candidates = _rows([c for c in job.candidates if c.cfg not in done])
         timings = {c.cfg: c.timing.median_ms for c in job.candidates if c.timing is not None and c.status in ("ok", "pruned")}
         self.isolated[key] = timings
         if call.floor_cfg in timings:
             call.floor_isolated_ms = timings[call.floor_cfg]
             if not call.changed:
                 call.isolated_ms = call.floor_isolated_ms
-        untried = any(c.status in ("pending", "skipped") for c in job.candidates)
+        untried = any(c.status in ("pending", "skipped") for c in job.candidates if c.cfg not in done)
         if not timings:
             call.isolated_from = "cut"
         elif untried:
@@ -250,7 +267,8 @@ def plan(calls: Mapping[Key, CallPick], isolated: Mapping[Key, Mapping[Any, floa
         room = per_call - len(done)
         if room <= 0:
             continue
-        current = call.isolated_ms if call.changed else call.floor_isolated_ms
+        # A pick the prior round confirmed in the step has no isolated time: the floor's stands in.
+        current = call.isolated_ms if call.changed and call.isolated_ms is not None else call.floor_isolated_ms
         reference = current if current is not None else max(timings.values())
         ranked = sorted((ms, i, cfg) for i, (cfg, ms) in enumerate(timings.items()) if cfg not in (call.floor_cfg, call.cfg) and cfg not in done)
         chosen = [(ms, cfg) for ms, _, cfg in ranked if not skip_slower or ms < reference][:room]
@@ -258,3 +276,33 @@ def plan(calls: Mapping[Key, CallPick], isolated: Mapping[Key, Mapping[Any, floa
             trials.append((place, Trial(*key, cfg, ms, (reference - ms) * call.sites)))
     trials.sort(key=lambda pt: (pt[0], -pt[1].expected_gain_ms))
     return [trial for _, trial in trials]
+
+
+def size_estimate(inv: Invocation[Any, Any], sites: int) -> float:
+    """Bytes of the call's array arguments x its sites: how much of the step the call may
+    take, known without compiling anything (it orders the prior round, not the rest)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves((inv.args, inv.array_kwargs)):
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is not None and dtype is not None:
+            total += math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
+    return float(total * sites)
+
+
+def prior_trials(
+    calls: Mapping[Key, CallPick], invocations: Mapping[Key, Invocation[Any, Any]], skip: Mapping[Key, Iterable[Any]], per_call: int,
+) -> list[Trial]:
+    """The prior round's confirmations: each call's first prior candidate, calls by
+    :func:`size_estimate` (largest first), then the second priors, and so on, at most
+    ``per_call`` per call; candidates in ``skip`` (lost before at the shape class) left out.
+    Their isolated time is None (not ranked in isolation); the expected gain is the size estimate."""
+    rounds: list[list[Trial]] = []
+    order = sorted(invocations, key=lambda key: -size_estimate(invocations[key], calls[key].sites))
+    for key in order:
+        call, lost = calls[key], set(skip.get(key, ()))
+        prior = [cfg for cfg in prior_configs(invocations[key]) if cfg not in lost and cfg != call.floor_cfg]
+        for place, cfg in enumerate(prior[:per_call]):
+            while len(rounds) <= place:
+                rounds.append([])
+            rounds[place].append(Trial(*key, cfg, None, size_estimate(invocations[key], call.sites)))
+    return [trial for trials in rounds for trial in trials]

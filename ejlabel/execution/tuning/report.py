@@ -67,7 +67,7 @@ class CallPick:
     ``cache``) or what became of them: ``partial`` (the budget cut the ranking after some
     candidates were timed; those rank), ``cut`` (it cut it before any alternative to the floor
     was timed: the floor stays, nothing is stored), ``failed``, ``unranked`` (its share of the
-    step was below ``min_gain``: not worth ranking) or ``recalled`` (an earlier run decided
+    step was below ``min_gain``: not worth ranking) or ``recalled`` (an earlier run picked for
     this call: its pick was taken as it is, nothing ranked).
 
     ``share`` is the floor's isolated time x sites over the floor step's time (None: not
@@ -132,6 +132,7 @@ class ContextTuneReport:
     stages_s: dict[str, float] = dataclasses.field(default_factory=dict)  # wall seconds per stage, in order
     ranked: list[Key] = dataclasses.field(default_factory=list)  # the calls ranked (or ranked from stored timings), largest share first
     measured: bool = True  # False: every pick recalled, the step times those of the run that checked them
+    recalled_cut: int = 0  # recalled picks whose ranking the budget of the run that stored them cut
 
     @property
     def noise_ms(self) -> float:
@@ -180,6 +181,11 @@ class ContextTuneReport:
             text += "; ranked nothing: every pick recalled from an earlier run"
         elif self.recalled:
             text += f"; {len(self.recalled)} picks recalled from an earlier run"
+        if self.recalled_cut:
+            text += (
+                f"; {self.recalled_cut} of them cut by the earlier run's budget"
+                " (exhaustive=True, CLI --exhaustive, tunes them further)"
+            )
         return text + ("; the final check kept the floor" if self.reverted else "")
 
     def render(self) -> str:
@@ -250,6 +256,8 @@ def _share(value: float | None) -> str:
 def _candidate(trial: Trial) -> str:
     if trial.cfg is None:
         return "(not ranked)"
+    if trial.isolated_ms is None:
+        return f"{trial.cfg!r}, the kernel's prior (not ranked alone)"
     return f"{trial.cfg!r}, isolated {_ms(trial.isolated_ms)} ms"
 
 

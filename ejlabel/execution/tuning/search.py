@@ -224,36 +224,41 @@ class Search:
         """
         incumbent, incumbent_exe = dict(start), start_exe
         queue = list(trials)
+        if not queue:
+            return incumbent, incumbent_exe
         bar = Progress(len(trials), "confirming in context", progress)
+        # Not a with-block: leaving one waits for every compile, and a compile still running
+        # when the time is up is left to finish in the background, never waited for.
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.workers)
         try:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=self.workers) as pool:
-                while queue:
-                    size = min(self.workers, len(queue))
-                    while size and not self._fits(self.compile_wall_s + size * self.pair_s):
-                        size -= 1
-                    if not size:
+            while queue:
+                size = min(self.workers, len(queue))
+                while size and not self._fits(self.compile_wall_s + size * self.pair_s):
+                    size -= 1
+                if not size:
+                    break
+                batch, queue = queue[:size], queue[size:]
+                began = time.perf_counter()
+                programs = self._compile_batch(pool, incumbent, batch)
+                self.compile_wall_s = max(self.compile_wall_s, time.perf_counter() - began)
+                waiting: list[Trial] = []
+                for n, trial in enumerate(batch):
+                    if not self._fits(self.pair_s):
+                        waiting += batch[n:]
                         break
-                    batch, queue = queue[:size], queue[size:]
+                    future = programs.get(frozenset({**incumbent, trial.key: trial.cfg}.items()))
+                    if future is None:  # compiled against an incumbent that has since changed
+                        waiting.append(trial)
+                        continue
                     began = time.perf_counter()
-                    programs = self._compile_batch(pool, incumbent, batch)
-                    self.compile_wall_s = max(self.compile_wall_s, time.perf_counter() - began)
-                    waiting: list[Trial] = []
-                    for n, trial in enumerate(batch):
-                        if not self._fits(self.pair_s):
-                            waiting += batch[n:]
-                            break
-                        future = programs.get(frozenset({**incumbent, trial.key: trial.cfg}.items()))
-                        if future is None:  # compiled against an incumbent that has since changed
-                            waiting.append(trial)
-                            continue
-                        began = time.perf_counter()
-                        incumbent_exe = self._try(trial, future, incumbent, incumbent_exe, calls[trial.key])
-                        # Scaled to a first block: extra rounds one trial needed say little about the next.
-                        rounds = trial.comparison.rounds if trial.comparison is not None else self.samples
-                        self.pair_s = max(self.pair_s, (time.perf_counter() - began) * self.samples / max(rounds, self.samples))
-                        bar.advance()
-                    queue = waiting + queue
+                    incumbent_exe = self._try(trial, future, incumbent, incumbent_exe, calls[trial.key])
+                    # Scaled to a first block: extra rounds one trial needed say little about the next.
+                    rounds = trial.comparison.rounds if trial.comparison is not None else self.samples
+                    self.pair_s = max(self.pair_s, (time.perf_counter() - began) * self.samples / max(rounds, self.samples))
+                    bar.advance()
+                queue = waiting + queue
         finally:
+            pool.shutdown(wait=False, cancel_futures=True)
             bar.close()
         for trial in queue:
             trial.status, trial.reason = "skipped", "time budget spent"
@@ -261,15 +266,18 @@ class Search:
 
     def _compile_batch(self, pool: concurrent.futures.ThreadPoolExecutor, base: Assignment, batch: Sequence[Trial]) -> dict[frozenset[tuple[Key, Any]], concurrent.futures.Future[Any]]:
         """Compile each trial of ``batch`` against ``base`` and, on the workers left, the other
-        trials against ``base`` with the first trial's change; waits for all. Keyed by assignment."""
+        trials against ``base`` with the first trial's change; waits for them until the deadline.
+        Keyed by assignment; a program not compiled by the deadline is left out."""
         assignments = [{**base, trial.key: trial.cfg} for trial in batch]
         first = batch[0]
         spare = self.workers - len(batch)
         # A runner-up of the first trial's call replaces its change: that program is in the batch already.
         assignments += [{**base, first.key: first.cfg, trial.key: trial.cfg} for trial in batch[1:] if trial.key != first.key][: max(0, spare)]
         programs = {frozenset(configs.items()): pool.submit(self.compile, configs) for configs in assignments}
-        concurrent.futures.wait(list(programs.values()))
-        return programs
+        left = self.deadline - time.perf_counter()
+        concurrent.futures.wait(list(programs.values()), timeout=max(0.0, left) if left != float("inf") else None)
+        # What did not finish by the deadline cannot be timed in time: dropped, its trial skipped.
+        return {program: future for program, future in programs.items() if future.done()}
 
     def _try(self, trial: Trial, future: concurrent.futures.Future[Any], incumbent: dict[Key, Any], incumbent_exe: Any, call: CallPick) -> Any:
         """Time one compiled trial against the incumbent; on a win, update both. Returns the
