@@ -41,7 +41,7 @@ from ejlabel.utils.fingerprint import (
 )
 from ejlabel.utils.modules import public_module_name
 
-__all__ = ["Kernel", "Invocation", "Cfg", "Out", "PLATFORM_METHODS", "is_array", "abstract_invocation", "random_inputs", "random_values"]
+__all__ = ["Kernel", "Invocation", "Cfg", "Out", "PLATFORM_METHODS", "is_array", "split_kwargs", "abstract_invocation", "random_inputs", "random_values"]
 
 Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
@@ -403,7 +403,7 @@ def _memoised_call_key(inv: Invocation[Any, Any]) -> str:
     return key
 
 
-def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split keyword arguments into (array-valued, static)."""
     arrays, static = {}, {}
     for name, value in kwargs.items():
@@ -420,7 +420,9 @@ class Invocation(Generic[Cfg, Out]):
       kernel: the kernel being called.
       args: positional arguments (arrays, tracers, ``ShapeDtypeStruct``\\ s or pytrees of them).
       kwargs: keyword arguments; array-valued ones are inputs, the rest are static options.
-      batch_axes: the ``in_axes`` of a surrounding ``vmap_with_config``; part of the key.
+      batch_axes: how the call is mapped, part of the key: ``("vmap", levels)`` for a call traced
+        under ``jax.vmap`` (:mod:`ejlabel.core.vmapped`; ``args`` are then one example),
+        ``pmap_with_config``'s ``("pmap", ...)``, or None.
       override_cfg: an explicit config (``cfg=`` at the call), which skips every cache.
     """
 
@@ -457,11 +459,11 @@ class Invocation(Generic[Cfg, Out]):
 
     @_cached_property
     def array_kwargs(self) -> dict[str, Any]:
-        return _split_kwargs(self.kwargs)[0]
+        return split_kwargs(self.kwargs)[0]
 
     @_cached_property
     def static_kwargs(self) -> dict[str, Any]:
-        return _split_kwargs(self.kwargs)[1]
+        return split_kwargs(self.kwargs)[1]
 
     @_cached_property
     def call_key(self) -> str:

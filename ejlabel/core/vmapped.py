@@ -32,7 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax._src import core as jax_core  # the current trace: no public API names it
 
-__all__ = ["VMAP", "batched_arguments", "batched_function", "traced_batch_axes", "vmap_levels"]
+from ejlabel.core.kernel import split_kwargs
+
+__all__ = ["VMAP", "batched_arguments", "batched_call", "batched_function", "traced_batch_axes", "vmap_levels"]
 
 VMAP = "vmap"
 Level = tuple[int, tuple[int | None, ...]]
@@ -145,6 +147,16 @@ def batched_arguments(args: tuple[Any, ...], array_kwargs: dict[str, Any], batch
     for size, dims in levels:
         out = [_grow(leaf, dim, size) for leaf, dim in zip(out, dims)]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def batched_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch_axes: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A described call's ``(args, kwargs)`` as the program runs them: the array arguments
+    batched by :func:`batched_arguments`, the static keyword arguments as they are (what the
+    audit shows for a call made under ``jax.vmap``)."""
+    if not vmap_levels(batch_axes):
+        return args, kwargs
+    batched_args, batched_kwargs = batched_arguments(args, split_kwargs(kwargs)[0], batch_axes)
+    return batched_args, {**kwargs, **batched_kwargs}
 
 
 def _grow(leaf: Any, dim: int | None, size: int) -> Any:
