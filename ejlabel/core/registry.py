@@ -13,7 +13,7 @@ this registry, which the process's own code fills:
   ``heuristic_cfg``'s return type, the item type of ``config_space``'s). Through the type's
   fields' annotations and defaults, every dataclass and enum nested in it is registered too.
   A kernel with neither can name its config type with :func:`register_config_type`
-  (``kernel=``), and needs not: the first config it hands ejlabel (:func:`note_config`: its
+  (``kernel=``), but need not: the first config it hands ejlabel (:func:`note_config`: its
   heuristic config when a call is selected, a tuning candidate, a config stored for its op id)
   registers that config's type.
 * Each kernel instance records its op id (``matmul@v2``) with its class
