@@ -363,7 +363,7 @@ def _add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore
     clear.add_argument("--yes", action="store_true", help="confirm")
     cache.set_defaults(run=_cmd_cache)
 
-    demo = commands.add_parser("demo", help="lower the example model, audit, tune unseen calls, audit again")
+    demo = commands.add_parser("demo", help="the whole workflow on the example model: lower, audit, tune a dump, audit again, tune in context")
     demo.add_argument("--fresh", action="store_true", help="use a temporary cache instead of the persistent one")
     demo.add_argument("--workdir", default=None, help="where to write the program dump (default: a temporary directory)")
     demo.set_defaults(run=_cmd_demo)
