@@ -6,10 +6,13 @@ enough to audit and tune a model. A program is read once (:class:`Program`, :mod
 says which text each form reads); ``call_graph``, ``audit``, ``tune_unseen`` and
 ``invocations_from_program`` take that ``Program`` or anything it reads.
 
-Modules: ``hlo`` (the tolerant HLO parser), ``program`` (one reader for every form), ``costs``
-(shapes, instruction facts, flops), ``sites`` (which instructions make up each call), ``flow``
-(data edges), ``graph`` (the ``networkx`` graph), ``export`` (JSON, DOT, drawings), ``audit``
-and ``tune``.
+Modules: ``hlo`` (the tolerant HLO parser's entry points; ``hlo_lexis``, ``hlo_model``,
+``hlo_items``, ``hlo_instructions``, ``hlo_parser`` and ``hlo_async`` are its parts), ``program``
+(a program read once, through the core's one program reader), ``costs`` (shapes, instruction
+facts, flops), ``nesting`` (how computations call each other), ``sites`` (which instructions make
+up each call; ``site_rules`` and ``site_parts`` are its parts), ``flow`` (data edges), ``cycles``
+(splits that keep the graph a DAG), ``graph`` (the ``networkx`` graph), ``export`` (JSON, DOT,
+drawings), ``audit`` and ``tune``.
 """
 
 from .audit import CallRow, Report, audit

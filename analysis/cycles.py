@@ -10,16 +10,32 @@ cycle can only come from grouping instructions: the fix is to group less.
 instructions of their own, in computations called from one place, is a path of the instruction
 graph, which has no cycle: so every cycle passes through a *complex* site (several instructions, an
 instruction shared with another site, or a computation called from several places), and only the
-sites that reach a complex site are searched, for strongly connected components.
-:func:`split_by_level` splits each of them by *level*: a member's level is the largest number of
-times a path from the site's members to it leaves the site through another site's instruction (or
-a loop, branch or call holding sites). The forward is level 0; the backward, which reads the
-cotangent other calls computed from the forward's output, level 1: no path leaves a part and
-comes back to it. Parts can still close a cycle without such a path (two sites each holding
-members that are not connected to each other); when a round of level splits leaves a cycle and
-splits nothing, :func:`split_apart` makes each member of the sites on it a site of its own, which
-closes none. The graph builder repeats find → split until no cycle is left (one round of level
-splits for the programs we have seen).
+sites that reach a complex site are searched, for strongly connected components (Tarjan's
+algorithm, iterative).
+
+:func:`split_by_level` splits them, in one pass over each computation holding such sites, in
+text order (a topological order: XLA prints operands first). The members of those sites are
+regrouped into *parts*, each part with a *level*, such that every data path from one part to
+another (through unlabelled instructions, or through members of sites off the cycles) climbs in
+level: so no path leaves a part and comes back to it, and the parts close no cycle. A member joins
+the parts of the members it was linked to by the site rules (the union-find's links, kept by
+:class:`~.sites.SiteFinder`) when the part's level can be raised to what the member reads: at least
+one above every other part it reads. A part's level can rise as long as no other part has read it
+at a level not above the new one (each part keeps the lowest level that read it); once read, a
+part is closed to later members that read what came after it, which start a part of their own.
+That is the forward/backward split: a call's forward is read by the calls after it, so its
+backward, which reads their cotangents, starts a new part. Links across unlabelled ops inside one
+site (its own members read through them) stay inside the part. Values carry the parts they came
+from, at most ``MAX_LIVE`` of them: past that the lowest are closed for good and only their
+highest level is kept, which can only split more, never close a cycle. ``while``,
+``conditional`` and ``call`` instructions holding sites are parts of their own. So levels, joins
+and splits take one pass over the computation and the union-find of its parts, whatever the
+number of sites or the distance between a call's forward and its backward.
+
+Parts can still close a cycle through computations called from several places, which hold one
+node for all their callers; when a round of splits leaves a cycle and splits nothing,
+:func:`split_apart` makes each member of the sites on it a site of its own. The graph builder
+repeats find → split until no cycle is left (one round for the programs we have seen).
 """
 
 from __future__ import annotations
@@ -119,39 +135,325 @@ def _strongly_connected(nodes: set[int], incoming: list[list[frozenset]]) -> lis
 
 
 def split_by_level(finder: SiteFinder, uids: Iterable[int]) -> int:
-    """Split each given site into its parts by level (module docstring); the number of new sites.
+    """Split the given sites into their parts by level (module docstring); the number of new sites.
 
-    The first part keeps the site's uid; the others are appended to ``finder.sites``, and the
-    finder's membership maps are rebuilt for the computations concerned.
+    The part holding a site's first member keeps the site's uid; the others are appended to
+    ``finder.sites``, and the finder's membership maps are rebuilt for the computations concerned.
     """
-    by_comp: dict[str, list[Site]] = {}
+    by_comp: dict[str, set[int]] = {}
     for uid in uids:
-        site = finder.sites[uid]
-        if len(site.members) > 1:
-            by_comp.setdefault(site.comp.name, []).append(site)
+        by_comp.setdefault(finder.sites[uid].comp.name, set()).add(uid)
     created = 0
-    for sites in by_comp.values():
-        comp = sites[0].comp
-        for site in sites:
-            levels = member_levels(finder, site)
-            parts: dict[int, list[HloInstruction]] = {}
-            for member in site.members:
-                parts.setdefault(levels[member.name], []).append(member)
-            if len(parts) < 2:
+    for comp_name, cyclic in by_comp.items():
+        if all(len(finder.sites[uid].members) < 2 for uid in cyclic):
+            continue
+        # Every site on a cycle takes part (one instruction's site is a part that never splits).
+        comp = finder.module.computations[comp_name]
+        parts = _Levels(finder, comp, cyclic).run()
+        created += _apply_parts(finder, comp, cyclic, parts)
+    return created
+
+
+#: Most parts a value remembers (the highest levels); below them only the highest level is kept.
+#: A residual stream, which no call's member reads in full, would carry every layer's parts.
+MAX_LIVE = 8
+# Memoised unions of two values, dropped past this many (each holds a set).
+_MAX_PAIRS = 1 << 16
+_OPEN = 1 << 62  # the lowest level that read a part: none yet
+
+
+class _Levels:
+    """The one pass of :func:`split_by_level` over a computation (module docstring)."""
+
+    def __init__(self, finder: SiteFinder, comp: HloComputation, cyclic: set[int]) -> None:
+        self.finder = finder
+        self.comp = comp
+        groups = finder.groups[comp.name]
+        self.groups = groups
+        # The memberships of the cyclic sites, by instruction, and for each the memberships it
+        # was linked to that come before it in the text (those placed when it is).
+        site_of = groups.site_of
+        owners = groups.owners
+        at = groups.at
+        memberships: dict[str, list[int]] = {}
+        for i, uid in enumerate(site_of):
+            if uid in cyclic:
+                name = owners[i].name
+                found = memberships.get(name)
+                if found is None:
+                    memberships[name] = [i]
+                else:
+                    found.append(i)
+        links: dict[int, list[int]] = {}
+        for a, b in groups.links:
+            uid = site_of[a]
+            if uid in cyclic and site_of[b] == uid:
+                if at[a] < at[b]:
+                    a, b = b, a
+                found = links.get(a)
+                if found is None:
+                    links[a] = [b]
+                else:
+                    found.append(b)
+        self.memberships = memberships
+        self.links = links
+        # Parts: a union-find with, per root, its level, its site (-1 - n for a loop's own part),
+        # the lowest level of another site's part that read it, and per same-site part that read
+        # it, the lowest level it did so at.
+        self.parent: list[int] = []
+        self.size: list[int] = []
+        self.level: list[int] = []
+        self.site: list[int] = []
+        self.read_at: list[int] = []
+        self.same_site_read: list[dict[int, int]] = []
+        self.part_of: dict[int, int] = {}
+        self.latest: dict[int, int] = {}  # site uid -> its part last joined or made
+
+    def find(self, p: int) -> int:
+        parent = self.parent
+        while parent[p] != p:
+            parent[p] = parent[parent[p]]
+            p = parent[p]
+        return p
+
+    def new_part(self, level: int, site: int) -> int:
+        part = len(self.parent)
+        self.parent.append(part)
+        self.size.append(1)
+        self.level.append(level)
+        self.site.append(site)
+        self.read_at.append(_OPEN)
+        self.same_site_read.append({})
+        return part
+
+    def can_rise(self, part: int, level: int, merging: set[int]) -> bool:
+        """Whether ``part`` may rise to ``level``: every part that read it (except those it is
+        merged with) read it at a higher level."""
+        if level >= self.read_at[part]:
+            return False
+        return all(level < at for reader, at in self.same_site_read[part].items() if self.find(reader) not in merging)
+
+    def merge(self, parts: list[int], level: int) -> int:
+        """One part of the roots ``parts`` (one site's), at ``level``; what read each, kept."""
+        # The largest part stays the root (union by size): chains stay short whatever the depth.
+        size = self.size
+        root = max(parts, key=size.__getitem__)
+        for part in parts:
+            if part != root:
+                self.parent[part] = root
+                size[root] += size[part]
+                self.read_at[root] = min(self.read_at[root], self.read_at[part])
+                for reader, at in self.same_site_read[part].items():
+                    known = self.same_site_read[root].get(reader)
+                    self.same_site_read[root][reader] = at if known is None else min(known, at)
+        self.level[root] = level
+        inside = set(parts)
+        readers = self.same_site_read[root]
+        for reader in [r for r in readers if self.find(r) in inside or r in inside]:
+            del readers[reader]
+        return root
+
+    def run(self) -> dict[int, int]:
+        """Each membership of the cyclic sites -> its part's root."""
+        find = self.find
+        level = self.level
+        part_of = self.part_of
+        links = self.links
+        memberships = self.memberships
+        # Per value: the parts it carries (``floors``: the highest level of parts closed for good,
+        # for the few values that dropped some). Unions of two operands' sets are memoised.
+        values: dict[str, frozenset[int]] = {}
+        get = values.get
+        floors: dict[str, int] = {}
+        pairs: dict[tuple[frozenset[int], frozenset[int]], frozenset[int]] = {}
+        empty: frozenset[int] = frozenset()
+        holding: dict[str, bool] = {}
+        for instr in self.comp.instructions:
+            name = instr.name
+            operands = instr.operands
+            floor = -1
+            if len(operands) == 1:
+                live = get(operands[0], empty)
+                if floors:
+                    floor = floors.get(operands[0], -1)
+            elif len(operands) == 2:
+                a = get(operands[0], empty)
+                b = get(operands[1], empty)
+                if a is b or not b:
+                    live = a
+                elif not a:
+                    live = b
+                else:
+                    live = pairs.get((a, b))  # type: ignore[assignment]
+                    if live is None:
+                        if len(pairs) > _MAX_PAIRS:
+                            pairs.clear()
+                        live = pairs[(a, b)] = a | b
+                if floors:
+                    floor = max(floors.get(operands[0], -1), floors.get(operands[1], -1))
+            elif operands:
+                # Many operands (a program's result tuple holds every updated weight): one set
+                # gathers them, where a union per operand would copy a growing set each time.
+                found = [v for v in map(get, operands) if v]
+                if not found:
+                    live = empty
+                elif len(found) == 1 or all(v is found[0] for v in found):
+                    live = found[0]
+                else:
+                    live = frozenset().union(*found)
+                if floors:
+                    floor = max(floors.get(o, -1) for o in operands)
+            else:
+                live = empty
+            if len(live) > MAX_LIVE:
+                live, floor = self.close_lowest(live, floor)
+            mine = memberships.get(name)
+            if mine is None:
+                if instr.opcode in NESTING_KIND and _holds_sites(self.finder, instr, holding):
+                    reads = {find(p) for p in live}
+                    top = max([floor, *(level[p] for p in reads)])
+                    part = self.new_part(top + 1, -1 - len(self.parent))
+                    self.read_at[part] = top + 2  # one instruction: it never rises
+                    self.record_reads(reads, [part])
+                    values[name] = frozenset((part,))
+                else:
+                    if live:
+                        values[name] = live
+                    if floor >= 0:
+                        floors[name] = floor
                 continue
-            ordered = [parts[level] for level in sorted(parts)]
-            joined = site.joined
-            pieces = [site]
-            for members in ordered[1:]:
-                part = Site(len(finder.sites), site.label, comp, members, [])
-                finder.sites.append(part)
-                pieces.append(part)
-                created += 1
-            site.members = ordered[0]
-            for piece in pieces:
-                piece.joined = frozenset(m.name for m in piece.members if m.name in joined)
-                piece.attributed = [m.custom_call_target or "" for m in piece.members if m.name in finder.attributed_names]
-        finder.index_memberships(comp, [site for site in finder.sites if site.comp is comp])
+            if len(mine) == 1 and floor < 0:
+                # The common member: it reads only parts it is linked to (its own call's), all at
+                # one level: it joins them, and nothing it reads is read from outside.
+                m = mine[0]
+                earlier = links.get(m)
+                if earlier:
+                    if len(live) == 1:
+                        (only,) = live
+                        root = find(only)
+                        if all(o in part_of and find(part_of[o]) == root for o in earlier):
+                            part_of[m] = root
+                            self.latest[self.groups.site_of[m]] = root
+                            values[name] = live
+                            continue
+                    else:
+                        linked = {find(part_of[o]) for o in earlier if o in part_of}
+                        if linked and {find(p) for p in live} <= linked:
+                            top = max(level[p] for p in linked)
+                            if all(level[p] == top for p in linked):
+                                root = self.merge(list(linked), top) if len(linked) > 1 else next(iter(linked))
+                                part_of[m] = root
+                                self.latest[self.groups.site_of[m]] = root
+                                values[name] = frozenset((root,))
+                                continue
+            reads = {find(p) for p in live}
+            placed = [self.place(m, reads, floor) for m in mine]
+            self.record_reads(reads, placed)
+            values[name] = frozenset(find(p) for p in placed)
+        return {m: find(p) for m, p in part_of.items()}
+
+    def place(self, m: int, reads: set[int], floor: int) -> int:
+        """Put membership ``m``, which reads the parts ``reads``, into a part; that part."""
+        find = self.find
+        level = self.level
+        linked = {find(self.part_of[o]) for o in self.links.get(m, ()) if o in self.part_of}
+        need = max([floor, *(level[p] for p in reads if p not in linked)]) + 1
+        top = max([need, *(level[p] for p in linked)])
+        at_top = {p for p in linked if level[p] == top}
+        joining = [*at_top, *(p for p in linked if level[p] < top and self.can_rise(p, top, at_top))]
+        site = self.groups.site_of[m]
+        if joining:
+            part = self.merge(joining, top)
+        else:
+            # Its own parts are closed to it: the site's latest part, if that can take it (as the
+            # parts of one level of one call: a backward's pieces need not meet).
+            part = self.latest.get(site, -1)
+            part = -1 if part < 0 else find(part)
+            if part >= 0 and part in reads:  # read through unlabelled ops: from inside the call
+                need = max([floor, *(level[p] for p in reads if p not in linked and p != part)]) + 1
+            if part >= 0 and (level[part] >= need or self.can_rise(part, need, {part})):
+                level[part] = max(level[part], need)
+            else:
+                part = self.new_part(top, site)
+        self.latest[site] = part
+        self.part_of[m] = part
+        return part
+
+    def close_lowest(self, live: frozenset[int], floor: int) -> tuple[frozenset[int], int]:
+        """Keep the ``MAX_LIVE`` highest parts of a value live; close the others for good."""
+        find = self.find
+        ordered = sorted({find(p) for p in live}, key=self.level.__getitem__)
+        for part in ordered[:-MAX_LIVE]:
+            # Closed for good: it can no longer rise, so its level may be kept as a floor only.
+            self.read_at[part] = min(self.read_at[part], self.level[part] + 1)
+            floor = max(floor, self.level[part])
+        return frozenset(ordered[-MAX_LIVE:]), floor
+
+    def record_reads(self, reads: Iterable[int], readers: list[int]) -> None:
+        """Each part read by ``readers`` remembers the lowest level it was read at."""
+        find = self.find
+        for reader in readers:
+            root = find(reader)
+            at = self.level[root]
+            site = self.site[root]
+            for part in reads:
+                part = find(part)
+                if part == root:
+                    continue
+                if self.site[part] == site:
+                    known = self.same_site_read[part].get(root)
+                    self.same_site_read[part][root] = at if known is None else min(known, at)
+                elif at < self.read_at[part]:
+                    self.read_at[part] = at
+
+
+def _apply_parts(finder: SiteFinder, comp: HloComputation, cyclic: set[int], part_of: dict[int, int]) -> int:
+    """Make each cyclic site's parts sites (the lowest level keeps the uid); the number of new sites."""
+    groups = finder.groups[comp.name]
+    created = 0
+    by_site: dict[int, dict[int, list[int]]] = {}
+    for m, part in part_of.items():
+        by_site.setdefault(groups.site_of[m], {}).setdefault(part, []).append(m)
+    for uid in sorted(cyclic):
+        site = finder.sites[uid]
+        by_part = by_site.get(uid, {})
+        if len(by_part) < 2:
+            continue
+        # Parts in order of their first member, members in text order (the site's order).
+        root_of = {groups.owners[m].name: part for part, ms in by_part.items() for m in ms}
+        index_of: dict[int, int] = {}
+        member_part: dict[str, int] = {}
+        for member in site.members:
+            part = root_of.get(member.name)
+            if part is not None:
+                member_part[member.name] = index_of.setdefault(part, len(index_of))
+        ordered = sorted(by_part.items(), key=lambda item: index_of[item[0]])
+        parts: list[list[HloInstruction]] = [[] for _ in ordered]
+        for member in site.members:
+            k = member_part.get(member.name)
+            if k is None:
+                # Attached without a membership (a shared op): with each part it computes for.
+                users = finder.users(comp)
+                near = {member_part[n] for n in (*member.operands, *users.get(member.name, ())) if n in member_part}
+                for j in sorted(near) or [0]:
+                    parts[j].append(member)
+            else:
+                parts[k].append(member)
+        pieces = [site]
+        for members in parts[1:]:
+            piece = Site(len(finder.sites), site.label, comp, members, [])
+            finder.sites.append(piece)
+            pieces.append(piece)
+            created += 1
+        site.members = parts[0]
+        for k, piece in enumerate(pieces):
+            names = {m.name for m in piece.members}
+            piece.joined = frozenset(n for n in site.joined if n in names)
+            piece.attributed = [m.custom_call_target or "" for m in piece.members if m.name in finder.attributed_names]
+            piece.shared = frozenset(n for n in site.shared if n in names)
+            for m in ordered[k][1]:
+                groups.site_of[m] = piece.uid
+    finder.index_memberships(comp, [site for site in finder.sites if site.comp is comp])
     return created
 
 
@@ -173,43 +475,19 @@ def split_apart(finder: SiteFinder, uids: Iterable[int]) -> int:
         for piece in [site, *finder.sites[len(finder.sites) - len(members) + 1 :]]:
             piece.joined = frozenset(m.name for m in piece.members if m.name in site.joined)
             piece.attributed = [m.custom_call_target or "" for m in piece.members if m.name in finder.attributed_names]
+            piece.shared = frozenset(m.name for m in piece.members if m.name in site.shared)
     for comp in by_comp.values():
-        finder.index_memberships(comp, [site for site in finder.sites if site.comp is comp])
+        sites = [site for site in finder.sites if site.comp is comp]
+        groups = finder.groups.get(comp.name)
+        if groups is not None:
+            membership = {(owner.name, lab): i for i, (owner, lab) in enumerate(zip(groups.owners, groups.labels))}
+            for site in sites:
+                for member in site.members:
+                    i = membership.get((member.name, site.label))
+                    if i is not None:
+                        groups.site_of[i] = site.uid
+        finder.index_memberships(comp, sites)
     return created
-
-
-def member_levels(finder: SiteFinder, site: Site) -> dict[str, int]:
-    """Level of each member of ``site``: one pass over the instructions from its first member to its last."""
-    members = {m.name for m in site.members}
-    memberships = finder.site_sets[site.comp.name]
-    mine = site.uid
-    at = finder.positions(site.comp)
-    start = min(at[m] for m in members)
-    stop = max(at[m] for m in members)
-    clean: dict[str, int] = {}  # highest level reaching a value without leaving the site since
-    crossed: dict[str, int] = {}  # highest level that left the site through another site's instruction
-    levels: dict[str, int] = {}
-    holding: dict[str, bool] = {}
-    for instr in site.comp.instructions[start : stop + 1]:
-        name = instr.name
-        best_clean = best_crossed = -1
-        for operand in instr.operands:
-            best_clean = max(best_clean, clean.get(operand, -1))
-            best_crossed = max(best_crossed, crossed.get(operand, -1))
-        if name in members:
-            levels[name] = clean[name] = max(0, best_clean, best_crossed + 1)
-            continue
-        other_site = name in memberships and mine not in memberships[name]
-        if other_site or (instr.opcode in NESTING_KIND and _holds_sites(finder, instr, holding)):
-            top = max(best_clean, best_crossed)
-            if top >= 0:
-                crossed[name] = top
-            continue
-        if best_clean >= 0:
-            clean[name] = best_clean
-        if best_crossed >= 0:
-            crossed[name] = best_crossed
-    return levels
 
 
 def _holds_sites(finder: SiteFinder, instr: HloInstruction, memo: dict[str, bool]) -> bool:

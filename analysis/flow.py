@@ -24,21 +24,32 @@ site of label B when an op of A feeds an op of B in the fused computation (neare
 unlabelled ops). On GPU one gemm fusion can hold a producer's elementwise ops, the dot and an
 epilogue of three kernels, and that order is the only data order left between them.
 
+A combined collective (:mod:`.sites`: XLA's combiners merge the collectives of several calls)
+is read lane by lane, as the tuple of its operands' sets, whatever labels it carries: a site
+reading one of its elements reads that element's operand only. Shared leaves carry no site.
+
 Which tuple element a get-tuple-element picks and which operand a parameter takes come from the
 instruction facts (:class:`.costs.InstructionFacts`); where they were inferred from shapes and
 several elements fit, the value is the union of those elements.
+
+Nothing recurses, however deeply computations nest: each walk of a computation is a generator
+that hands the walks it needs (a loop body, a branch) to a driver (:meth:`DataFlow.drive`), which
+keeps them on a stack of its own and sends each result back.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from .costs import InstructionFacts, tuple_elements
 from .hlo import HloInstruction, HloModule
+from .hlo_async import ASYNC_FOLLOWERS
+from .nesting import post_order
+from .site_parts import COMBINABLE, contents_of
 from .sites import NESTING_KIND, SiteFinder, own_label
 
 __all__ = ["MAX_UPSTREAM", "DataFlow"]
@@ -50,8 +61,11 @@ Value = frozenset | tuple  # upstream sites of a value; tuples hold one Value pe
 _EMPTY: frozenset = frozenset()
 _NO_SITES: dict[str, frozenset] = {}
 # Opcodes the pass treats specially; everything else unions its operands' sets.
-_FLOW_SPECIAL = frozenset({"parameter", "tuple", "get-tuple-element", *NESTING_KIND})
-_TUPLE_KEEPING = frozenset({"copy", "opt-barrier", "bitcast"})
+_FLOW_SPECIAL = frozenset({"parameter", "tuple", "get-tuple-element", *NESTING_KIND, *COMBINABLE})
+_TUPLE_KEEPING = frozenset({"copy", "opt-barrier", "bitcast", *ASYNC_FOLLOWERS})
+_NO_NAMES: frozenset[str] = frozenset()
+# A walk: a generator that yields the walks it needs and returns its computation's root value.
+Walk = Generator[Any, Any, Any]
 # A fused computation's ports: labels reading each parameter, (labels, parameters) producing each output.
 _Ports = tuple[dict[int, frozenset[str]] | None, list[tuple[frozenset[str], frozenset[int]]]]
 
@@ -110,23 +124,54 @@ class DataFlow:
         order = [self.module.entry] + [c for c in self.module.computations if c != self.module.entry]
         for comp_name in order:
             if comp_name not in self.callers:
-                self.flow(comp_name, [])
+                self.drive(self.flow(comp_name, []))
         for comp_name in order:
             if not self.sites.is_inlined(comp_name):
-                self.flow(comp_name, [])
+                self.drive(self.flow(comp_name, []))
         self.merged.clear()
         self.flat.clear()
         return self.incoming
 
+    @staticmethod
+    def drive(walk: Walk) -> Value:
+        """Run a walk to its end, and each walk it yields before it resumes (a stack, not recursion)."""
+        stack = [walk]
+        result: Any = None
+        while stack:
+            try:
+                request = stack[-1].send(result)
+            except StopIteration as done:
+                stack.pop()
+                result = done.value
+                continue
+            stack.append(request)
+            result = None
+        return result
+
     # -- set algebra -------------------------------------------------------------
 
     def flatten(self, value: tuple) -> frozenset:
-        """All upstream sites of a tuple value (memoised: a tuple is often read many times)."""
+        """All upstream sites of a tuple value (memoised: a tuple is often read many times).
+
+        Nested tuples are flattened innermost first, from a stack of their own.
+        """
         found = self.flat.get(value)
-        if found is None:
-            found = self.union(value)
-            self.flat[value] = found
-        return found
+        if found is not None:
+            return found
+        flat = self.flat
+        pending: list[tuple] = [value]
+        while pending:
+            top = pending[-1]
+            if top in flat:
+                pending.pop()
+                continue
+            inner = [v for v in top if v.__class__ is tuple and v not in flat]
+            if inner:
+                pending.extend(inner)  # type: ignore[arg-type]
+                continue
+            pending.pop()
+            flat[top] = self.union(top)
+        return flat[value]
 
     def union(self, values: Iterable[Value]) -> frozenset:
         """Union of upstream sets (tuples flattened), capped at ``MAX_UPSTREAM``.
@@ -137,7 +182,7 @@ class DataFlow:
         result: frozenset = _EMPTY
         for value in values:
             if value.__class__ is tuple:
-                value = self.flatten(value)  # type: ignore[arg-type]
+                value = self.flat.get(value) or self.flatten(value)  # type: ignore[arg-type]
             if value and value is not result:
                 result = value if not result else self.merge(result, value)  # type: ignore[assignment,arg-type]
         return result
@@ -188,7 +233,7 @@ class DataFlow:
 
     # -- the walk ------------------------------------------------------------------
 
-    def flow(self, comp_name: str, seeds: list[Value]) -> Value:
+    def flow(self, comp_name: str, seeds: list[Value]) -> Walk:
         """Propagate upstream sites through one computation; returns its root's value.
 
         A computation called from one place is walked once with its caller's operands. One
@@ -196,12 +241,12 @@ class DataFlow:
         each caller gets the summary with its own operands substituted (see ``flow_shared``).
         """
         if comp_name in self.shared:
-            return self.flow_shared(comp_name, seeds)
+            return (yield self.flow_shared(comp_name, seeds))
         if comp_name in self.flowed:
             return self.flowed[comp_name]
-        return self.walk(comp_name, seeds)
+        return (yield self.walk(comp_name, seeds))
 
-    def walk(self, comp_name: str, seeds: list[Value] | None) -> Value:
+    def walk(self, comp_name: str, seeds: list[Value] | None) -> Walk:
         """One pass over a computation; ``seeds=None`` gives its parameters placeholder sets."""
         comp = self.module.computations.get(comp_name)
         if comp is None or comp_name in self.in_flow:
@@ -211,6 +256,9 @@ class DataFlow:
         get = values.get
         incoming = self.target
         comp_sites = self.sites.site_sets.get(comp_name, _NO_SITES)
+        # Shared members carry no site's values: combined collectives are read lane by lane,
+        # shared leaves as the nothing they read.
+        not_members = self.sites.lanes.get(comp_name, _NO_NAMES) | self.sites.passive.get(comp_name, _NO_NAMES)
         facts = self.facts
         merge = self.merge
         flatten = self.flatten
@@ -220,7 +268,7 @@ class DataFlow:
             name = instr.name
             operands = instr.operands
             mine = comp_sites.get(name)
-            if mine is not None:
+            if mine is not None and not (not_members and name in not_members):
                 # A site member: what its operands carry flows into its site(s).
                 if len(mine) > 1 and len(instr.called_computations) == 1 and instr.opcode not in NESTING_KIND:
                     # A fusion holding several labels: each operand flows to the labels inside
@@ -230,12 +278,15 @@ class DataFlow:
                 for operand in operands:
                     upstream = get(operand, _EMPTY)
                     if upstream.__class__ is tuple:
-                        upstream = flatten(upstream)  # type: ignore[arg-type]
+                        if instr.opcode == "get-tuple-element":  # its element only (a lane, say)
+                            upstream = self.pick(upstream, facts.index_of(instr, comp))  # type: ignore[arg-type]
+                        if upstream.__class__ is tuple:
+                            upstream = flatten(upstream)  # type: ignore[arg-type]
                     if upstream and upstream is not mine:
                         for s in mine:
                             incoming[s].append(upstream)  # type: ignore[arg-type]
                 if instr.opcode in NESTING_KIND:
-                    self.flow_nested(instr, values)
+                    yield self.flow_nested(instr, values)
                 values[name] = mine
                 continue
             opcode = instr.opcode
@@ -257,8 +308,12 @@ class DataFlow:
                 elif opcode == "get-tuple-element":
                     source = get(operands[0], _EMPTY) if operands else _EMPTY
                     value = self.pick(source, facts.index_of(instr, comp)) if source.__class__ is tuple else source  # type: ignore[arg-type]
+                elif opcode in NESTING_KIND:
+                    value = yield self.flow_nested(instr, values)
+                elif len(operands) > 1 and instr.shape.startswith("("):
+                    value = tuple([get(o, _EMPTY) for o in operands])  # a combined collective: its lanes
                 else:
-                    value = self.flow_nested(instr, values)
+                    value = union([get(o, _EMPTY) for o in operands])
             elif len(operands) == 2:
                 a = get(operands[0], _EMPTY)
                 b = get(operands[1], _EMPTY)
@@ -299,14 +354,31 @@ class DataFlow:
     # -- shared computations -------------------------------------------------------
 
     def placeholder(self, positions: tuple[int, ...] | None, path: tuple[int, ...], shape: str) -> Value:
-        """The value of a parameter (or of one element of a tuple parameter) of a shared computation."""
-        parts = tuple_elements(shape)
-        if parts is None:
-            self.placeholders.append((positions, path))
-            return frozenset((-len(self.placeholders),))
-        return tuple([self.placeholder(positions, path + (i,), part) for i, part in enumerate(parts)])
+        """The value of a parameter (or of one element of a tuple parameter) of a shared computation.
 
-    def flow_shared(self, comp_name: str, seeds: list[Value]) -> Value:
+        One placeholder set per array element of the shape, nested as its tuples are; the
+        nesting is built from a stack, innermost tuples first.
+        """
+        # (shape, path, parts or None, values built so far)
+        pending: list[tuple[str, tuple[int, ...], tuple[str, ...] | None, list[Value]]] = [(shape, path, tuple_elements(shape), [])]
+        result: Value = _EMPTY
+        while pending:
+            shape_now, path_now, parts, built = pending[-1]
+            if parts is None:
+                self.placeholders.append((positions, path_now))
+                result = frozenset((-len(self.placeholders),))
+            elif len(built) < len(parts):
+                part = parts[len(built)]
+                pending.append((part, path_now + (len(built),), tuple_elements(part), []))
+                continue
+            else:
+                result = tuple(built)
+            pending.pop()
+            if pending:
+                pending[-1][3].append(result)
+        return result
+
+    def flow_shared(self, comp_name: str, seeds: list[Value]) -> Walk:
         """Flow through a computation called from several places, with this caller's operands.
 
         The computation is walked once with placeholder sets for its parameters; what its sites
@@ -318,7 +390,7 @@ class DataFlow:
         if summary is None:
             if comp_name in self.in_flow or comp_name not in self.module.computations:
                 return self.union(seeds)
-            summary = self.summarise(comp_name)
+            summary = yield self.summarise(comp_name)
         if not summary.symbolic:
             return summary.root
         resolved: dict[int, frozenset] = {}
@@ -356,32 +428,39 @@ class DataFlow:
         splits = summary.splits
         done: dict[Any, Value] = {}
 
-        def substitute(value: Value) -> Value:
-            found = done.get(value)
-            if found is not None:
-                return found
-            if value.__class__ is tuple:
-                result: Value = tuple([substitute(v) for v in value])  # type: ignore[union-attr]
+        def substitute_set(value: frozenset) -> Value:
+            concrete, pids = splits[value]
+            if not pids:
+                return concrete
+            if not concrete and len(pids) == 1:
+                return resolve(pids[0])
+            return self.union([concrete, *(resolve(pid) for pid in pids)])
+
+        # The root's value with each set substituted; nested tuples innermost first, from a stack.
+        pending: list[Any] = [summary.root]
+        while pending:
+            top = pending[-1]
+            if top in done:
+                pending.pop()
+            elif top.__class__ is not tuple:
+                done[top] = substitute_set(top)
+                pending.pop()
             else:
-                concrete, pids = splits[value]
-                if not pids:
-                    result = concrete
-                elif not concrete and len(pids) == 1:
-                    result = resolve(pids[0])
+                inner = [v for v in top if v not in done]
+                if inner:
+                    pending.extend(inner)
                 else:
-                    result = self.union([concrete, *(resolve(pid) for pid in pids)])
-            done[value] = result
-            return result
+                    done[top] = tuple([done[v] for v in top])
+                    pending.pop()
+        return done[summary.root]
 
-        return substitute(summary.root)
-
-    def summarise(self, comp_name: str) -> _SharedFlow:
+    def summarise(self, comp_name: str) -> Walk:
         """Walk a shared computation once in terms of its parameters (see ``flow_shared``)."""
         saved = self.target
         pending: dict[int, list[frozenset]] = defaultdict(list)
         self.target = pending
         try:
-            root = self.walk(comp_name, None)
+            root = yield self.walk(comp_name, None)
         finally:
             self.target = saved
         splits: dict[frozenset, tuple[frozenset, tuple[int, ...]]] = {}
@@ -519,49 +598,59 @@ class DataFlow:
     def label_pairs(self, comp_name: str) -> frozenset[tuple[str, str]]:
         """``(upstream label, label)`` where an op of one feeds an op of the other in a called computation.
 
-        Nearest labels only, through unlabelled ops, and through the computations its ops call;
-        an op that calls computations holding labels counts as having those labels.
+        Nearest labels only, through unlabelled ops, and through the computations its ops call
+        (worked out first, in post-order); an op that calls computations holding labels counts as
+        having those labels.
         """
         found = self.pairs.get(comp_name)
         if found is not None:
             return found
-        self.pairs[comp_name] = frozenset()  # breaks call cycles in malformed text
-        comp = self.module.computations.get(comp_name)
-        pairs: set[tuple[str, str]] = set()
-        if comp is not None:
-            values: dict[str, frozenset[str]] = {}
-            for instr in comp.instructions:
-                upstream: frozenset[str] = frozenset().union(*(values.get(o, _EMPTY) for o in instr.operands))
-                own = own_label(instr) if instr.frontend_attributes else None
-                labels = set() if own is None else {own}
-                for callee in instr.called_computations:
-                    labels.update(self.sites.summary(callee))
-                    pairs |= self.label_pairs(callee)
-                if labels:
-                    pairs.update((u, lab) for u in upstream for lab in labels if u != lab)
-                    values[instr.name] = frozenset(labels)
-                else:
-                    values[instr.name] = upstream
-        found = frozenset(pairs)
-        self.pairs[comp_name] = found
-        return found
+        computations = self.module.computations
 
-    def flow_nested(self, instr: HloInstruction, values: dict[str, Value]) -> Value:
+        def callees(name: str) -> list[str]:
+            comp = computations.get(name)
+            return [] if comp is None else [c for i in comp.instructions for c in contents_of(i)]
+
+        for name in post_order([comp_name], callees, self.pairs.__contains__):
+            comp = computations.get(name)
+            pairs: set[tuple[str, str]] = set()
+            if comp is not None:
+                values: dict[str, frozenset[str]] = {}
+                for instr in comp.instructions:
+                    upstream: frozenset[str] = frozenset().union(*(values.get(o, _EMPTY) for o in instr.operands))
+                    own = own_label(instr) if instr.frontend_attributes else None
+                    labels = set() if own is None else {own}
+                    for callee in contents_of(instr):
+                        labels.update(self.sites.summary(callee))
+                        pairs |= self.pairs.get(callee, frozenset())
+                    if labels:
+                        pairs.update((u, lab) for u in upstream for lab in labels if u != lab)
+                        values[instr.name] = frozenset(labels)
+                    else:
+                        values[instr.name] = upstream
+            self.pairs[name] = frozenset(pairs)
+        return self.pairs[comp_name]
+
+    def flow_nested(self, instr: HloInstruction, values: dict[str, Value]) -> Walk:
         """Flow into a while body / branches / call target; the value the instruction produces."""
         operands = [values.get(o, _EMPTY) for o in instr.operands]
         called = instr.called_computations
         if instr.opcode == "conditional":
-            branches = [self.flow(c, [operands[k + 1]] if k + 1 < len(operands) else []) for k, c in enumerate(called)]
+            branches = []
+            for k, c in enumerate(called):
+                branches.append((yield self.flow(c, [operands[k + 1]] if k + 1 < len(operands) else [])))
             return self.union_elementwise(branches)
         if instr.opcode == "while":
             result: Value = _EMPTY
             for comp_name in called:
-                root = self.flow(comp_name, operands[:1])
+                root = yield self.flow(comp_name, operands[:1])
                 # The body's root (a tuple like the loop state) is the loop's result; the condition returns a predicate.
                 if isinstance(root, tuple) or result is _EMPTY:
                     result = root if isinstance(root, tuple) else self.union([result, root])
             return result if result is not _EMPTY else self.union(operands)
-        roots = [self.flow(c, operands) for c in called]
+        roots = []
+        for c in called:
+            roots.append((yield self.flow(c, operands)))
         return roots[0] if len(roots) == 1 else self.union(roots)
 
     def union_elementwise(self, values: list[Value]) -> Value:

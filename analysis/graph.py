@@ -21,7 +21,16 @@ bound). A computation called from several places takes the nesting of its first 
 through unlabelled instructions (:mod:`.flow`). The data edges form a DAG: a site that would lie
 on a cycle (a kernel differentiated by JAX labels its backward ops like its forward ones, and the
 backward reads the forward's intermediates) is split by level into its forward and its backward
-(:mod:`.cycles`).
+(:mod:`.cycles`), in one pass over its computation.
+
+*Shared ops.* An instruction that XLA made compute for several calls, or for a call and the
+user's code (a combined collective, a leaf its CSE shared, a fusion holding several labels), is
+a member of each call it computes for and listed in its node's ``shared``; it links no calls,
+gives no call another's inputs, and a shared collective or leaf costs no call anything.
+``graph.graph["shared"]`` lists each once: ``module``, ``computation``, ``instruction``,
+``kind`` (``"combined"``, ``"leaf"``, ``"fusion"``), ``labels``, ``nodes`` (none for a fusion
+holding only copies of a label's leaves, which is no site of that label) and ``outside``
+(whether unlabelled code shares it). :mod:`.sites` has the rules.
 
 *Costs.* ``flops`` counts the site's labelled instructions, inside fusions too
 (:func:`.costs.instruction_flops`): dots and library gemms 2 × result × contracted elements,
@@ -36,7 +45,10 @@ Which forms count what
   before it is read), so their sites, flops and bytes are equal; an XLA dump's
   ``before_optimizations`` file is that HLO too.
 * Compiled HLO (``Compiled.as_text()``, a dump's ``after_optimizations`` file) is what XLA made
-  of it: the same sites as long as XLA keeps the labels on the ops it rewrites. A dot's flops are
+  of it: the same sites as long as XLA keeps the labels on the ops it rewrites; where it merged
+  the ops of several calls into one (the all-reduce combiner, CSE, fusion), the merged op is
+  shared (above), so the calls stay as many. XLA's async shorthand
+  (``custom-call-start``/``-update``/``-done``) is one op: an ``async-start`` wrapping it. A dot's flops are
   the same (XLA does not change what a dot computes); elementwise flops change where XLA's
   simplifier rewrites ops (``x / c`` into ``x * (1/c)``, broadcasts folded, a select turned into
   a conditional), and bytes change most: fused ops write nothing to memory, layouts add copies.
@@ -71,13 +83,15 @@ from .costs import ELEMENTWISE, elements, instruction_flops, shape_info
 from .cycles import sites_on_cycles, split_apart, split_by_level
 from .export import draw, from_node_link_json, to_dot, to_node_link_json
 from .flow import MAX_UPSTREAM, DataFlow
-from .hlo import HloInstruction
+from .hlo import HloComputation, HloInstruction
 from .program import ProgramModule, UnreadModule, read_program
 from .sites import NESTING_KIND, TRANSPARENT, Site, SiteFinder, own_label
 
 __all__ = ["MAX_UPSTREAM", "call_graph", "draw", "from_node_link_json", "to_dot", "to_node_link_json"]
 
 _MAX_SPLIT_ROUNDS = 8  # each round splits the sites on cycles; real programs need one
+_NOTHING: frozenset[str] = frozenset()
+_NO_UIDS: frozenset[int] = frozenset()
 
 
 def call_graph(x: Any, selector: Any = None, device: str | None = None) -> nx.DiGraph:
@@ -97,6 +111,7 @@ def call_graph(x: Any, selector: Any = None, device: str | None = None) -> nx.Di
     graph.graph["inferred_facts"] = []
     graph.graph["program"] = program.origin
     graph.graph["notes"] = list(program.notes)
+    graph.graph["shared"] = []
     resolved: dict[tuple[str, str], Any] = {}
 
     def resolve(op_id: str, call_key: str) -> Any:
@@ -134,20 +149,43 @@ class _Builder:
         self.graph = graph
         self.resolve = resolve
         self.split_labels: dict[str, tuple[str, str, str, str, Any]] = {}
+        self.flow: DataFlow | None = None  # the last data flow: its fusion ports, for inputs
 
     def build(self) -> None:
         finder = SiteFinder(self.module, self.facts)
         finder.find_all()
         if not finder.sites:
+            self.add_shared(finder)
             return
-        incoming = DataFlow(self.module, self.facts, finder).run()
+        flow = DataFlow(self.module, self.facts, finder)
+        incoming = flow.run()
         for _ in range(_MAX_SPLIT_ROUNDS):
             cyclic = sites_on_cycles(finder, incoming)
             if not cyclic or not (split_by_level(finder, cyclic) or split_apart(finder, cyclic)):
                 break
-            incoming = DataFlow(self.module, self.facts, finder).run()
+            flow = DataFlow(self.module, self.facts, finder)
+            incoming = flow.run()
+        self.flow = flow
         self.add_nodes(finder)
         _add_data_edges(self.graph, [site.node for site in finder.sites], incoming)
+        self.add_shared(finder)
+
+    def add_shared(self, finder: SiteFinder) -> None:
+        """``graph.graph["shared"]``: each shared op once, with the nodes it is a member of."""
+        listed = self.graph.graph["shared"]
+        for op in finder.shared_ops:
+            uids = finder.site_sets.get(op.computation, {}).get(op.instruction, frozenset())
+            listed.append(
+                {
+                    "module": self.name,
+                    "computation": op.computation,
+                    "instruction": op.instruction,
+                    "kind": op.kind,
+                    "labels": list(op.labels),
+                    "nodes": sorted(finder.sites[uid].node for uid in uids),
+                    "outside": op.outside,
+                }
+            )
 
     # -- nodes ---------------------------------------------------------------
 
@@ -163,12 +201,16 @@ class _Builder:
         for site in finder.sites:
             by_comp.setdefault(site.comp.name, []).append(site)
         for comp_name, sites in by_comp.items():
-            users = finder.member_users(sites[0].comp)
+            leaving = _outputs(finder, sites[0].comp)
+            # Shared collectives and leaves compute for other calls too: they give a call no
+            # inputs, outputs or costs (a fusion holding several labels counts its own label's part).
+            not_costed = finder.lanes.get(comp_name, set()) | finder.passive.get(comp_name, set())
             context = finder.context(comp_name)
             nesting = tuple(c.name for c in context)
             multiplicity = _multiplicity(context)
             for site in sites:
-                nodes.append((site.node, self.site_attributes(finder, site, users, nesting, multiplicity)))
+                passive = site.shared & not_costed if site.shared else _NOTHING
+                nodes.append((site.node, self.site_attributes(finder, site, leaving, passive, nesting, multiplicity)))
                 seen.add(site.node)
                 if context:
                     self.nesting_nodes(site.node, context, nodes, seen, nesting_edges)
@@ -201,18 +243,24 @@ class _Builder:
         self,
         finder: SiteFinder,
         site: Site,
-        users: Mapping[str, list[str]],
+        leaving: set[tuple[str, int]],
+        passive: frozenset[str],
         nesting: tuple[str, ...],
         multiplicity: int | None,
     ) -> dict[str, Any]:
-        """The node attributes of one kernel site (see the module docstring for the costs)."""
+        """The node attributes of one kernel site (see the module docstring for the costs).
+
+        ``leaving``: (member, site uid) whose value is read outside that site (:func:`_outputs`);
+        ``passive``: the site's shared members that count nothing for it.
+        """
         comp = site.comp
         lab = site.label
+        uid = site.uid
         by_name = finder.by_name[comp.name]
         lookup = by_name.get
         members = site.members
         joined = site.joined
-        member_names = {members[0].name} if len(members) == 1 else {m.name for m in members}
+        site_sets = finder.site_sets[comp.name]
         opcodes: dict[str, int] = {}
         flops = 0
         instructions = 0
@@ -224,6 +272,14 @@ class _Builder:
             instructions += 1
             opcode = instr.opcode
             opcodes[opcode] = opcodes.get(opcode, 0) + 1
+            if passive and instr.name in passive:
+                continue
+            operands = instr.operands
+            if site.shared and instr.name in site.shared and instr.called_computations and self.flow is not None:
+                # A fusion holding several calls: this call's inputs are the operands its ops read.
+                readers = self.flow.fusion_ports(instr.called_computations[0])[0]
+                if readers is not None:
+                    operands = tuple(o for k, o in enumerate(operands) if lab in readers.get(k, ()))
             if instr.name not in joined:
                 if opcode in ELEMENTWISE:
                     flops += elements(instr.shape)
@@ -237,21 +293,15 @@ class _Builder:
                             opcodes[key] = opcodes.get(key, 0) + count
                         flops += inner.flops
             written += shape_info(instr.shape)[0]
-            for operand in instr.operands:
-                if operand not in member_names and operand not in inputs:
+            for operand in operands:
+                if operand not in inputs and uid not in site_sets.get(operand, _NO_UIDS):
                     source = by_name.get(operand)
                     if source is None:
                         inputs[operand] = ""
-                    elif source.opcode not in TRANSPARENT or not _passes_from(source, member_names):
+                    elif source.opcode not in TRANSPARENT or not _passes_from(source, uid, site_sets):
                         inputs[operand] = source.shape
-            following = users.get(instr.name)
-            if not following or instr.is_root:
-                shapes.append(instr.shape)
-            else:
-                for user in following:
-                    if user not in member_names and not _stays_inside(by_name, user, member_names, users):
-                        shapes.append(instr.shape)  # read outside the site: an output of the call
-                        break
+            if instr.is_root or (instr.name, uid) in leaving:
+                shapes.append(instr.shape)  # read outside the site (or by nothing): an output of the call
         read = 0
         for shape in inputs.values():
             read += shape_info(shape)[0]
@@ -278,6 +328,7 @@ class _Builder:
             "input_shapes": [s for s in inputs.values() if s],
             "attributed_custom_calls": list(site.attributed),
             "members": [m.name for m in members],
+            "shared": sorted(site.shared),
         }
 
     def nesting_nodes(
@@ -337,27 +388,58 @@ def _split_label(lab: str) -> tuple[str, str]:
     return match.group("op"), match.group("key")
 
 
-def _passes_from(instr: HloInstruction, members: set[str]) -> bool:
-    """A transparent unlabelled op fed only by the site's members: a hop inside the site."""
+def _passes_from(instr: HloInstruction, uid: int, site_sets: Mapping[str, frozenset]) -> bool:
+    """A transparent unlabelled op fed only by the members of site ``uid``: a hop inside it."""
     return (
         instr.opcode in TRANSPARENT
         and own_label(instr) is None
         and bool(instr.operands)
-        and all(o in members for o in instr.operands)
+        and all(uid in site_sets.get(o, _NO_UIDS) for o in instr.operands)
     )
 
 
-def _stays_inside(
-    by_name: Mapping[str, HloInstruction], user: str, members: set[str], users: Mapping[str, list[str]]
-) -> bool:
-    """Whether a value read by ``user`` stays in the site: a member, or a transparent hop into it."""
-    if user in members:
-        return True
-    instr = by_name.get(user)
-    if instr is None or instr.opcode not in TRANSPARENT or own_label(instr) is not None or instr.is_root:
-        return False
-    following = users.get(user, ())
-    return bool(following) and all(u in members for u in following)
+def _outputs(finder: SiteFinder, comp: HloComputation) -> set[tuple[str, int]]:
+    """(member, site uid) of the members of ``comp`` whose value leaves that site, in one pass.
+
+    A value leaves its site when nothing reads it, or when an instruction outside the site reads
+    it, other than an unlabelled transparent op (a bitcast, a get-tuple-element...) all of whose
+    readers are in the site: a hop inside the call.
+    """
+    site_sets = finder.site_sets.get(comp.name, {})
+    leaving: set[tuple[str, int]] = set()
+    read: set[str] = set()
+    hops: dict[str, list[tuple[str, int]]] = {}  # hop -> (member, uid) it passes on
+    hop_ok: dict[str, bool] = {}
+    hop_read: set[str] = set()
+    mark_read = read.update
+    for instr in comp.instructions:
+        name = instr.name
+        mine = site_sets.get(name, _NO_UIDS)
+        operands = instr.operands
+        mark_read(operands)
+        for operand in operands:
+            if hops and operand in hops:
+                hop_read.add(operand)
+                if hop_ok[operand] and not all(uid in mine for _, uid in hops[operand]):
+                    hop_ok[operand] = False
+            theirs = site_sets.get(operand)
+            if theirs is None or theirs is mine:
+                continue
+            for uid in theirs:
+                if uid in mine:
+                    continue
+                if name not in site_sets and instr.opcode in TRANSPARENT and not instr.is_root and own_label(instr) is None:
+                    hops.setdefault(name, []).append((operand, uid))
+                    hop_ok.setdefault(name, True)
+                else:
+                    leaving.add((operand, uid))
+    for hop, passing in hops.items():
+        if not hop_ok[hop] or hop not in hop_read:
+            leaving.update(passing)
+    for name in site_sets:
+        if name not in read:
+            leaving.update((name, uid) for uid in site_sets[name])
+    return leaving
 
 
 # ---------------------------------------------------------------------------
@@ -474,4 +556,5 @@ def _add_degraded(graph: nx.DiGraph, unread: UnreadModule, resolve: Any) -> None
             input_shapes=[],
             attributed_custom_calls=[],
             members=[],
+            shared=[],
         )

@@ -22,16 +22,11 @@ a ``Program``                   itself
 ==============================  ===========================================================
 
 Whether a text is HLO or StableHLO is decided by its first token (:func:`.hlo.program_kind`),
-never by what it mentions further on. A path is a ``str`` or ``os.PathLike`` naming an existing
-file or directory, or ending in ``.txt``, ``.hlo``, ``.mlir`` or ``/`` (a missing one is a
-``FileNotFoundError``); a ``str`` holding a line break is always text.
-
-Reading is bounded, because program files and dump directories come from elsewhere: only regular
-files are read (a FIFO, a device such as ``/dev/zero`` or a socket is refused at once, before it is
-opened, and checked again on the open descriptor); a program reads at most
-:data:`MAX_PROGRAM_BYTES` in all (each file in chunks, so a file that grows stops at the cap); a
-directory is walked without following symlinked directories and refused past
-:data:`MAX_DIRECTORY_ENTRIES` entries. Special files inside a directory are skipped with a note.
+never by what it mentions further on. Which files of a directory are read, which ``str`` is a path
+and the bounds on reading (regular files only, :data:`MAX_PROGRAM_BYTES` in all, directories
+walked within :data:`MAX_DIRECTORY_ENTRIES` entries) are the core's one program reader's
+(:mod:`ejlabel.core.program_source`), which the label readers of the core use too: they see the
+same files. What a walk passed over is in ``Program.notes``.
 
 Why HLO everywhere: it is the one form with computations (while bodies, branches, fusions) and
 named operands, which the call graph walks; reading every form through it makes them agree:
@@ -44,34 +39,24 @@ A program holds, per module, the parsed :class:`~.hlo.HloModule`, the instructio
 parser does not keep (:class:`.costs.InstructionFacts`: read from the text, or inferred from
 shapes for a module given without text), and, for the whole program, every label in order of first
 appearance and each label's call description (the ``ejcall`` attribute next to it; a backward
-label ``<op>.bwd@vN`` maps to its forward call's description, which its backward pass shares).
+label ``<op>.bwd@vN`` maps to its forward call's description, which its backward pass shares:
+:func:`ejlabel.core.labels.label_table`, the core's rule). ``invocations_from_program`` is the
+core's one function (:func:`ejlabel.core.calls.invocations_from_program`), which takes a
+``Program`` or any form the reader reads.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import re
-import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import jax
-
+from ejlabel.core.calls import invocations_from_program
+from ejlabel.core.labels import label_table
+from ejlabel.core.program_source import ProgramReadError, Stage, read_program_source
 from ejlabel.utils import files
-from ejlabel.utils.files import FileTooLargeError, SpecialFileError, file_kind, read_regular_file
-from ejlabel.core import calls
-from ejlabel.core.kernel import Invocation
-from ejlabel.core.label_format import (
-    CALL_ATTRIBUTE,
-    LABEL_ATTRIBUTE,
-    LABEL_RE,
-    forward_op_id,
-    is_backward,
-    parse_label,
-)
 
 from .costs import InstructionFacts, infer_facts, read_facts
 from .hlo import HloModule, parse_hlo, program_kind, stablehlo_frontend_attributes
@@ -87,20 +72,13 @@ __all__ = [
     "read_program",
 ]
 
-#: Most bytes read for one program (one file, or all files of a directory together); the one
-#: value is ``ejlabel.utils.files.MAX_PROGRAM_BYTES``, rebound here so it can be set per reader.
+#: Most bytes read for one program (one file, or all files of a directory together): the core's
+#: ``ejlabel.utils.files.MAX_PROGRAM_BYTES``, rebound here so that this reader's can be set alone.
 MAX_PROGRAM_BYTES = files.MAX_PROGRAM_BYTES
 #: Most directory entries walked when reading a directory (an XLA dump holds a few per module).
-MAX_DIRECTORY_ENTRIES = 100_000
+MAX_DIRECTORY_ENTRIES = files.MAX_DIRECTORY_ENTRIES
 
-Stage = Literal["after", "before"]
-_PROGRAM_SUFFIXES = (".txt", ".hlo", ".mlir")
-_DUMP_MODULE = re.compile(r"(module_\d+)")
 _MLIR_MODULE_NAME = re.compile(r"module\s+@\"?([\w.$\-]+)")
-
-
-class ProgramReadError(ValueError):
-    """A program path that is not read: a special file, too large, or a directory too big to walk."""
 
 
 class ProgramModule:
@@ -163,24 +141,7 @@ class Program:
 
     @functools.cached_property
     def _label_table(self) -> tuple[tuple[str, ...], dict[str, str]]:
-        labels: dict[str, None] = {}
-        found: dict[str, str] = {}
-        for attrs in self._attribute_dicts():
-            lab = attrs.get(LABEL_ATTRIBUTE)
-            if lab is None or not _is_label(lab):
-                continue
-            labels[lab] = None
-            call = attrs.get(CALL_ATTRIBUTE)
-            if call and lab not in found:
-                found[lab] = call
-        for lab in labels:
-            if lab not in found:
-                op_id, _ = parse_label(lab)
-                if is_backward(op_id):
-                    forward = lab.replace(op_id, forward_op_id(op_id), 1)
-                    if forward in found:
-                        found[lab] = found[forward]
-        return tuple(labels), found
+        return label_table(self._attribute_dicts())
 
     def _attribute_dicts(self) -> Iterable[Mapping[str, str]]:
         for pm in self.modules:
@@ -206,11 +167,6 @@ class Program:
         return f"Program(origin={self.origin!r}, modules={names})"
 
 
-@functools.lru_cache(maxsize=65536)
-def _is_label(value: str) -> bool:
-    return LABEL_RE.fullmatch(value) is not None
-
-
 def read_program(x: Any, *, stage: Stage = "after") -> Program:
     """Read ``x`` once into a :class:`Program` (see the module docstring for what is read)."""
     if stage not in ("after", "before"):
@@ -220,55 +176,18 @@ def read_program(x: Any, *, stage: Stage = "after") -> Program:
     reader = _Reader()
     if isinstance(x, HloModule):
         reader.add_module(x, "parsed HloModule", None)
-        return reader.program("module")
-    if isinstance(x, jax.stages.Lowered):
-        hlo = x.compiler_ir("hlo")
-        if hlo is not None:
-            reader.add_text(hlo.as_hlo_text(), "Lowered.compiler_ir('hlo')")
-        else:  # a backend without an HLO form: its StableHLO, converted
-            reader.add_text(_text_of(x), "Lowered.as_text()")
-        return reader.program("lowered")
-    if isinstance(x, jax.stages.Compiled):
-        reader.add_text(_text_of(x), "Compiled.as_text()")
-        return reader.program("compiled")
-    if isinstance(x, (bytes, bytearray, memoryview)):
-        x = bytes(x).decode("utf-8", "replace")
-    if isinstance(x, os.PathLike) or (isinstance(x, str) and _names_a_path(x)):
-        path = Path(x)
-        try:
-            mode = os.stat(path).st_mode  # follows symlinks; never opens (a FIFO would block)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"x: no such file or directory: {path}") from None
-        except OSError as err:
-            raise ProgramReadError(f"x: cannot read {path}: {err.strerror or err}") from None
-        if stat.S_ISDIR(mode):
-            reader.add_directory(path, stage)
-            return reader.program("dump" if reader.dump else "directory")
-        if not stat.S_ISREG(mode):
-            raise ProgramReadError(f"x: {path} is {file_kind(mode)}, not a program file or dump directory (special files are never read)")
-        reader.add_text(reader.read_file(path), str(path))
-        return reader.program("file")
-    if isinstance(x, str):
-        reader.add_text(x, "text")
-        return reader.program("text")
-    raise TypeError(
-        "x: expected a Lowered, a Compiled, HLO or StableHLO text, a path to a program file or XLA "
-        f"dump directory, an HloModule or a Program, got {type(x).__name__}"
+        return reader.program("module", ())
+    source = read_program_source(
+        x,
+        stage=stage,
+        lowered_form="hlo",
+        max_bytes=MAX_PROGRAM_BYTES,
+        max_entries=MAX_DIRECTORY_ENTRIES,
+        also_accepted=", an HloModule or a Program",
     )
-
-
-def _text_of(x: Any) -> str:
-    text = x.as_text()
-    if text is None:
-        raise ValueError(f"x: this {type(x).__name__} has no text form")
-    return text
-
-
-def _names_a_path(text: str) -> bool:
-    """An existing path, or one line that can only be a path (a name with a program suffix)."""
-    if "\n" in text or len(text) >= 4096 or not text.strip():
-        return False
-    return Path(text).exists() or text.rstrip().endswith(_PROGRAM_SUFFIXES + ("/",))
+    for piece in source.texts:
+        reader.add_text(piece.text, piece.source)
+    return reader.program(source.origin, source.notes)
 
 
 class _Reader:
@@ -279,30 +198,9 @@ class _Reader:
         self.unread: list[UnreadModule] = []
         self.notes: list[str] = []
         self.taken: dict[str, int] = {}
-        self.dump = False
-        self.bytes_left = MAX_PROGRAM_BYTES
 
-    def read_file(self, path: Path) -> str:
-        """The text of the regular file ``path``, counted against :data:`MAX_PROGRAM_BYTES`.
-
-        Opened non-blocking and checked again on the descriptor (the path may have changed since
-        it was listed), then read in chunks up to the bytes left, so nothing reads without end.
-        """
-        try:
-            data = read_regular_file(path, self.bytes_left)
-        except SpecialFileError as err:
-            raise ProgramReadError(f"x: {path} is {err.kind}, not a program file (special files are never read)") from None
-        except FileTooLargeError:
-            raise ProgramReadError(
-                f"x: {path} takes the program past the {MAX_PROGRAM_BYTES}-byte limit (ejlabel.analysis.program.MAX_PROGRAM_BYTES)"
-            ) from None
-        except OSError as err:
-            raise ProgramReadError(f"x: cannot read {path}: {err.strerror or err}") from None
-        self.bytes_left -= len(data)
-        return data.decode("utf-8", "replace")
-
-    def program(self, origin: str) -> Program:
-        return Program(self.modules, origin, self.unread, self.notes)
+    def program(self, origin: str, notes: Iterable[str]) -> Program:
+        return Program(self.modules, origin, self.unread, [*notes, *self.notes])
 
     def unique(self, name: str) -> str:
         count = self.taken.get(name, 0) + 1
@@ -330,81 +228,6 @@ class _Reader:
             return
         self.add_module(parse_hlo(hlo), f"{source} (StableHLO, converted to HLO)", hlo)
 
-    def add_directory(self, path: Path, stage: Stage) -> None:
-        files = self.walk(path)
-        after = [p for p in files if p.name.endswith("after_optimizations.txt")]
-        before = [p for p in files if p.name.endswith("before_optimizations.txt")]
-        if after or before:
-            self.dump = True
-            for chosen in self.dump_files(after, before, stage):
-                self.add_text(self.read_file(chosen), str(chosen))
-            return
-        programs = [p for p in files if p.suffix in _PROGRAM_SUFFIXES]
-        if not programs:
-            raise ValueError(f"x: the directory {path} holds no program files ({', '.join(_PROGRAM_SUFFIXES)})")
-        for chosen in programs:
-            self.add_text(self.read_file(chosen), str(chosen))
-
-    def walk(self, root: Path) -> list[Path]:
-        """The regular files under ``root`` (symlinks to files included), sorted.
-
-        Symlinked directories are not entered (no loops, no walking off elsewhere); special
-        files are noted and skipped; more than :data:`MAX_DIRECTORY_ENTRIES` entries is an error.
-        """
-        files: list[Path] = []
-        pending = [root]
-        seen = 0
-        while pending:
-            folder = pending.pop()
-            try:
-                entries = list(os.scandir(folder))
-            except OSError as err:
-                self.notes.append(f"{folder}: not read ({err.strerror or err})")
-                continue
-            seen += len(entries)
-            if seen > MAX_DIRECTORY_ENTRIES:
-                raise ProgramReadError(
-                    f"x: {root} holds more than {MAX_DIRECTORY_ENTRIES} entries "
-                    "(ejlabel.analysis.program.MAX_DIRECTORY_ENTRIES); give the dump directory itself"
-                )
-            for entry in entries:
-                try:
-                    if entry.is_dir(follow_symlinks=False):
-                        pending.append(Path(entry.path))
-                    elif entry.is_file(follow_symlinks=True):
-                        files.append(Path(entry.path))
-                    elif entry.is_symlink():
-                        self.notes.append(f"{entry.path}: a symlink to something other than a regular file, not followed")
-                    else:
-                        self.notes.append(f"{entry.path}: {file_kind(entry.stat(follow_symlinks=False).st_mode)}, not read")
-                except OSError as err:
-                    self.notes.append(f"{entry.path}: not read ({err.strerror or err})")
-        return sorted(files)
-
-    def dump_files(self, after: list[Path], before: list[Path], stage: Stage) -> list[Path]:
-        """One file per dumped module, all of one stage: ``stage``'s if there are any, else the other's."""
-        wanted, other = (after, before) if stage == "after" else (before, after)
-        names = {"after": "after-optimizations", "before": "before-optimizations"}
-        other_stage = "before" if stage == "after" else "after"
-        if not wanted:
-            self.notes.append(f"the dump has no {names[stage]} files: read its {names[other_stage]} files")
-            wanted, other, stage = other, wanted, other_stage
-        chosen: dict[str, Path] = {}
-        for p in wanted:
-            chosen.setdefault(_module_key(p), p)
-        for p in other:
-            if _module_key(p) not in chosen:
-                self.notes.append(f"{p.name}: no {names[stage]} file for this module, not read")
-        return list(chosen.values())
-
-
-def _module_key(path: Path) -> str:
-    """``module_0012`` of ``module_0012.jit_step.cpu_after_optimizations.txt``."""
-    found = _DUMP_MODULE.match(path.name)
-    if found is not None:
-        return found.group(1)
-    return path.name.split(".", 1)[0]
-
 
 def _stablehlo_to_hlo(text: str) -> str:
     """StableHLO text → HLO text, by the conversion ``Lowered.compiler_ir("hlo")`` runs."""
@@ -412,13 +235,3 @@ def _stablehlo_to_hlo(text: str) -> str:
     from jax._src.lib import _jax
 
     return _jax.mlir.mlir_module_to_xla_computation(text, use_tuple_args=False, return_tuple=False).as_hlo_text()
-
-
-def invocations_from_program(x: Any) -> dict[str, Invocation[Any, Any]]:
-    """Rebuild the ``Invocation`` of every described call in ``x`` (any form), keyed by label.
-
-    Arguments come back as ``jax.ShapeDtypeStruct``; the call key is the one in the label.
-    Raises :class:`~ejlabel.core.calls.CallDecodeError` for the first call that cannot be rebuilt;
-    ``read_program(x).descriptions`` and ``invocation_from_description`` handle calls one by one.
-    """
-    return calls.invocations_from_program(read_program(x))

@@ -1,74 +1,63 @@
-"""Benchmark of the analysis stages on synthetic HLO text of 10^4 .. 10^6 instructions.
+"""Benchmark of the analysis: parse + call graph of real training steps, beside XLA's own parser.
 
-Each size runs in a fresh subprocess so that its peak memory is its own.  The
-child builds the text, times ``parse_hlo`` (and any other stage given), then
-parses once more under tracemalloc to measure the parser's peak allocation on
-top of the input text (tracemalloc slows allocation, so it is not timed).
+The program is the example decoder's training step (``ejlabel.examples``, GPU_125M
+dimensions, any number of layers), lowered on the CPU with abstract arguments, as HLO text
+(``lowered.compiler_ir("hlo").as_hlo_text()``): 12 to 600 layers, and 3,350 layers, about 10^6
+instructions. On the same text, each timed in the same process, one after the other:
 
-    python bench/bench_analysis.py [--sizes 10000 100000 1000000]
-                                   [--graph-callable module:function] [--repeat 3]
-                                   [--operands recent|uniform] [--write]
+- ``parse``: ``ejlabel.analysis.read_program(text)`` (the tolerant parser);
+- ``graph``: ``ejlabel.analysis.call_graph(program)`` (instruction facts, sites, data flow,
+  splits of the sites on cycles, nodes and edges);
+- ``xla``: jaxlib's own HLO parser, ``jax._src.lib.hlo.hlo_module_from_text(text)`` (on the
+  training steps: it verifies shapes, which the synthetic text does not keep consistent).
 
-``--graph-callable`` names a function taking the parsed ``HloModule``; its time
-is reported as one more stage, and ``total`` (parse + that stage, best run) with
-it.  ``--write`` replaces the analysis section of ``bench/RESULTS.md`` (between its
-``<!-- analysis:begin -->`` and ``<!-- analysis:end -->`` lines) with the new table.
+Each depth runs in a fresh process (its own memory, nothing cached from another depth); each
+stage is timed ``--repeat`` times and the median is kept (the machine may be shared), wall and
+CPU time both. Lowered texts can be kept between runs with ``--cache DIR`` (lowering 3,350 layers
+takes minutes; it is not timed). The synthetic program (compiled-style HLO of 10^4 to 10^6
+instructions, 10% labelled, see ``synthetic_hlo``) runs the same stages.
 
-``--operands`` picks where an instruction's second operand comes from (the first
-is always the previous instruction).  ``recent`` (the default) follows compiled
-programs, which mostly read values computed a few lines earlier: one of the
-last 4 values 80% of the time, a parameter of the computation (weights, inputs:
-defined at its top, read all along) 15%, and a value up to 50 back (a residual)
-5%.  ``uniform`` is the earlier model: any of the last 50 values, equally often.
+    python bench/bench_analysis.py [--layers 12 24 48 96 300 600 3350] [--synthetic 10000 100000 1000000]
+                                   [--repeat 5] [--cache DIR] [--no-write]
+
+Rows go to ``bench/results/bench_analysis.json`` (``bench/_results.py``); the table is printed,
+with the growth of the graph's time from 24 to 96 layers and from 300 to 600, and parse + graph
+over XLA's parser.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import gc
-import importlib
 import json
-import platform
-import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
-import tracemalloc
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SIZES = (10_000, 100_000, 1_000_000)
+
+DEFAULT_LAYERS = (12, 24, 48, 96, 300, 600, 3350)
+DEFAULT_SYNTHETIC = (10_000, 100_000, 1_000_000)
 DISTINCT_LABELS = 1_000
-LABELLED_EVERY = 10  # 10% of instructions carry a label
-RESULTS = Path(__file__).with_name("RESULTS.md")
-BEGIN, END = "<!-- analysis:begin -->", "<!-- analysis:end -->"
-OPERAND_MODELS = ("recent", "uniform")
+LABELLED_EVERY = 10  # 10% of the synthetic program's instructions carry a label
 
 
-def _second_operand(i: int, names: list[str], operands: str) -> str:
-    """The second operand of instruction ``i`` (see ``--operands`` in the module docstring)."""
-    if operands == "uniform":
-        return names[-1 - (i * 7919) % min(len(names), 50)]
-    pick = (i * 7919) % 100
-    if pick < 80:
-        return names[-1 - (i * 104729) % min(len(names), 4)]
-    if pick < 95:
-        return names[i % 2]  # the computation's parameters come first
-    return names[-1 - (i * 104729) % min(len(names), 50)]
-
-
-def synthetic_hlo(n_instructions: int, n_computations: int = 8, operands: str = "recent") -> str:
+def synthetic_hlo(n_instructions: int, n_computations: int = 8) -> str:
     """HLO text with ``n_instructions`` instruction lines that look like compiled XLA output.
 
-    The entry and a few while bodies hold the instructions; one small fused
-    computation is shared by all fusions.  Operands reference earlier
-    instructions of the same computation (``operands`` says which: see the
-    module docstring); every tenth instruction carries one of
-    ``DISTINCT_LABELS`` labels.
+    The entry and a few while bodies hold the instructions; one small fused computation is
+    shared by all fusions. An instruction's first operand is the previous instruction, its second
+    one of the last 4 values 80% of the time, a parameter of the computation 15%, and a value up
+    to 50 back 5% (compiled programs mostly read values computed a few lines earlier); every
+    tenth instruction carries one of ``DISTINCT_LABELS`` labels.
     """
-    if operands not in OPERAND_MODELS:
-        raise ValueError(f"operands must be one of {OPERAND_MODELS}, not {operands!r}")
     lines = [
         "HloModule jit_synthetic, is_scheduled=true, "
         "entry_computation_layout={(f32[128,256]{1,0}, f32[256,256]{1,0})->f32[128,256]{1,0}}",
@@ -80,10 +69,17 @@ def synthetic_hlo(n_instructions: int, n_computations: int = 8, operands: str = 
         "}",
         "",
     ]
-    fixed = 3
     bodies = n_computations - 1
-    per_comp = max(4, (n_instructions - fixed) // n_computations)
+    per_comp = max(4, (n_instructions - 3) // n_computations)
     counter = 0
+
+    def second(i: int, names: list[str]) -> str:
+        pick = (i * 7919) % 100
+        if pick < 80:
+            return names[-1 - (i * 104729) % min(len(names), 4)]
+        if pick < 95:
+            return names[i % 2]
+        return names[-1 - (i * 104729) % min(len(names), 50)]
 
     def body_lines(count: int) -> list[str]:
         nonlocal counter
@@ -98,24 +94,15 @@ def synthetic_hlo(n_instructions: int, n_computations: int = 8, operands: str = 
             if k < 2:
                 text = f"{shape} parameter({k}), {meta}"
             else:
-                a = names[-1]
-                b = _second_operand(i, names, operands)
-                kind = i % 5
-                if kind == 0:
-                    text = f"{shape} add({a}, {b}), {meta}"
-                elif kind == 1:
-                    text = f"{shape} multiply({a}, {b}), {meta}"
-                elif kind == 2:
-                    text = (f"{shape} fusion({a}, {b}), kind=kLoop, calls=%fused_add, {meta}")
-                elif kind == 3:
-                    text = (
-                        f"{shape} dot({a}, {b}), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, "
-                        f"{meta}"
-                    )
-                else:
-                    text = f"(f32[128,256]{{1,0}}, s32[]) tuple({a}, {b})"
+                a, b = names[-1], second(i, names)
+                text = (
+                    f"{shape} add({a}, {b}), {meta}",
+                    f"{shape} multiply({a}, {b}), {meta}",
+                    f"{shape} fusion({a}, {b}), kind=kLoop, calls=%fused_add, {meta}",
+                    f"{shape} dot({a}, {b}), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {meta}",
+                    f"(f32[128,256]{{1,0}}, s32[]) tuple({a}, {b})",
+                )[i % 5]
             if i % LABELLED_EVERY == 0:
-                # XLA prints frontend attributes just before the metadata.
                 label = i % DISTINCT_LABELS
                 attrs = (
                     f'frontend_attributes={{ejcall="eyJvcCI6{label:04d}fQ",'
@@ -133,9 +120,8 @@ def synthetic_hlo(n_instructions: int, n_computations: int = 8, operands: str = 
         body_names.append(name)
         lines.append(f"{name} (arg_tuple.{comp}: (f32[128,256], f32[128,256])) -> f32[128,256] {{")
         lines.extend(body_lines(per_comp))
-        lines.append("}")
-        lines.append("")
-    entry_count = max(4, n_instructions - fixed - bodies * per_comp - bodies)
+        lines += ["}", ""]
+    entry_count = max(4, n_instructions - 3 - bodies * per_comp - bodies)
     lines.append("ENTRY %main (x: f32[128,256], y: f32[256,256]) -> f32[128,256] {")
     lines.extend(body_lines(entry_count - 1)[:-1])
     last = f"%op.{counter - 2}"
@@ -145,175 +131,175 @@ def synthetic_hlo(n_instructions: int, n_computations: int = 8, operands: str = 
             f'backend_config={{"known_trip_count":{{"n":"{comp + 2}"}}}}'
         )
         last = f"%while.{comp}"
-    lines.append(f"  ROOT %result = f32[128,256]{{1,0}} copy({last})")
-    lines.append("}")
+    lines += [f"  ROOT %result = f32[128,256]{{1,0}} copy({last})", "}"]
     return "\n".join(lines) + "\n"
 
 
-def time_stage(name: str, fn: Callable[[], Any], results: dict[str, float]) -> Any:
-    """Run ``fn`` once, store its wall and CPU time under ``name`` / ``name cpu``, return its result.
+def training_step_hlo(layers: int) -> str:
+    """The HLO text of the example decoder's training step with ``layers`` layers (not timed)."""
+    import jax
 
-    CPU time is reported too because the machine may be shared: it is less
-    affected by other processes than wall time.
-    """
+    from ejlabel import examples
+
+    cfg = dataclasses.replace(examples.GPU_125M, n_layers=layers)
+    params = jax.eval_shape(lambda: examples.init_params(cfg, jax.random.key(0)))
+    batch = jax.eval_shape(lambda: examples.example_batch(cfg, jax.random.key(1)))
+    # Tracing thousands of layers allocates millions of acyclic objects: the cycle collector
+    # walking them again and again makes lowering quadratic in depth.
+    gc.disable()
+    try:
+        return jax.jit(examples.make_train_step(cfg)).lower(params, batch).compiler_ir("hlo").as_hlo_text()
+    finally:
+        gc.enable()
+        gc.collect()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """``fn()``, its wall time and its CPU time (less disturbed by other processes)."""
+    gc.collect()
     start, start_cpu = time.perf_counter(), time.process_time()
     value = fn()
-    results[name] = time.perf_counter() - start
-    results[f"{name} cpu"] = time.process_time() - start_cpu
-    return value
+    return value, time.perf_counter() - start, time.process_time() - start_cpu
 
 
-def _load_callable(spec: str) -> Callable[[Any], Any]:
-    module_name, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+def measure(text: str, repeat: int, with_xla: bool) -> dict[str, Any]:
+    """Median times of parse, graph and (``with_xla``) XLA's parser on ``text``, and what the
+    graph holds."""
+    from jax._src.lib import hlo as xla_hlo
 
+    from ejlabel.analysis import call_graph, read_program
 
-def child(size: int, graph_callable: str | None, repeat: int, operands: str = "recent") -> dict[str, Any]:
-    """Measure one size in this process (run via ``--child``)."""
-    from ejlabel.analysis.hlo import parse_hlo
-
-    text = synthetic_hlo(size, operands=operands)
-    graph = _load_callable(graph_callable) if graph_callable else None
-    times: dict[str, float] = {}
-    # Best of `repeat` runs: the machine may be shared, and the minimum is the least disturbed.
+    samples: dict[str, list[float]] = {}
+    graph = None
     for _ in range(repeat):
-        module = None
-        gc.collect()
-        run: dict[str, float] = {}
-        module = time_stage("parse", lambda: parse_hlo(text), run)
-        if graph is not None:
-            built = time_stage("graph", lambda: graph(module), run)
-            edges = getattr(built, "number_of_edges", lambda: None)()
-            del built
-            run["total"] = run["parse"] + run["graph"]
-            run["total cpu"] = run["parse cpu"] + run["graph cpu"]
-        times = {key: min(value, times.get(key, value)) for key, value in run.items()}
-    count = module.instruction_count()
-    if graph is None:
-        edges = None
-    labelled = sum(1 for _ in module.with_attribute("ejlabel"))
-    rss_after_parse = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    del module
-    gc.collect()
-    tracemalloc.start()
-    again = parse_hlo(text)
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    del again
-    return {
-        "size": size,
-        "instructions": count,
-        "labelled": labelled,
-        "text_mib": len(text) / 2**20,
-        "times": times,
-        "edges": edges,
-        "peak_parse_mib": peak / 2**20,
-        "maxrss_mib": rss_after_parse,
-    }
+        program, wall, cpu = timed(lambda: read_program(text))
+        samples.setdefault("parse_s", []).append(wall)
+        samples.setdefault("parse_cpu_s", []).append(cpu)
+        graph, wall, cpu = timed(functools.partial(call_graph, program))
+        samples.setdefault("graph_s", []).append(wall)
+        samples.setdefault("graph_cpu_s", []).append(cpu)
+        if with_xla:
+            _, wall, cpu = timed(lambda: xla_hlo.hlo_module_from_text(text))
+            samples.setdefault("xla_s", []).append(wall)
+            samples.setdefault("xla_cpu_s", []).append(cpu)
+    row: dict[str, Any] = {key: round(statistics.median(values), 4) for key, values in samples.items()}
+    for key, values in samples.items():
+        row[key.replace("_s", "_runs_s")] = [round(v, 4) for v in values]
+    row["total_s"] = round(row["parse_s"] + row["graph_s"], 4)
+    row["total_cpu_s"] = round(row["parse_cpu_s"] + row["graph_cpu_s"], 4)
+    if with_xla:
+        row["total_over_xla"] = round(row["total_s"] / row["xla_s"], 2)
+        row["total_over_xla_cpu"] = round(row["total_cpu_s"] / row["xla_cpu_s"], 2)
+    assert graph is not None
+    kernels = [d for _, d in graph.nodes(data=True) if d.get("kind") == "kernel"]
+    row["nodes"] = len(kernels)
+    row["edges"] = graph.number_of_edges()
+    row["sites_per_op"] = dict(sorted(Counter(d["op"] for d in kernels).items()))
+    row["text_mib"] = round(len(text) / 2**20, 2)
+    return row
 
 
-def _versions() -> dict[str, str]:
-    try:
-        import jax
+def child(kind: str, size: int, repeat: int, cache: str) -> dict[str, Any]:
+    """One program in this process (run with ``--child``)."""
+    if kind == "train_step":
+        path = Path(cache) / f"train_step_{size}.hlo"
+        if not path.exists():
+            path.write_text(training_step_hlo(size))
+        text = path.read_text()
+    else:
+        text = synthetic_hlo(size)
+    from ejlabel.analysis import parse_hlo
 
-        jax_version = jax.__version__
-    except Exception:  # noqa: BLE001 - the bench runs without jax too
-        jax_version = "not installed"
-    cpu = platform.processor() or "unknown"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for row in out.splitlines():
-            if row.startswith("Model name:"):
-                cpu = row.split(":", 1)[1].strip()
-        cores = subprocess.run(["nproc"], capture_output=True, text=True, check=False).stdout.strip()
-        cpu = f"{cpu}, {cores} cores"
-    except OSError:
-        pass
-    return {"cpu": cpu, "python": platform.python_version(), "jax": jax_version}
+    instructions = parse_hlo(text).instruction_count()
+    row = {"program": kind, "layers" if kind == "train_step" else "size": size, "instructions": instructions}
+    # The synthetic text is not shape-consistent (its ops read any earlier value), which XLA's
+    # parser verifies: it is timed on the real steps only.
+    row.update(measure(text, repeat, with_xla=kind == "train_step"))
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    header = ["program", "layers", "instructions", "parse s", "graph s", "parse + graph s", "XLA parser s", "(parse + graph) / XLA", "CPU ratio", "sites", "edges"]
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    row["program"],
+                    str(row.get("layers", "-")),
+                    f"{row['instructions']:,}",
+                    f"{row['parse_s']:.3f}",
+                    f"{row['graph_s']:.3f}",
+                    f"{row['total_s']:.3f}",
+                    f"{row['xla_s']:.3f}" if "xla_s" in row else "-",
+                    f"{row['total_over_xla']:.2f}" if "xla_s" in row else "-",
+                    f"{row['total_over_xla_cpu']:.2f}" if "xla_s" in row else "-",
+                    f"{row['nodes']:,}",
+                    f"{row['edges']:,}",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(out)
+
+
+def growth(rows: list[dict[str, Any]]) -> list[str]:
+    """The graph's growth between depths the goals name (median wall and CPU time)."""
+    by_layers = {row["layers"]: row for row in rows if row["program"] == "train_step"}
+    lines = []
+    for small, big, goal in ((24, 96, 4.5), (300, 600, 2.2)):
+        if small in by_layers and big in by_layers:
+            a, b = by_layers[small], by_layers[big]
+            lines.append(
+                f"graph {small} -> {big} layers: {b['graph_s'] / a['graph_s']:.2f}x wall, "
+                f"{b['graph_cpu_s'] / a['graph_cpu_s']:.2f}x CPU (instructions {b['instructions'] / a['instructions']:.2f}x; goal <= {goal}x)"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
-    parser.add_argument("--graph-callable", default=None, help="module:function taking the parsed HloModule")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per size; the best is kept")
-    parser.add_argument("--operands", choices=OPERAND_MODELS, default="recent", help="operand model (see above)")
-    parser.add_argument("--write", action="store_true", help=f"write the table into the analysis section of {RESULTS.name}")
-    parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
-    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, nargs="*", default=list(DEFAULT_LAYERS))
+    parser.add_argument("--synthetic", type=int, nargs="*", default=list(DEFAULT_SYNTHETIC))
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per program; the median is kept")
+    parser.add_argument("--cache", default=None, help="folder keeping the lowered steps' HLO text between runs")
+    parser.add_argument("--no-write", action="store_true", help="print only; bench/results/ untouched")
+    parser.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.child is not None:
-        print(json.dumps(child(args.child, args.graph_callable, args.repeat, args.operands)))
+        print(json.dumps(child(args.child[0], int(args.child[1]), args.repeat, args.cache)))
         return
 
+    cache = args.cache or tempfile.mkdtemp(prefix="bench_analysis_")
+    Path(cache).mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    for size in args.sizes:
-        command = [sys.executable, __file__, "--child", str(size), "--repeat", str(args.repeat), "--operands", args.operands]
-        if args.graph_callable:
-            command += ["--graph-callable", args.graph_callable]
+    jobs = [("train_step", n) for n in args.layers] + [("synthetic", n) for n in args.synthetic]
+    for kind, size in jobs:
+        # Fewer repeats where one run takes many seconds: the median of 3 still drops one outlier.
+        repeat = args.repeat if size < (1000 if kind == "train_step" else 500_000) else min(args.repeat, 3)
+        command = [sys.executable, __file__, "--child", kind, str(size), "--repeat", str(repeat), "--cache", cache]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            sys.exit(f"size {size} failed:\n{done.stderr}")
+            sys.exit(f"{kind} {size} failed:\n{done.stderr}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(f"measured {size}", file=sys.stderr)
+        print(f"measured {kind} {size}", file=sys.stderr)
+    print(table(rows))
+    for line in growth(rows):
+        print(line)
+    if not args.no_write:
+        from _results import write_results
 
-    stages = [s for s in rows[0]["times"] if not s.endswith(" cpu")]
-    header = ["instructions", "text MiB"] + [f"{s} s" for s in stages] + [f"{stages[-1]} cpu s"]
-    if rows[0]["edges"] is not None:
-        header.append("graph edges")
-    header += ["parse µs/instr", "parse peak MiB", "max RSS MiB"]
-    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        cells = [f"{row['instructions']:,}", f"{row['text_mib']:.1f}"]
-        cells += [f"{row['times'][s]:.3f}" for s in stages]
-        cells.append(f"{row['times'][stages[-1] + ' cpu']:.3f}")
-        if row["edges"] is not None:
-            cells.append(f"{row['edges']:,}")
-        cells += [
-            f"{row['times']['parse'] / row['instructions'] * 1e6:.2f}",
-            f"{row['peak_parse_mib']:.1f}",
-            f"{row['maxrss_mib']:.0f}",
-        ]
-        table.append("| " + " | ".join(cells) + " |")
-    by_size = {row["size"]: row for row in rows}
-    ratio_lines: list[str] = []
-    if 1_000_000 in by_size and 100_000 in by_size:
-        big, small = by_size[1_000_000]["times"], by_size[100_000]["times"]
-        for stage in stages:
-            ratio_lines.append(
-                f"{stage} time ratio 10^6 / 10^5 instructions: {big[stage] / small[stage]:.2f} wall, "
-                f"{big[stage + ' cpu'] / small[stage + ' cpu']:.2f} CPU (linear is 10)."
-            )
-    report = "\n".join(table + ([""] + ratio_lines if ratio_lines else []))
-    print(report)
-
-    if args.write:
-        info = _versions()
-        command = "python bench/bench_analysis.py --write"
-        if args.graph_callable:
-            command += f" --graph-callable {args.graph_callable}"
-        if args.operands != "recent":
-            command += f" --operands {args.operands}"
-        section = (
-            "## Analysis benchmark: HLO parsing and the call graph\n\n"
-            f"Date: {args.date}. Machine: {info['cpu']}. Python {info['python']}, jax {info['jax']}.\n\n"
-            "Synthetic compiled-style HLO (8 computations, operands referencing earlier instructions\n"
-            f"({args.operands!r} operand model, see the bench's docstring), metadata on most lines, "
-            f"{100 // LABELLED_EVERY}% of instructions labelled with\n"
-            f"{DISTINCT_LABELS} distinct labels), one fresh process per size, best of {args.repeat} runs "
-            "(each stage's best; `total` is the best run's parse + graph).\n"
-            "`parse peak MiB` is tracemalloc's peak during a second parse, above the input text;\n"
-            "`max RSS MiB` is the process's peak resident size (text generation, parse and graph included).\n"
-            "Metadata texts repeat every 48,500 instructions here and the parser parses each distinct\n"
-            "text once, so per-instruction parse cost falls with size.\n\n"
-            f"Command: `{command}`\n\n{report}\n"
+        write_results(
+            "bench_analysis",
+            rows,
+            notes=(
+                "medians of repeated runs, seconds; parse = ejlabel.analysis.read_program, graph = "
+                "ejlabel.analysis.call_graph, xla = jaxlib's hlo_module_from_text on the same text; "
+                "train_step = the example decoder's training step (GPU_125M dims) lowered on the CPU"
+            ),
         )
-        current = RESULTS.read_text(encoding="utf-8")
-        start, stop = current.find(BEGIN), current.find(END)
-        if start < 0 or stop < start:
-            sys.exit(f"{RESULTS}: no {BEGIN} ... {END} section to replace")
-        RESULTS.write_text(current[: start + len(BEGIN)] + "\n" + section + current[stop:], encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -45,14 +45,19 @@ def test_descriptions_in_every_program_form():
 
 
 def test_core_rebuilds_from_what_the_reader_found():
-    """The core decodes; reading programs is the analysis layer's: it takes a Program or a mapping."""
+    """One function: it takes a Program, a mapping, or any form the program reader reads."""
+    import ejlabel.analysis
+
     lowered = jax.jit(lambda x: scale(x, offset=1.5).sum()).lower(jnp.ones((2, 3)))
     program = read_program(lowered)
     [(lab, inv)] = invocations_from_program(program).items()
     assert inv.op_id == "scale@v1" and inv.kwargs == {"offset": 1.5} and lab.endswith(inv.call_key)
     assert invocations_from_program(dict(program.descriptions)).keys() == {lab}
-    with pytest.raises(TypeError, match=r"ejlabel\.analysis\.invocations_from_program"):
-        invocations_from_program(lowered.as_text())
+    assert ejlabel.analysis.invocations_from_program is invocations_from_program
+    for form in (lowered, lowered.as_text(), lowered.compiler_ir("hlo").as_hlo_text(), lowered.compile()):
+        assert invocations_from_program(form).keys() == {lab}
+    with pytest.raises(TypeError, match=r"^x: expected a Lowered"):
+        invocations_from_program(42)
 
 
 def test_rebuild_in_fresh_process(tmp_path):

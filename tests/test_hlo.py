@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ejlabel.analysis import hlo
+from ejlabel.analysis import hlo, hlo_items, hlo_parser
 from ejlabel.analysis.hlo import HloModule, HloParseError, parse_hlo, stablehlo_frontend_attributes
 
 LABEL = "ejkernel_ops#matmul@v1:0123456789abcdef"
@@ -225,7 +225,7 @@ def test_fast_path_agrees_with_general_path(
 ) -> None:
     samples = [*_hlo_samples(texts).values(), *dumps.values(), GPU_FUSION, GPU_ASYNC]
     fast = [parse_hlo(text) for text in samples]
-    monkeypatch.setattr(hlo, "_FAST_LINE", re.compile(r"(?!)"))
+    monkeypatch.setattr(hlo_items, "FAST_LINE", re.compile(r"(?!)"))
     general = [parse_hlo(text) for text in samples]
     for a, b in zip(fast, general):
         assert a.entry == b.entry and list(a.computations) == list(b.computations)
@@ -237,7 +237,7 @@ def test_quick_scan_agrees_with_line_by_line_reader(texts: dict[str, dict[str, s
     samples = [*_hlo_samples(texts).values(), *dumps.values(), GPU_FUSION, GPU_ASYNC, COMPILED_STYLE]
     for text in samples:
         quick = parse_hlo(text)
-        lines = hlo._Parser(text).run_lines()
+        lines = hlo_parser.Parser(text, hlo.MAX_ATTRIBUTE_CHARS).run_lines()
         assert quick.name == lines.name and quick.entry == lines.entry
         assert [(c.name, c.is_entry, c.root, c.line) for c in quick.computations.values()] == [
             (c.name, c.is_entry, c.root, c.line) for c in lines.computations.values()

@@ -40,7 +40,7 @@ def test_bad_arguments_name_the_argument(call, argument: str):
         (b"junk bytes", ValueError, r"^x: expected a Lowered.*'junk bytes'"),
         ("", ValueError, r"^x: expected a Lowered"),  # not the current directory
         ("missing_model.hlo", FileNotFoundError, r"^x: no such file or directory: missing_model\.hlo"),
-        ("/dev/zero", ValueError, r"^x: /dev/zero is not a regular file or directory \(special files are never read\)"),
+        ("/dev/zero", ValueError, r"^x: /dev/zero is a character device, not a program file or dump directory \(special files are never read\)"),
         (42, TypeError, r"^x: expected a Lowered, a Compiled, program text.*got int$"),
         (None, TypeError, r"^x: expected .*got NoneType$"),
         (matmul, TypeError, r"^x: expected .*lower a function first"),

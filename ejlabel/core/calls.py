@@ -25,6 +25,7 @@ import jax
 
 from ejlabel.core.kernel import Invocation, Kernel
 from ejlabel.core.label_format import forward_op_id, parse_label, split_op_id
+from ejlabel.core.labels import program_descriptions
 from ejlabel.core.registry import learn_config_types
 from ejlabel.core.vmapped import vmap_levels
 from ejlabel.utils.fingerprint import sharding_fingerprint
@@ -193,24 +194,22 @@ def invocations_from_program(program: Any) -> dict[str, Invocation[Any, Any]]:
     """Rebuild the ``Invocation`` of every described call, keyed by label.
 
     ``program`` is an :class:`ejlabel.analysis.Program` (anything with a ``descriptions``
-    mapping) or a mapping from label to encoded description. To read a ``Lowered``, a file or a
-    dump directory, use :func:`ejlabel.analysis.invocations_from_program`, which reads it first.
+    mapping), a mapping from label to encoded description, or any form the program reader reads
+    (a ``Lowered``, a ``Compiled``, program text, a file or an XLA dump directory), whose
+    descriptions are read with :func:`ejlabel.core.labels.program_descriptions`.
     Arguments come back as ``jax.ShapeDtypeStruct``; the call key is the one in the label, so
     configs tuned for the rebuilt invocation land exactly where the program will look.
     Raises :class:`CallDecodeError` for the first call that cannot be rebuilt; use
     :func:`invocation_from_description` to handle calls one by one.
     """
-    return {lab: invocation_from_description(lab, text) for lab, text in _descriptions_of(program, "program").items()}
+    return {lab: invocation_from_description(lab, text) for lab, text in _descriptions_of(program).items()}
 
 
-def _descriptions_of(program: Any, argument: str) -> Mapping[str, str]:
+def _descriptions_of(program: Any) -> Mapping[str, str]:
     found = getattr(program, "descriptions", program)
-    if not isinstance(found, Mapping):
-        raise TypeError(
-            f"{argument}: expected an ejlabel.analysis.Program or a mapping from label to call description, "
-            f"got {type(program).__name__}; ejlabel.analysis.invocations_from_program(x) reads any program form"
-        )
-    return found
+    if isinstance(found, Mapping):
+        return found
+    return program_descriptions(program)
 
 
 def invocation_from_description(lab: str, text: str) -> Invocation[Any, Any]:

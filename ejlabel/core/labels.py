@@ -18,8 +18,7 @@ import functools
 import os
 import re
 import sys
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar, overload
 
 import jax
@@ -31,15 +30,22 @@ from ejlabel.core.label_format import (
     LABEL_PREFIX,
     LABEL_RE,
     format_label,
+    forward_op_id,
+    is_backward,
+    parse_label,
 )
+from ejlabel.core.program_source import read_program_source
+from ejlabel.utils.files import MAX_PROGRAM_BYTES
 from ejlabel.utils.fingerprint import abstractify, short_hash
-from ejlabel.utils.files import MAX_PROGRAM_BYTES, FileTooLargeError, SpecialFileError, read_regular_file
 
 __all__ = [
     "label",
     "label_scope",
     "extract_labels_from_hlo_text",
     "find_labels_in_lowered",
+    "frontend_attribute_dicts",
+    "label_table",
+    "program_descriptions",
     "program_texts",
 ]
 
@@ -141,54 +147,19 @@ def extract_labels_from_hlo_text(text: str) -> list[str]:
     return list(dict.fromkeys(m.group(0) for m in LABEL_RE.finditer(text)))
 
 
-_DUMP_SUFFIXES = (".txt", ".mlir", ".hlo")
-
-
 def program_texts(x: Any) -> list[str]:
     """The program text(s) of ``x``, which may be any form the label readers accept.
 
     ``x`` is a ``jax.stages.Lowered`` (its StableHLO text), a ``jax.stages.Compiled`` (its
     optimised HLO), HLO or StableHLO text, or a path to a program file or to an XLA dump
-    directory (every ``*.txt`` / ``*.mlir`` / ``*.hlo`` file in it, in name order).
+    directory, read by the one program reader (:func:`~ejlabel.core.program_source.read_program_source`:
+    a dump's after-optimizations files, one per module; a folder without dump files, every
+    ``*.txt`` / ``*.mlir`` / ``*.hlo`` file), at most :data:`MAX_PROGRAM_BYTES` in all.
     """
-    if isinstance(x, (jax.stages.Lowered, jax.stages.Compiled)):
-        text = x.as_text()
-        if text is None:
-            raise ValueError(f"x: this {type(x).__name__} has no text form")
-        return [text]
-    if isinstance(x, os.PathLike) or (isinstance(x, str) and _looks_like_path(x)):
-        return _read_program_files(_program_files(Path(x)))
-    if isinstance(x, bytes):
-        x = x.decode(errors="replace")
-    if isinstance(x, str):
-        _check_program_text(x)
-        return [x]
-    hint = "; lower a function first: jax.jit(f).lower(*args)" if callable(x) else ""
-    raise TypeError(
-        "x: expected a Lowered, a Compiled, program text, or a path to an HLO file or XLA dump "
-        f"directory, got {type(x).__name__}{hint}"
-    )
-
-
-def _read_program_files(paths: list[Path]) -> list[str]:
-    """The texts of ``paths``, regular files only, at most ``MAX_PROGRAM_BYTES`` together."""
-    texts: list[str] = []
-    left = MAX_PROGRAM_BYTES
-    for path in paths:
-        try:
-            data = read_regular_file(path, left)
-        except FileTooLargeError:
-            raise ValueError(f"x: {path} takes the program past the {MAX_PROGRAM_BYTES}-byte limit") from None
-        except SpecialFileError as err:
-            raise ValueError(f"x: {path} is {err.kind}, not a program file (special files are never read)") from None
-        left -= len(data)
-        texts.append(data.decode("utf-8", "replace"))
-    return texts
-
-
-def _looks_like_path(text: str) -> bool:
-    # Blank text is not a path: Path("") is the current directory.
-    return "\n" not in text and len(text) < 4096 and bool(text.strip()) and Path(text).exists()
+    source = read_program_source(x, lowered_form="stablehlo", max_bytes=MAX_PROGRAM_BYTES)
+    if source.origin == "text":
+        _check_program_text(source.texts[0].text)
+    return [piece.text for piece in source.texts]
 
 
 # How HLO text (``HloModule``, ``ENTRY``, a computation ``name (...`` / ``name {``) and MLIR text
@@ -201,30 +172,70 @@ _PROGRAM_START = re.compile(
 
 def _check_program_text(text: str) -> None:
     """ValueError unless ``text`` can be program text: it starts as HLO or MLIR text does, or
-    holds a label (a snippet cut out of one). A one-line name that ends like a program file is a
-    missing file; anything else (``"not a program"``) is refused instead of read as no labels."""
+    holds a label (a snippet cut out of one). Anything else (``"not a program"``) is refused
+    instead of read as no labels."""
     if _PROGRAM_START.match(text) is not None or LABEL_RE.search(text) is not None:
         return
-    line = text.strip()
-    if "\n" not in line and line.endswith((*_DUMP_SUFFIXES, "/")):
-        raise FileNotFoundError(f"x: no such file or directory: {line}")
     raise ValueError(
         "x: expected a Lowered, a Compiled, HLO or StableHLO text, or a path to an existing program "
         f"file or XLA dump directory; got a str that is none of these: {text[:60]!r}"
     )
 
 
-def _program_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _DUMP_SUFFIXES)
-        if not files:
-            raise ValueError(f"x: the directory {path} holds no program files ({', '.join(_DUMP_SUFFIXES)})")
-        return files
-    if path.exists():  # a FIFO or a device: reading it could block or never end
-        raise ValueError(f"x: {path} is not a regular file or directory (special files are never read)")
-    raise FileNotFoundError(f"x: no such file or directory: {path}")
+# A frontend-attribute dictionary as HLO prints it (``frontend_attributes={k="v",...}``) and as
+# StableHLO does (``mhlo.frontend_attributes = {k = "v", ...}``); values may hold one level of
+# braces (``composite.attributes={n = 1 : i32}``). Possessive and anchored on a literal: linear.
+_FRONTEND_ATTRIBUTES = re.compile(
+    r'(?<![\w$\-])(?:mhlo\.)?frontend_attributes[ \t]*+=[ \t]*+\{((?:[^{}"]++|"(?:[^"\\]++|\\.)*+"|\{[^{}]*+\})*+)\}'
+)
+_ATTRIBUTE_PAIR = re.compile(r'(?<![\w.$\-])([\w.$\-]++)[ \t]*+=[ \t]*+"((?:[^"\\]++|\\.)*+)"')
+
+
+def frontend_attribute_dicts(text: str) -> Iterator[dict[str, str]]:
+    """The frontend-attribute dictionaries of HLO or StableHLO ``text``, in text order.
+
+    A light scan, not a parser: string values only, kept as written (escapes not undone; labels
+    and call descriptions hold none). Enough to find the labels and call descriptions of a program
+    without parsing it; :mod:`ejlabel.analysis` parses the text for everything else.
+    """
+    for found in _FRONTEND_ATTRIBUTES.finditer(text):
+        yield dict(_ATTRIBUTE_PAIR.findall(found.group(1)))
+
+
+def label_table(attributes: Iterable[Mapping[str, str]]) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Every label among frontend-attribute dicts (first appearance first) and its call description.
+
+    A label's description is the ``ejcall`` next to it; a backward label ``<op>.bwd@vN`` without
+    one takes its forward call's, which its backward pass shares.
+    """
+    labels: dict[str, None] = {}
+    found: dict[str, str] = {}
+    for attrs in attributes:
+        lab = attrs.get(LABEL_ATTRIBUTE)
+        if lab is None or not _is_label(lab):
+            continue
+        labels[lab] = None
+        call = attrs.get(CALL_ATTRIBUTE)
+        if call and lab not in found:
+            found[lab] = call
+    for lab in labels:
+        if lab not in found:
+            op_id, _ = parse_label(lab)
+            if is_backward(op_id):
+                forward = lab.replace(op_id, forward_op_id(op_id), 1)
+                if forward in found:
+                    found[lab] = found[forward]
+    return tuple(labels), found
+
+
+@functools.lru_cache(maxsize=65536)
+def _is_label(value: str) -> bool:
+    return LABEL_RE.fullmatch(value) is not None
+
+
+def program_descriptions(x: Any) -> dict[str, str]:
+    """Each label's encoded call description in ``x``, any form :func:`program_texts` reads."""
+    return label_table(attrs for text in program_texts(x) for attrs in frontend_attribute_dicts(text))[1]
 
 
 def find_labels_in_lowered(x: Any) -> list[str]:
