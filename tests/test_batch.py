@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import ejlabel
+import ejlabel.analysis
 from ejlabel import ConfigSelectorChain, Executor, Invocation, find_labels_in_lowered, vmap_with_config
 from ejlabel.analysis import invocations_from_program
 from ejlabel.execution.tuning import Autotuner
@@ -62,6 +63,12 @@ def test_jax_vmap_keys_the_batched_call_not_the_example():
     assert inv.batch_axes == ("vmap", ((8, (1, None)), (2, (0, 0))))  # innermost first
     args, _ = tuning_arguments(inv, inv.args, inv.array_kwargs)
     assert [x.shape for x in args] == [(2, 16, 8, 32), (2, 32, 24)]  # what the program runs
+
+
+def test_the_audit_shows_a_vmapped_call_as_the_program_runs_it():
+    lowered = jax.jit(jax.vmap(jax.vmap(toymatmul, in_axes=(1, None)))).lower(jnp.ones((2, 16, 8, 32)), jnp.ones((2, 32, 24)))
+    (call,) = ejlabel.analysis.audit(lowered).summaries
+    assert call.arguments == "f32[2,16,8,32] f32[2,32,24] vmap=2x8"
 
 
 def test_a_vmapped_call_is_tuned_on_its_batched_arguments():

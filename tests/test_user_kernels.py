@@ -152,6 +152,21 @@ print(json.dumps({{p.op_id: [p.provenance, repr(p.cfg)] for p in ejlabel.labels_
     assert got == {"user_rep@v1": ["persistent", repr(RepCfg("sum", 2))], "user_bare@v1": ["persistent", repr(BareCfg(2))]}
 
 
+def test_the_command_line_reads_a_config_a_script_stored_for_a_kernel_naming_no_type(tmp_path):
+    # BareKernel names its config type nowhere: the offline process learns it from the kernel's
+    # heuristic when it rebuilds the call from the program, and finds the stored config.
+    program = tmp_path / "bare.hlo.txt"
+    program.write_text(jax.jit(lambda x: bare(x)).lower(X).compiler_ir("hlo").as_hlo_text())
+    selector = ejlabel.ConfigSelectorChain(persistent=ejlabel.PersistentCache(tmp_path / "c"))
+    ejlabel.autotune(bare, X, selector=selector, configs=[BareCfg(2)], num_iters=2, num_warmup=1)
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("ejlabel")), "--import", "test_user_kernels", "--cache-dir", str(tmp_path / "c"), "tune", str(program)],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "tuned 0 distinct calls (0 labels)" in proc.stdout and "1 already tuned" in proc.stdout
+
+
 # -------------------------------------------------------------- item 2: no hidden rules
 
 
