@@ -22,6 +22,7 @@ import networkx as nx
 from ejlabel.config.persistent import open_default_persistent
 from ejlabel.config.selection import ConfigSelectorChain
 from ejlabel.core.calls import CallDecodeError, decode_call
+from ejlabel.core.vmapped import batched_call, vmap_levels
 from ejlabel.utils.fingerprint import device_fingerprint
 from ejlabel.utils.sanitize import sanitize
 from ejlabel.utils.serialize import to_jsonable
@@ -88,19 +89,24 @@ class CallSummary:
 
 
 def _describe_arguments(label: str, descriptions: Mapping[str, str]) -> str:
-    """``f32[64,64] f32[64] eps=1e-06`` from the call description next to ``label``."""
+    """``f32[64,64] f32[64] eps=1e-06`` from the call description next to ``label``; a call made
+    under ``jax.vmap`` with the shapes the program runs and its batch sizes (``vmap=2x8``)."""
     text = descriptions.get(label)
     if text is None:
         return "?"
     try:
         desc = decode_call(text, label)
-    except CallDecodeError:
+        args, kwargs = batched_call(desc.args, desc.kwargs, desc.batch_axes)
+        levels = vmap_levels(desc.batch_axes)
+    except (CallDecodeError, ValueError, TypeError):
         return "?"
     parts = []
-    for leaf in jax.tree_util.tree_leaves((desc.args, {k: v for k, v in desc.kwargs.items()}), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)):
+    for leaf in jax.tree_util.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)):
         if isinstance(leaf, jax.ShapeDtypeStruct):
             parts.append(f"{_DTYPE_SHORT.get(leaf.dtype.name, leaf.dtype.name)}[{','.join(map(str, leaf.shape))}]")
-    parts += [f"{k}={v!r}" for k, v in desc.kwargs.items() if not isinstance(v, jax.ShapeDtypeStruct) and v is not None]
+    parts += [f"{k}={v!r}" for k, v in kwargs.items() if not isinstance(v, jax.ShapeDtypeStruct) and v is not None]
+    if levels:
+        parts.append("vmap=" + "x".join(str(size) for size, _ in reversed(levels)))  # outermost first
     return " ".join(parts)
 
 

@@ -85,6 +85,15 @@ def _unseen_labels(program: Program, selector: ConfigSelectorChain, device: str)
     for lab in program.labels:
         op_id, call_key = parse_label(lab)
         found = selector.resolve((device, op_id, call_key))
+        if found is None and lab in program.descriptions:
+            # A kernel class that names no config type learns it when its call is rebuilt;
+            # then the config another process stored for the call decodes here.
+            try:
+                invocation_from_description(lab, program.descriptions[lab])
+            except CallDecodeError:
+                pass
+            else:
+                found = selector.resolve((device, op_id, call_key))
         (seen if found is not None and found.provenance in TUNED_PROVENANCES else unseen).append(lab)
     return unseen, seen
 

@@ -131,6 +131,25 @@ def test_bad_values_name_their_flag_and_debug_and_version_work_anywhere(tmp_path
     assert "no entries" in cli("cache", "ls", cache=tmp_path).stdout
 
 
+def test_global_options_work_anywhere_and_debug_keeps_the_exit_code(tmp_path):
+    import toy_kernels  # registers ScaleConfig here
+
+    ejlabel.PersistentCache(tmp_path / "after").put("cpu|cpu|cpu", "scale@v1", "0123456789abcdef", toy_kernels.ScaleConfig())
+    run = lambda *args: subprocess.run([EJLABEL, *args], capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    late = run("cache", "ls", "--version")
+    assert late.returncode == 0 and late.stdout.startswith("ejlabel ")
+    # --cache-dir and --import after the command (and after cache's own sub-command) are used.
+    listing = run("cache", "--cache-dir", str(tmp_path / "after"), "ls", "--import", "toy_kernels")
+    assert listing.returncode == 0 and "ScaleConfig(factor=1" in listing.stdout and "UNDECODABLE" not in listing.stdout
+    # --debug adds the traceback; the exit code stays: 2 for bad usage, 1 for a failure.
+    usage = run("audit", str(tmp_path / "missing.hlo"), "--debug")
+    assert usage.returncode == 2 and "Traceback" in usage.stderr and "PATH" in usage.stderr.splitlines()[-1]
+    bad = tmp_path / "bad.hlo.txt"
+    bad.write_text("HloModule m\nENTRY %main {\n  %x = f32[ parameter(0\n}\n")
+    failed = run("--debug", "--cache-dir", str(tmp_path / "c"), "audit", str(bad))
+    assert failed.returncode == 1 and "Traceback" in failed.stderr
+
+
 def test_cache_show_takes_a_unique_key_prefix_and_a_closed_pipe_is_quiet(tmp_path):
     import toy_kernels  # registers ScaleConfig here
 
@@ -173,7 +192,7 @@ open({str(path)!r}, "w").write(jax.jit(cost).lower(jnp.ones((8, 128))).compiler_
     proc = cli("tune", str(path), "--budget", "0.2", "--iters", "2", cache=tmp_path / "c")
     tuned, skipped = proc.stdout.splitlines()[:2]
     assert tuned.startswith("tuned  cost@v1:") and "impl='xla'" in tuned  # the floor's best, timed in full
-    assert skipped.strip().startswith("skipped 6 of 8 candidates (time budget; the heuristic and XLA candidates were timed)")
+    assert skipped.strip().startswith("skipped 6 of 8 candidates (time budget; the heuristic and plain-path candidates were timed)")
     assert skipped.count("CostConfig(impl='loop'") == 6 and "trace_s=0.3" in skipped
 
 

@@ -72,8 +72,11 @@ CASES: dict[str, tuple[Callable, tuple]] = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_label_survives_every_form(case):
     fn, args = CASES[case]
-    per_example = X[0] if case == "vmap" else X
-    want = expected_label(scale, per_example)
+    if case == "vmap":  # the batched call: one example and the batch axes
+        inv = ejlabel.Invocation(scale, (X[0],), batch_axes=("vmap", ((X.shape[0], (0,)),)))
+        want = label(inv.op_id, inv.call_key)
+    else:
+        want = expected_label(scale, X)
     for form, text in program_forms(fn, *args).items():
         assert want in text, f"{case}: label missing from {form}"
         assert find_labels_in_lowered(text) == [want], form

@@ -167,9 +167,12 @@ class CostConfig:
 class CostKernel(Kernel[CostConfig, jax.Array]):
     """x + 1 at a cost the config sets, for tests of the tuner's time budget.
 
-    The heuristic is a slow loop; ``config_for(inv, "xla")`` (the default: ``impl`` replaced)
-    is the plain expression, the fastest; the config space is loops that are slow to compile.
+    The heuristic is a slow loop; its declared plain path ``impl="xla"`` (the default
+    ``config_for``: ``impl`` replaced) is the plain expression, the fastest; the config space is
+    loops that are slow to compile.
     """
+
+    plain_implementation = "xla"
 
     def __init__(self) -> None:
         super().__init__("cost")

@@ -15,10 +15,12 @@
    to the model in plain JAX; a config is kept only where the whole step gets faster. On the
    CPU the Pallas kernels run in interpret mode, slower than XLA alone, so expect XLA to stay
    everywhere: the step is never slower than the all-XLA floor. The isolated timings of step 3
-   are reused from the cache.
+   are reused from the cache. The picks are stored with provenance ``in-context``; when every
+   call of the step has one that tuning in context recalls (an earlier run's pick), the step
+   says so and tunes nothing.
 
-Run it twice: the second time step 3 finds nothing to tune, and step 5 ranks nothing (every
-pick was decided by the first run).
+Run it twice: the second time step 3 finds every call tuned and step 5 finds every call's
+in-context pick, so nothing is tuned.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 __all__ = ["run_demo"]
 
@@ -37,7 +40,7 @@ def _heading(text: str) -> None:
 
 
 def run_demo(*, fresh: bool = False, workdir: str | None = None) -> int:
-    """Run the four steps, printing as it goes; returns the process exit code."""
+    """Run the five steps, printing as it goes; returns the process exit code."""
     with tempfile.TemporaryDirectory(prefix="ejlabel-demo-") as scratch:
         if fresh:
             os.environ["EJLABEL_CACHE_DIR"] = str(Path(scratch) / "cache")
@@ -51,7 +54,7 @@ def _run(dump_dir: Path) -> int:
     import ejlabel
     from ejlabel.analysis import audit
     from ejlabel import examples
-    from ejlabel.execution.tuning import tune_in_context
+    from ejlabel.execution.tuning import PROVENANCE, tune_in_context
 
     cfg = examples.TINY
     params = examples.init_params(cfg, jax.random.key(0))
@@ -66,7 +69,7 @@ def _run(dump_dir: Path) -> int:
     for pair in ejlabel.labels_to_configs(lowered, selector):
         print(f"  {pair.label:58} {pair.provenance or 'none':10} {pair.cfg!r}")
 
-    _heading("2. audit (before tuning)")
+    _heading("2. audit: every call site, its config and cost; the unseen calls")
     print(audit(lowered).render())
 
     _heading(f"3. dump the program to {dump_dir}; tune it in a separate process")
@@ -91,6 +94,14 @@ def _run(dump_dir: Path) -> int:
         return 1
 
     _heading("5. tune in context: the whole step, from the all-XLA floor, next to plain JAX")
+    persistent = ejlabel.get_default_executor().selector.persistent
+    picked, calls = _in_context_picks(lowered, persistent)
+    if calls and picked == calls:
+        print(
+            f"every one of the step's {calls} distinct calls has an in-context pick from an earlier run: "
+            "nothing to tune (`ejlabel demo --fresh` starts from an empty cache)"
+        )
+        return 0
     print(
         "step 3 timed each call alone; now, largest share of the step first, the alternatives to XLA "
         "that were faster alone are compiled into the training step and timed against the incumbent "
@@ -98,8 +109,30 @@ def _run(dump_dir: Path) -> int:
         flush=True,
     )
     context = tune_in_context(step, params, batch, baseline_fn=examples.make_train_step(cfg, examples.PLAIN_OPS))
-    persistent = ejlabel.get_default_executor().selector.persistent
     if persistent is not None:
-        stored = [e for e in persistent.entries() if e.provenance == "in-context"]
+        stored = [e for e in persistent.entries() if e.provenance == PROVENANCE]
         print(f"{len(stored)} picks stored with provenance 'in-context' ({len(context.changed)} not XLA); the next run of the step uses them")
     return 0
+
+
+def _in_context_picks(lowered: Any, persistent: Any) -> tuple[int, int]:
+    """How many of the distinct forward calls in ``lowered`` have an in-context pick in
+    ``persistent`` that tuning in context recalls (stored by a run, whether it finished with the
+    call or its budget cut it, and not marked ``recall: False``: see
+    :mod:`ejlabel.execution.tuning.memory`), and how many there are."""
+    from ejlabel import find_labels_in_lowered
+    from ejlabel.core.label_format import is_backward, parse_label
+    from ejlabel.execution.tuning import PROVENANCE
+    from ejlabel.utils.fingerprint import device_fingerprint
+
+    keys = [parse_label(lab) for lab in find_labels_in_lowered(lowered)]
+    keys = [(op_id, call_key) for op_id, call_key in keys if not is_backward(op_id)]
+    if persistent is None:
+        return 0, len(keys)
+    device = device_fingerprint()
+    picked = 0
+    for op_id, call_key in keys:
+        entry = persistent.get_entry(device, op_id, call_key)
+        stats = entry.stats if entry is not None and isinstance(entry.stats, dict) else {}
+        picked += entry is not None and entry.provenance == PROVENANCE and isinstance(stats.get("decided"), bool) and stats.get("recall") is not False
+    return picked, len(keys)

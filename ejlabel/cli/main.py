@@ -1,7 +1,14 @@
 """The ``ejlabel`` command: audit programs, tune their unseen calls, manage the config cache.
 
 Exit codes: 0 success, 1 failure (an error, or calls that could not be tuned), 2 bad usage.
-Errors go to stderr as one line; ``--debug`` shows the traceback instead.
+Errors go to stderr as one line; ``--debug`` adds the traceback and keeps the exit code.
+
+The options that are not a command's own (``--import``, ``--cache-dir``, ``--debug``,
+``--version``) are accepted anywhere on the line, before or after the command. A module the user
+names (``--import MODULE``, ``module:function``) is imported as ``python -m`` finds it: the
+current directory comes first on the import path; ``--import`` also takes a path to a ``.py``
+file (:func:`~ejlabel.core.registry.import_user_modules`). :func:`usage_text` is the synopsis
+README shows.
 
 What the command prints from data (cache entries, errors and warnings that quote a program, a
 dump or a cache) goes through :func:`~ejlabel.utils.sanitize.sanitize` first, so no escape code
@@ -16,6 +23,7 @@ import json
 import os
 import re
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +36,7 @@ from ejlabel.utils.sanitize import sanitize
 from ejlabel.utils.serialize import check_array_size
 from ejlabel.utils.version import VERSION
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "usage_text"]
 
 _SPEC_RE = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9, ]*)\]")
 _DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64", "i32": "int32", "s32": "int32", "i64": "int64", "s64": "int64", "i8": "int8", "u8": "uint8", "bool": "bool", "pred": "bool"}
@@ -87,7 +95,7 @@ def _program(path: str, example_args: str | None) -> Any:
         raise UsageError("--example-args is required to lower a module:function target")
     import jax
 
-    fn = getattr(importlib.import_module(module_name), attr)
+    fn = _import_function(path, "PATH")
     return jax.jit(fn).lower(*_parse_example_args(example_args))
 
 
@@ -144,11 +152,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     for lab, error in report.errors.items():
         print(f"error  {lab}  {sanitize(error)}", file=sys.stderr)
     print(report.summary())
-    print(
-        "these picks come from isolated timings (each call alone, outside its program), not "
-        "confirmed in context; to confirm them in the whole step run "
-        "`ejlabel tune module:function --example-args ...`"
-    )
+    if report.results:
+        print(
+            "these picks come from isolated timings (each call alone, outside its program), not "
+            "confirmed in context; to confirm them in the whole step run "
+            "`ejlabel tune module:function --example-args ...`"
+        )
     return 1 if report.errors else 0
 
 
@@ -157,15 +166,24 @@ def _skipped_line(result: Any, shown: int = 8) -> str:
     names = [repr(c.cfg) for c in result.skipped]
     more = f", and {len(names) - shown} more (`ejlabel cache show {result.call_key}` lists all)" if len(names) > shown else ""
     return (
-        f"skipped {len(names)} of {len(result.candidates)} candidates (time budget; the heuristic and XLA "
+        f"skipped {len(names)} of {len(result.candidates)} candidates (time budget; the heuristic and plain-path "
         f"candidates were timed): {', '.join(names[:shown])}{more}"
     )
+
+
+def _from_current_directory() -> None:
+    """Put the current directory first on the import path, as ``python -m`` does (unless Python
+    runs with ``-P`` / ``PYTHONSAFEPATH``): the user's modules are found where the user is."""
+    here = os.getcwd()
+    if not sys.flags.safe_path and here not in sys.path:
+        sys.path.insert(0, here)
 
 
 def _import_function(target: str, flag: str) -> Any:
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise UsageError(f"{flag}: expected 'module:function', got {target!r}")
+    _from_current_directory()
     fn = importlib.import_module(module_name)
     for part in attr.split("."):
         fn = getattr(fn, part)
@@ -274,18 +292,48 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(fresh=args.fresh, workdir=args.workdir)
 
 
+_IMPORT_HELP = (
+    "import MODULE first, registering its kernels and config types (repeatable): a module name, found "
+    "from the current directory as python -m finds it, or a path to a .py file; ejlabel.kernels is always "
+    "imported. Nothing read from a program or cache is ever imported."
+)
+_CACHE_HELP = "persistent cache directory (default: $EJLABEL_CACHE_DIR or ~/.cache/ejlabel)"
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """The options every command accepts, before or after its name. After it they land in
+    ``*_after`` (argparse would let the command's value replace the one given before it)."""
+    suffix, default = ("", None) if top else ("_after", argparse.SUPPRESS)
+    parser.add_argument("--import", dest="imports" + suffix, action="append", default=[] if top else default, metavar="MODULE", help=_IMPORT_HELP)
+    parser.add_argument("--cache-dir", dest="cache_dir" + suffix, default=default, metavar="DIR", help=_CACHE_HELP)
+    # Read from the command line before parsing (main); listed here for --help.
+    parser.add_argument("--debug", action="store_true", default=default, help="add the traceback to an error (the exit code stays)")
+    parser.add_argument("--version", action="store_true", default=default, help="print the version and exit")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ejlabel", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser.add_argument("--version", action="version", version=f"ejlabel {VERSION}")
-    parser.add_argument(
-        "--import", dest="imports", action="append", default=[], metavar="MODULE",
-        help="import MODULE first, registering its kernels and config types (repeatable); "
-        "ejlabel.kernels is always imported. Nothing read from a program or cache is ever imported.",
-    )
-    parser.add_argument("--cache-dir", default=None, help="persistent cache directory (default: $EJLABEL_CACHE_DIR or ~/.cache/ejlabel)")
+    _add_global_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_commands(commands)
+    for sub in commands.choices.values():
+        _add_global_options(sub, top=False)
+    for sub in _nested_parsers(commands):
+        _add_global_options(sub, top=False)
+    return parser
 
+
+def _nested_parsers(commands: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:  # type: ignore[type-arg]
+    """The parsers of sub-subcommands (``cache ls``, ...)."""
+    found = []
+    for sub in commands.choices.values():
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                found.extend(action.choices.values())
+    return found
+
+
+def _add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     audit = commands.add_parser("audit", help="list every kernel call of a program with its config")
     audit.add_argument("path", help="HLO file, XLA dump directory, or module:function")
     audit.add_argument("--example-args", help="argument specs for module:function, e.g. 'f32[8,16] i32[8]'")
@@ -309,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("path", help="module:function (in context), or an HLO file / XLA dump directory (isolated)")
     tune.add_argument("--example-args", help="argument specs for module:function, e.g. 'f32[8,16] i32[8]'")
     tune.add_argument("--budget", type=_positive(float), default=None, metavar="SECONDS", help=f"in context: seconds for the whole search (default {DEFAULT_BUDGET_S:g}); isolated: seconds per call, compile time "
-        "included (the heuristic and XLA candidates are always timed; the report lists what was skipped)")
+        "included (the heuristic and plain-path candidates are always timed; the report lists what was skipped)")
     tune.add_argument("--iters", type=_positive(int), default=10, help="timed runs per candidate in isolation (default 10)")
     tune.add_argument("--max-configs", type=_positive(int), default=None, help="candidates per call at most")
     tune.add_argument("--samples", type=_positive(int), default=None, help="in context: paired rounds per comparison before more are taken while undecided (default 10)")
@@ -342,11 +390,36 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--yes", action="store_true", help="confirm")
     cache.set_defaults(run=_cmd_cache)
 
-    demo = commands.add_parser("demo", help="lower the example model, audit, tune unseen calls, audit again")
+    demo = commands.add_parser("demo", help="the whole workflow on the example model: lower, audit, tune a dump, audit again, tune in context")
     demo.add_argument("--fresh", action="store_true", help="use a temporary cache instead of the persistent one")
     demo.add_argument("--workdir", default=None, help="where to write the program dump (default: a temporary directory)")
     demo.set_defaults(run=_cmd_demo)
-    return parser
+
+
+#: The command line in one block: what README shows (a test compares them).
+_SYNOPSIS = (
+    ("ejlabel audit PATH [--json | --markdown] [--dot FILE] [--svg FILE] [--png FILE]", "PATH: an HLO file, a dump dir, or module:function --example-args 'f32[8,16]'"),
+    ("ejlabel tune PATH [--budget SECONDS] [--iters N] [--max-configs N]", "a dump or HLO file: each unseen call alone (isolated)"),
+    ("ejlabel tune PATH --ray [ADDRESS]", "the same, across a Ray cluster"),
+    ("ejlabel tune module:function --example-args 'f32[8,16]' [--budget SECONDS]", "in context: whole-step timings"),
+    ("ejlabel cache ls | show KEY | stats | export FILE [--device D] [--op-id OP] | import FILE [--overwrite] | clear --yes", ""),
+    ("ejlabel demo [--fresh] [--workdir DIR]", ""),
+    ("anywhere on the line: --import MODULE|FILE.py  --cache-dir DIR  --debug  --version  --help", ""),
+)
+
+
+def usage_text() -> str:
+    """The synopsis of every command, one per line (README's "Command line" block)."""
+    width = max(len(line) for line, note in _SYNOPSIS if note)
+    return "\n".join(f"{line:{width}}   # {note}".rstrip(" #") if note else line for line, note in _SYNOPSIS)
+
+
+def _global_flags(argv: list[str]) -> tuple[list[str], bool, bool]:
+    """``argv`` without ``--debug`` and ``--version`` (accepted anywhere up to ``--``), and
+    whether each was given."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    head, tail = argv[:end], argv[end:]
+    return [a for a in head if a not in ("--debug", "--version")] + tail, "--debug" in head, "--version" in head
 
 
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: str | None = None) -> None:
@@ -360,31 +433,41 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # --debug is accepted anywhere on the line, not only before the command.
-    debug = "--debug" in argv
-    args = parser.parse_args([a for a in argv if a != "--debug"])
+    argv, debug, version = _global_flags(list(sys.argv[1:] if argv is None else argv))
+    if version:
+        print(f"ejlabel {VERSION}")
+        return 0
+    args = parser.parse_args(argv)
     args.debug = debug
+    args.imports = [*args.imports, *getattr(args, "imports_after", [])]
+    args.cache_dir = getattr(args, "cache_dir_after", None) or args.cache_dir
+    if args.cache_dir is not None:
+        # Every part of the command (the demo's child process too) uses the one cache.
+        os.environ["EJLABEL_CACHE_DIR"] = str(Path(args.cache_dir).expanduser().absolute())
     try:
         # The registry that decoding programs and cache entries consults is filled by the
         # library's own kernels (imported above) and the modules the user named, never by data.
+        if args.imports:
+            _from_current_directory()
         import_user_modules(args.imports)
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning  # warnings quote programs and caches too
             return args.run(args)
     except UsageError as err:
-        if args.debug:
-            raise
-        print(f"ejlabel {args.command}: error: {sanitize(str(err))}", file=sys.stderr)
-        return 2
+        return _fail(args, f"ejlabel {args.command}: error: {sanitize(str(err))}", 2)
     except BrokenPipeError:  # `ejlabel cache ls | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (Exception, KeyboardInterrupt) as err:  # the command line reports, it does not crash
-        if args.debug:
-            raise
-        print(f"ejlabel {args.command}: error: {type(err).__name__}: {sanitize(str(err))}", file=sys.stderr)
-        return 1
+        return _fail(args, f"ejlabel {args.command}: error: {type(err).__name__}: {sanitize(str(err))}", 1)
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    """Report an error on stderr (``--debug``: its traceback first) and return ``code``."""
+    if args.debug:
+        traceback.print_exc()
+    print(message, file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

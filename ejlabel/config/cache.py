@@ -28,6 +28,8 @@ __all__ = [
     "use_implementation",
     "forced_implementation",
     "effective_policy",
+    "never_tunes",
+    "NEVER_TUNES_WARNING",
     "to_json",
     "from_json",
     "usable_cores",
@@ -141,7 +143,9 @@ class AutotunePolicy:
     ejkernel's names are accepted as keywords and read back as properties, with ejlabel's
     meaning where it is stronger:
 
-    - ``allow_autotune`` is ``enabled``.
+    - ``allow_autotune`` is ``enabled``: tuning is *allowed*, and still happens on a miss only
+      with ``cache_miss_fallback="autotune"``, as in ejkernel. A selector whose policy was made
+      with ``allow_autotune=True`` alone warns once, at its first miss, that it never tunes.
     - ``cache_miss_fallback="heuristics"`` / ``"autotune"`` is ``on_miss="heuristic"`` /
       ``"autotune"``.
     - ``allow_heuristics=False`` is ``on_miss="error"`` (a miss raises instead of using the
@@ -245,6 +249,23 @@ def _policy_init(self: AutotunePolicy, *args: Any, **fields: Any) -> None:
             f"got {len(args)} positional argument(s)"
         )
     _dataclass_init(self, **translate_policy_fields(fields))
+    # ejkernel's switch alone allows tuning but keeps the heuristic fallback, so nothing is
+    # ever tuned on a miss (ejkernel's meaning too); the selector says so once (see never_tunes).
+    if fields.get("allow_autotune") is True and not {"cache_miss_fallback", "on_miss"} & set(fields):
+        object.__setattr__(self, "_tuning_asked", True)
+
+
+def never_tunes(policy: AutotunePolicy) -> bool:
+    """Whether ``policy`` was made with ``allow_autotune=True`` and no ``cache_miss_fallback``:
+    tuning is allowed, but a miss falls back to the heuristic, so nothing is ever tuned."""
+    return policy.enabled and policy.on_miss == "heuristic" and getattr(policy, "_tuning_asked", False)
+
+
+NEVER_TUNES_WARNING = (
+    "AutotunePolicy(allow_autotune=True) allows tuning, but its cache_miss_fallback is 'heuristics', so a "
+    "cache miss runs the heuristic config and nothing is tuned (ejkernel's meaning); to tune on a miss, pass "
+    "AutotunePolicy(allow_autotune=True, cache_miss_fallback='autotune')"
+)
 
 
 _policy_init.__doc__ = _dataclass_init.__doc__

@@ -16,16 +16,18 @@ from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, Protocol
 
 from ejlabel.config.cache import (
+    NEVER_TUNES_WARNING,
     AutotunePolicy,
     ConfigCache,
     active_overlays,
     forced_implementation,
     effective_policy,
+    never_tunes,
 )
 from ejlabel.config.persistent import CacheError, PersistentCache
 from ejlabel.core.kernel import Invocation
 from ejlabel.core.label_format import forward_op_id, is_backward, parse_label
-from ejlabel.core.registry import config_type_problem
+from ejlabel.core.registry import config_type_problem, learn_config_types, note_config
 from ejlabel.core.labels import find_labels_in_lowered
 from ejlabel.utils.fingerprint import device_fingerprint
 
@@ -139,6 +141,7 @@ class ConfigSelectorChain:
         self.on_event = on_event
         self.forbid_reautotune = forbid_reautotune
         self._tuned: set[Key] = set()
+        self._said_never_tunes = False
         self._decisions: dict[Key, Selection] = {}
         self._lock = threading.Lock()
 
@@ -174,12 +177,16 @@ class ConfigSelectorChain:
         self.on_event(event, device=key[0], op_id=key[1], call_key=key[2], **data)
 
     def _choose(self, inv: Invocation[Any, Any], key: Key) -> Selection:
+        # A kernel class that names no config type learns it here, before the persistent
+        # cache is read, so entries another process stored for it decode in this one.
+        learn_config_types(inv.kernel, inv)
         forced = forced_implementation()
         if forced is not None:
             cfg = inv.kernel.config_for(inv, forced)
             if cfg is not None:
                 return Selection(cfg, "forced")
         if inv.override_cfg is not None:
+            note_config(inv.kernel, inv.override_cfg)
             return Selection(inv.override_cfg, "override")
         cached = self.lookup(key)
         if cached is not None:
@@ -198,6 +205,9 @@ class ConfigSelectorChain:
             if self.on_event is not None:
                 self._emit("autotune_finish", key, cfg=cfg, provenance="autotuned")
             return Selection(cfg, "autotuned")
+        if never_tunes(policy) and not self._said_never_tunes:
+            self._said_never_tunes = True
+            warnings.warn(NEVER_TUNES_WARNING, UserWarning, stacklevel=5)
         if policy.on_miss == "error" and policy.enabled:
             raise UntunedCallError(
                 f"no tuned config for {inv.op_id} call {inv.call_key} on {key[0]} and the policy's "

@@ -26,6 +26,8 @@ import jax
 from ejlabel.core.kernel import Invocation, Kernel
 from ejlabel.core.label_format import forward_op_id, parse_label, split_op_id
 from ejlabel.core.labels import program_descriptions
+from ejlabel.core.registry import learn_config_types
+from ejlabel.core.vmapped import vmap_levels
 from ejlabel.utils.fingerprint import sharding_fingerprint
 from ejlabel.utils.serialize import (
     from_jsonable,
@@ -222,6 +224,11 @@ def invocation_from_description(lab: str, text: str) -> Invocation[Any, Any]:
     if not isinstance(desc.kwargs, dict) or not all(isinstance(k, str) for k in desc.kwargs):
         raise CallDecodeError(f"call description of {lab}: keyword arguments are not a str-keyed mapping")
     try:
-        return Invocation(kernel, desc.args, desc.kwargs, batch_axes=desc.batch_axes, known_call_key=desc.call_key)
+        inv = Invocation(kernel, desc.args, desc.kwargs, batch_axes=desc.batch_axes, known_call_key=desc.call_key)
+        vmap_levels(inv.batch_axes, len(jax.tree_util.tree_leaves((inv.args, inv.array_kwargs))))  # checks a vmap call's axes
     except Exception as err:  # noqa: BLE001 - decoded data that makes no call: one clear error type
         raise CallDecodeError(f"call description of {lab} does not make a call of {desc.kernel}: {type(err).__name__}: {err}") from None
+    # A kernel class that names no config type learns it from its heuristic (code this process
+    # imported), so the configs stored for the call decode here.
+    learn_config_types(kernel, inv)
+    return inv

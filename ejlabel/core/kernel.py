@@ -39,8 +39,9 @@ from ejlabel.utils.fingerprint import (
     get_device_platform,
     scalar_memo_key,
 )
+from ejlabel.utils.modules import public_module_name
 
-__all__ = ["Kernel", "Invocation", "Cfg", "Out", "PLATFORM_METHODS", "is_array", "abstract_invocation", "random_inputs", "random_values"]
+__all__ = ["Kernel", "Invocation", "Cfg", "Out", "PLATFORM_METHODS", "is_array", "split_kwargs", "abstract_invocation", "random_inputs", "random_values"]
 
 Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
@@ -112,6 +113,12 @@ class Kernel(Generic[Cfg, Out]):
 
     version: ClassVar[str] = "1"
     key_builder: ClassVar[Any] = None
+    #: The implementation that is the kernel's plain path: the expression a JAX user writes,
+    #: differentiated by JAX (``"xla"`` for the library's kernels), which the config's ``impl``
+    #: field selects unless ``config_for`` says otherwise. Every tuner starts from it (the
+    #: *floor*: :meth:`plain_config`). None, the default: the kernel declares no plain path,
+    #: its heuristic config is its floor, and ejlabel never writes into its configs.
+    plain_implementation: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -123,11 +130,15 @@ class Kernel(Generic[Cfg, Out]):
         if op_id is None and name is None and isinstance(type(self).__dict__.get("op_id", getattr(type(self), "op_id", None)), str):
             op_id = type(self).op_id  # ejkernel's class attribute ``op_id = "..."``
         elif op_id is None and name is None:
-            # ejkernel's default op id: the class's module and name.
-            op_id = f"{type(self).__module__}.{type(self).__name__}".lstrip("_.")
+            # ejkernel's default op id: the class's module and name (a script's module by its
+            # own name, not __main__, so the script and the command line share its entries).
+            op_id = f"{public_module_name(type(self).__module__)}.{type(self).__name__}".lstrip("_.")
         op_id = check_op_name(op_id if op_id is not None else name)
         check_version(type(self).version, f"{type(self).__qualname__}.version")
         cls_name = type(self).__qualname__
+        plain = type(self).plain_implementation
+        if plain is not None and (not isinstance(plain, str) or not plain):
+            raise TypeError(f"{cls_name}.plain_implementation: expected None or an implementation name such as 'xla', got {plain!r}")
         if type(self).key_builder is not None:
             raise TypeError(
                 f"{cls_name}.key_builder: ejlabel computes the call key itself (it is written into the "
@@ -241,11 +252,15 @@ class Kernel(Generic[Cfg, Out]):
 
     def config_for(self, inv: Invocation[Cfg, Out], implementation: str) -> Cfg | None:
         """A config of ``inv`` that runs ``implementation`` (e.g. ``"xla"``), or None if the
-        kernel has no such implementation for this call.
+        kernel has no such implementation for this call (what ``use_implementation`` forces).
 
-        By default: the heuristic config with its ``impl`` field set to ``implementation``, when
-        the config is a dataclass with such a field and accepts the value.
+        By default, for a kernel that declares :attr:`plain_implementation`: the heuristic
+        config with its ``impl`` field set to ``implementation``, when the config is a dataclass
+        with such a field and accepts the value. A kernel that declares none gets None: a field's
+        name alone never makes ejlabel write into a user's config.
         """
+        if type(self).plain_implementation is None:
+            return None
         cfg = self.heuristic_cfg(inv)
         if not dataclasses.is_dataclass(cfg) or "impl" not in {f.name for f in dataclasses.fields(cfg)}:
             return None
@@ -255,6 +270,13 @@ class Kernel(Generic[Cfg, Out]):
             return dataclasses.replace(cfg, impl=implementation)
         except (TypeError, ValueError):
             return None
+
+    def plain_config(self, inv: Invocation[Cfg, Out]) -> Cfg | None:
+        """The config of the kernel's declared plain path for ``inv``
+        (``config_for(inv, plain_implementation)``), or None when it declares none or has none
+        for this call: then the floor is the heuristic config."""
+        name = type(self).plain_implementation
+        return None if name is None else self.config_for(inv, name)
 
     def differentiated_by_jax(self, cfg: Cfg) -> bool:
         """Whether ``cfg`` selects an implementation that is plain JAX, differentiated by JAX.
@@ -381,7 +403,7 @@ def _memoised_call_key(inv: Invocation[Any, Any]) -> str:
     return key
 
 
-def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split keyword arguments into (array-valued, static)."""
     arrays, static = {}, {}
     for name, value in kwargs.items():
@@ -398,7 +420,9 @@ class Invocation(Generic[Cfg, Out]):
       kernel: the kernel being called.
       args: positional arguments (arrays, tracers, ``ShapeDtypeStruct``\\ s or pytrees of them).
       kwargs: keyword arguments; array-valued ones are inputs, the rest are static options.
-      batch_axes: the ``in_axes`` of a surrounding ``vmap_with_config``; part of the key.
+      batch_axes: how the call is mapped, part of the key: ``("vmap", levels)`` for a call traced
+        under ``jax.vmap`` (:mod:`ejlabel.core.vmapped`; ``args`` are then one example),
+        ``pmap_with_config``'s ``("pmap", ...)``, or None.
       override_cfg: an explicit config (``cfg=`` at the call), which skips every cache.
     """
 
@@ -435,11 +459,11 @@ class Invocation(Generic[Cfg, Out]):
 
     @_cached_property
     def array_kwargs(self) -> dict[str, Any]:
-        return _split_kwargs(self.kwargs)[0]
+        return split_kwargs(self.kwargs)[0]
 
     @_cached_property
     def static_kwargs(self) -> dict[str, Any]:
-        return _split_kwargs(self.kwargs)[1]
+        return split_kwargs(self.kwargs)[1]
 
     @_cached_property
     def call_key(self) -> str:

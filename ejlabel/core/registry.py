@@ -4,24 +4,30 @@ Cache entries, exported config files and call descriptions in compiled programs 
 (``"ejlabel.kernels.matmul:MatmulConfig"``). Importing a module named by data would let a
 file run code (``{"$ref": "antigravity:geohash"}`` once opened a browser from
 ``ejlabel cache ls``), so nothing found in data is ever imported. Names resolve only through
-this registry, which code fills:
+this registry, which the process's own code fills:
 
 * Every :class:`~ejlabel.core.kernel.Kernel` subclass registers itself when its class
   statement runs (``Kernel.__init_subclass__`` calls :func:`register_kernel`), together with
-  its config type, inferred from the generic base: ``class MatmulKernel(Kernel[MatmulConfig,
-  jax.Array])`` registers ``MatmulConfig`` and, through its fields' annotations and defaults,
-  every dataclass and enum nested in it. A kernel without the generic argument can name its
-  config type with :func:`register_config_type` (``kernel=``).
-* Each kernel instance records its op id (``matmul@v2``) with its class's config types
+  its config type: the ``Cfg`` of a generic base (``class MatmulKernel(Kernel[MatmulConfig,
+  jax.Array])``), else what the class's own annotations say (a ``cfg`` parameter of any method,
+  ``heuristic_cfg``'s return type, the item type of ``config_space``'s). Through the type's
+  fields' annotations and defaults, every dataclass and enum nested in it is registered too.
+  A kernel with neither can name its config type with :func:`register_config_type`
+  (``kernel=``), but need not: the first config it hands ejlabel (:func:`note_config`: its
+  heuristic config when a call is selected, a tuning candidate, a config stored for its op id)
+  registers that config's type.
+* Each kernel instance records its op id (``matmul@v2``) with its class
   (:func:`note_kernel_instance`), so a config read from a cache can be checked against the
-  type its kernel expects (:func:`config_type_problem`).
-* A program's own kernels are therefore registered by importing the module that defines them,
-  in the user's code. Offline tools (``ejlabel --import MODULE``) call
-  :func:`import_user_modules` with module names the user typed: code the user chose, never
-  names read from a file.
+  types its kernel takes (:func:`config_type_problem`).
+* A program's own kernels are therefore registered by running or importing the code that
+  defines them. Offline tools (``ejlabel --import MODULE``) call :func:`import_user_modules`
+  with the modules the user typed (a module name, or a path to a ``.py`` file): code the user
+  chose, never names read from a file.
 
-Kernels defined inside a function have no name that data can use; they work in-process but
-cannot be rebuilt from a program file.
+A script's classes are registered under the script's module name, not ``__main__``
+(:mod:`ejlabel.utils.modules`): the names a script writes are the names a process that imports
+the same file registers. Kernels defined inside a function have no name that data can use; they
+work in-process but cannot be rebuilt from a program file.
 """
 
 from __future__ import annotations
@@ -29,11 +35,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import inspect
+import os
 import re
+import sys
 import threading
 import types
 import typing
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ejlabel.core.label_format import forward_op_id, is_backward
@@ -52,6 +62,8 @@ __all__ = [
     "registered_kernels",
     "kernel_config_types",
     "note_kernel_instance",
+    "note_config",
+    "learn_config_types",
     "expected_config_types",
     "config_type_problem",
     "import_user_modules",
@@ -61,11 +73,15 @@ T = TypeVar("T", bound=type)
 
 _LOCK = threading.RLock()
 _KERNELS: dict[str, type] = {}
-# Kernel class -> its config types; () when they are unknown (no generic argument).
+# Kernel class -> its config types; () while they are unknown (no generic argument, no
+# annotation, no config handed over yet).
 _KERNEL_CONFIGS: dict[type, tuple[type, ...]] = {}
-# Versioned op id -> config types of the kernel classes seen with that op id; None once a
-# class with unknown config types used it (then nothing can be checked for that op id).
-_OP_CONFIGS: dict[str, frozenset[type] | None] = {}
+# Versioned op id -> the kernel classes whose instances use it.
+_OP_KERNELS: dict[str, set[type]] = {}
+# (kernel class, config type) pairs already noted, and kernel classes whose heuristic was
+# asked for their config type: each is done once.
+_NOTED: set[tuple[type, type]] = set()
+_PROBED: set[type] = set()
 _MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
@@ -157,7 +173,8 @@ def _register_tree(cls: type, *, explicit: bool) -> None:
 
 
 def _inferred_config_types(cls: type, base: type) -> tuple[type, ...]:
-    """The ``Cfg`` of the nearest ``Kernel[Cfg, Out]``-style base in ``cls``'s MRO."""
+    """The ``Cfg`` of the nearest ``Kernel[Cfg, Out]``-style base in ``cls``'s MRO, else the
+    config types the class's methods are annotated with (:func:`_annotated_config_types`)."""
     for klass in cls.__mro__:
         # Own __dict__ only: the attribute lookup would find a parent's __orig_bases__.
         for orig in klass.__dict__.get("__orig_bases__", ()):
@@ -168,7 +185,33 @@ def _inferred_config_types(cls: type, base: type) -> tuple[type, ...]:
                     found = _concrete_types(args[0])
                     if found:
                         return found
-    return ()
+    return _annotated_config_types(cls, base)
+
+
+def _annotated_config_types(cls: type, base: type) -> tuple[type, ...]:
+    """Config types named by the annotations of ``cls``'s own methods (``base``'s excluded):
+    every parameter called ``cfg``, the return of ``heuristic_cfg*``, the items of the return
+    of ``config_space`` / ``candidate_cfgs*`` / ``prior_configs``. Unresolvable annotations are
+    passed over."""
+    found: list[type] = []
+    for klass in cls.__mro__:
+        if klass is base or klass is object or klass.__module__ == "typing":
+            continue
+        for name, attr in vars(klass).items():
+            fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+            if not inspect.isfunction(fn):
+                continue
+            try:
+                hints = typing.get_type_hints(fn)
+            except Exception:  # a forward reference to a name defined later, a local class
+                hints = {k: v for k, v in getattr(fn, "__annotations__", {}).items() if not isinstance(v, str)}
+            named = [hints.get("cfg")]
+            if name.startswith("heuristic_cfg"):
+                named.append(hints.get("return"))
+            elif name in ("config_space", "candidate_cfgs", "prior_configs") or name.startswith("candidate_cfgs_"):
+                named.extend(typing.get_args(hints.get("return"))[:1])  # list[Cfg] -> Cfg
+            found.extend(t for hint in named if hint is not None for t in _concrete_types(hint))
+    return tuple(t for t in dict.fromkeys(found) if t is not type(None) and t is not object)
 
 
 def register_kernel(cls: type, base: type) -> None:
@@ -224,13 +267,62 @@ def kernel_config_types(cls: type) -> tuple[type, ...]:
 
 def note_kernel_instance(kernel: Any) -> None:
     """Record that ``kernel.versioned_id`` runs with its class's config types (from ``Kernel.__init__``)."""
-    op_id = kernel.versioned_id
-    configs = kernel_config_types(type(kernel))
     with _LOCK:
-        known = _OP_CONFIGS.get(op_id, frozenset())
-        if known is None:
-            return
-        _OP_CONFIGS[op_id] = None if not configs else known | frozenset(configs)
+        _OP_KERNELS.setdefault(kernel.versioned_id, set()).add(type(kernel))
+
+
+def note_config(kernel: Any, cfg: Any) -> None:
+    """Register the type of ``cfg``, a config ``kernel`` handed ejlabel, as one its class takes.
+
+    The config is an object this process made, so its type is code, not data: registering it
+    (with the dataclasses and enums nested in its fields) lets the caches store and read back
+    the configs of a kernel whose class names no config type. Cheap after the first time for
+    each (kernel class, config type) pair; a config class defined inside a function stays
+    usable in-process, with no name data could use.
+    """
+    if cfg is None:
+        return
+    pair = (type(kernel), type(cfg))
+    if pair in _NOTED:
+        return
+    _register_tree(pair[1], explicit=False)
+    with _LOCK:
+        known = kernel_config_types(pair[0])
+        if not isinstance(cfg, known):
+            _KERNEL_CONFIGS[pair[0]] = (*known, pair[1])
+        _NOTED.add(pair)
+
+
+def learn_config_types(kernel: Any, inv: Any) -> None:
+    """Learn the config type of ``kernel``'s class from its heuristic config for ``inv``, once
+    per class and only while the type is unknown; what the heuristic raises is left to the
+    call's own selection to report."""
+    cls = type(kernel)
+    if cls in _PROBED or kernel_config_types(cls):
+        return
+    _PROBED.add(cls)
+    try:
+        cfg = kernel.heuristic_cfg(inv)
+    except Exception:  # noqa: BLE001 - the selection that follows calls it again and says why
+        return
+    note_config(kernel, cfg)
+
+
+def note_config_for_op(op_id: str, cfg: Any) -> None:
+    """:func:`note_config` for every kernel class of this process that uses ``op_id`` and may
+    take ``cfg`` (its config types unknown, or ``cfg`` one of them). Nothing for an op id no
+    kernel instance of this process uses: then nothing vouches for the type."""
+    if is_backward(op_id):
+        op_id = forward_op_id(op_id)
+    with _LOCK:
+        classes = list(_OP_KERNELS.get(op_id, ()))
+    for cls in classes:
+        known = kernel_config_types(cls)
+        if not known or isinstance(cfg, known):
+            _register_tree(type(cfg), explicit=False)
+            with _LOCK:
+                if not known:
+                    _KERNEL_CONFIGS[cls] = (type(cfg),)
 
 
 def expected_config_types(op_id: str) -> frozenset[type] | None:
@@ -238,7 +330,15 @@ def expected_config_types(op_id: str) -> frozenset[type] | None:
     None when unknown (no kernel instance seen, or one whose config type is not known)."""
     if is_backward(op_id):
         op_id = forward_op_id(op_id)
-    return _OP_CONFIGS.get(op_id) or None
+    with _LOCK:
+        classes = list(_OP_KERNELS.get(op_id, ()))
+    found: set[type] = set()
+    for cls in classes:
+        types_ = kernel_config_types(cls)
+        if not types_:
+            return None
+        found.update(types_)
+    return frozenset(found) or None
 
 
 def config_type_problem(op_id: str, cfg: Any) -> str | None:
@@ -257,18 +357,58 @@ def config_type_problem(op_id: str, cfg: Any) -> str | None:
 def import_user_modules(names: Iterable[str]) -> list[types.ModuleType]:
     """Import the modules the user named (``ejlabel --import MODULE``), registering their kernels.
 
-    These names come from the user's command line or code, never from a cache or program file.
-    ValueError for a name that is not a dotted module name (a file path, say); the ImportError
-    of a module that fails to import names it.
+    Each name is a dotted module name, imported from the import path as ``import`` would, or a
+    path to a ``.py`` file, imported as the module its file name names with its folder first on
+    the import path: as ``python path/to/user_kernels.py`` runs it, so its classes get the names
+    the script gives them (``user_kernels:UCfg``). These names come from the user's command line
+    or code, never from a cache or program file. ValueError for a name that is neither (no such
+    file); the ImportError of a module that fails to import names it.
     """
     if isinstance(names, str):
         names = [names]
     modules = []
     for name in names:
+        if isinstance(name, (str, os.PathLike)) and _is_file_name(os.fspath(name)):
+            modules.append(_import_file(os.fspath(name)))
+            continue
         if not isinstance(name, str) or not _MODULE_RE.fullmatch(name):
-            raise ValueError(f"--import: expected a module name such as 'my_pkg.kernels', got {name!r}")
+            raise ValueError(f"--import: expected a module name such as 'my_pkg.kernels' or a path to a .py file, got {name!r}")
         try:
             modules.append(importlib.import_module(name))
         except ImportError as err:
             raise ImportError(f"--import {name}: {err}", name=name) from err
     return modules
+
+
+def _is_file_name(text: str) -> bool:
+    return text.endswith(".py") or os.sep in text or (os.altsep is not None and os.altsep in text)
+
+
+def _import_file(text: str) -> types.ModuleType:
+    """The module of the ``.py`` file ``text``, imported under its file name from its folder."""
+    path = Path(text)
+    if path.suffix != ".py" or not path.is_file():
+        raise ValueError(
+            f"--import {text!r}: no such .py file; expected a module name such as 'my_pkg.kernels' or a path to a .py file"
+        )
+    path = path.resolve()
+    name = path.stem
+    if not _MODULE_RE.fullmatch(name) or "." in name:
+        raise ValueError(f"--import {text!r}: the file name {name!r} is not a module name, so nothing could import it by name")
+    main = sys.modules.get("__main__")
+    if _same_file(getattr(main, "__file__", None), path):
+        return main  # type: ignore[return-value]  # the running script itself: already run
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:
+        raise ImportError(f"--import {text}: {err}", name=name) from err
+    if not _same_file(getattr(module, "__file__", None), path):
+        raise ImportError(f"--import {text}: the module {name} is {getattr(module, '__file__', None) or 'built in'}, not this file", name=name)
+    return module
+
+
+def _same_file(file: Any, path: Path) -> bool:
+    return isinstance(file, str) and Path(file).resolve() == path

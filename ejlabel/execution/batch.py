@@ -1,9 +1,12 @@
 """``vmap_with_config`` and ``pmap_with_config``: select a config once, then map the call.
 
-A plain ``jax.vmap(kernel)`` would select per traced call, which is the same per-example
-signature anyway; these helpers make the choice explicit and put the mapped axes into the call
-key (``batch_axes``), so a config tuned for the batched use of a kernel is kept apart from one
-tuned for the unbatched call of the same per-example shape.
+``vmap_with_config(kernel)`` is ``jax.vmap`` of the kernel's call through the executor: the call
+is traced once, on one example, and selected once; the executor reads the batch axes off the
+traced arguments (:mod:`ejlabel.core.vmapped`), so the call is keyed, described and tuned as the
+batched call it is, with the same key as ``jax.vmap`` of the same call, apart from the
+unbatched call of the same per-example shape. ``pmap_with_config`` selects once for the
+per-device call and puts ``("pmap", axis_name, in_axes, out_axes)`` into the key: each device
+runs the per-example call, which is what tuning times.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ _MISSING = object()
 def vmap_with_config(
     kernel: Any, *args: Any, executor: Executor | None = None, **kwargs: Any
 ) -> Callable[..., Any]:
-    """``jax.vmap`` of ``kernel`` with one config chosen for the per-example signature.
+    """``jax.vmap`` of ``kernel`` with one config chosen for the batched call.
 
     ``vmap_with_config(kernel, in_axes=0, out_axes=0, executor=None)``; ejkernel's order
     ``vmap_with_config(executor, kernel, in_axes=0, out_axes=0)`` is accepted too. Keyword
@@ -93,7 +96,15 @@ def vmap_with_config(
 
 
 def _vmap(kernel: Kernel[Any, Any], in_axes: Any = 0, out_axes: Any = 0, executor: Executor | None = None) -> Callable[..., Any]:
-    return _mapped(jax.vmap, kernel, in_axes, executor, ("vmap", in_axes, out_axes), {"out_axes": out_axes})
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"kernel: expected a Kernel, got {type(kernel).__name__}")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _per_example(args, in_axes)  # the in_axes errors, named, before jax.vmap's own
+        chosen = executor if executor is not None else get_default_executor()
+        return jax.vmap(lambda *example: chosen(kernel, *example, **kwargs), in_axes=in_axes, out_axes=out_axes)(*args)
+
+    return call
 
 
 def pmap_with_config(

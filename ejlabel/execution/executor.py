@@ -5,7 +5,8 @@ the label is written as frontend attributes on every op of the call (and, for ke
 custom VJP, on every op of the backward pass, under ``<op>.bwd@v<version>``). A path that JAX
 differentiates itself (``Kernel.differentiated_by_jax``) runs without a custom VJP: the program
 is then exactly the plain one, and JAX carries the label onto the transposed ops. The encoded
-call description goes only onto the first site of each call key in a traced function.
+call description goes only onto the first site of each call key in a traced function. A call
+traced under ``jax.vmap`` is keyed and described with its batch axes (:mod:`ejlabel.core.vmapped`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ejlabel.core.calls import encode_call
 from ejlabel.core.kernel import Cfg, Invocation, Kernel, Out, is_array, set_default_runner
 from ejlabel.core.label_format import backward_op_id
 from ejlabel.core.labels import label, label_scope
+from ejlabel.core.vmapped import traced_batch_axes
 from ejlabel.execution.recording import maybe_record
 from ejlabel.utils.fingerprint import get_device_platform
 
@@ -91,7 +93,11 @@ class Executor(Generic[Cfg, Out]):
             args, kwargs = tuple(args), dict(kwargs)
         except (TypeError, ValueError):
             raise TypeError(f"{type(kernel).__qualname__}.prepare must return (args, kwargs), got {prepared!r}") from None
-        return Invocation(kernel, args, kwargs, override_cfg=cfg)
+        inv = Invocation(kernel, args, kwargs, override_cfg=cfg)
+        # Under jax.vmap the arguments are one example; the call the program runs is batched,
+        # and is keyed, described and tuned as such (core/vmapped).
+        inv.batch_axes = traced_batch_axes(inv.args, inv.array_kwargs)
+        return inv
 
     def __call__(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
         return self.run_invocation(self._invocation(kernel, args, cfg, kwargs))

@@ -33,7 +33,9 @@ Decoding never imports a module. A ``module:QualName`` found in data (``$datacla
 :class:`UnregisteredTypeError` naming it; a registered name of the wrong kind (a function where
 a dataclass is tagged) is a :class:`DecodeError`. Encoding needs no registration: it writes the
 name of an object the program already holds, checked against the loaded module (again without
-importing anything).
+importing anything). A script's own classes are written under the script's module name, not
+``__main__`` (:mod:`ejlabel.utils.modules`), so a config a script stored is the entry the command
+line finds after importing the same file, and the reverse.
 
 Decoding is also bounded, so one hostile entry cannot exhaust the stack or the decoder:
 containers nest at most :data:`MAX_DEPTH` deep (counting every JSON array and object, so a
@@ -60,6 +62,8 @@ from typing import Any, TypeVar
 
 import jax
 import numpy as np
+
+from ejlabel.utils.modules import public_module_name
 
 __all__ = [
     "MAX_ARRAY_BYTES",
@@ -115,18 +119,26 @@ _REGISTRY: dict[str, Any] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-def qualified_name(obj: Any) -> str:
-    """``module:QualName`` of a class or function, from its own attributes (no lookup).
-
-    TypeError when it has none that data could name: objects defined inside a function or
-    lambdas.
-    """
+def _own_name(obj: Any) -> tuple[str, str]:
+    """``(module, qualname)`` from the object's own attributes; TypeError when data could not name it."""
     module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not isinstance(module, str) or not isinstance(qualname, str) or not module or not qualname:
         raise TypeError(f"{obj!r} has no name that data could refer to (no __module__/__qualname__)")
     if "<locals>" in qualname or "<lambda>" in qualname:
         raise TypeError(f"{obj!r} has no importable name (module-level classes and functions only)")
-    return f"{module}:{qualname}"
+    return module, qualname
+
+
+def qualified_name(obj: Any) -> str:
+    """``module:QualName`` of a class or function, from its own attributes (no lookup).
+
+    A script's ``__main__`` is written as the script's module name
+    (:func:`~ejlabel.utils.modules.public_module_name`), so the script and a process that imports
+    the same file name its classes alike. TypeError when it has no name that data could use:
+    objects defined inside a function or lambdas.
+    """
+    module, qualname = _own_name(obj)
+    return f"{public_module_name(module)}:{qualname}"
 
 
 def register(obj: T, *, name: str | None = None) -> T:
@@ -201,8 +213,10 @@ def import_path(obj: Any) -> str:
 
     Looks in ``sys.modules`` only: naming an object the program holds never imports anything.
     """
-    path = qualified_name(obj)
-    module_name, _, qualname = path.partition(":")
+    module_name, qualname = _own_name(obj)
+    path = f"{public_module_name(module_name)}:{qualname}"
+    # Checked in the module the object lives in (``__main__`` for a script's), under the name
+    # every process uses for it.
     found: Any = sys.modules.get(module_name)
     if found is None:
         raise TypeError(f"{path}: module {module_name} is not loaded, so {obj!r} has no importable name")

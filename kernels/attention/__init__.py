@@ -109,6 +109,7 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
     """Flash attention with masks, segments and grouped heads; see the module docstring."""
 
     version = "1"
+    plain_implementation = "xla"  # jax.nn.dot_product_attention's path (config_for): the tuners' floor
 
     def __init__(self) -> None:
         super().__init__("flash_attention")

@@ -70,6 +70,7 @@ class CrossEntropyKernel(Kernel[CrossEntropyConfig, jax.Array]):
 
     # 2: the Pallas backward reads the forward's log-sum-exp instead of recomputing it.
     version = "2"
+    plain_implementation = "xla"  # the floor every tuner starts from
 
     def __init__(self) -> None:
         super().__init__("cross_entropy")

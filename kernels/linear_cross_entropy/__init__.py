@@ -105,6 +105,7 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
     # 5: chunked_tokens_triton joins the candidates: picks made without it are stale.
     # 6: chunked_tokens_triton's kernel writes the gradient itself (its products changed).
     version = "6"
+    plain_implementation = "xla"  # the floor every tuner starts from
 
     def __init__(self) -> None:
         super().__init__("linear_cross_entropy")

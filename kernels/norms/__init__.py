@@ -55,6 +55,7 @@ class NormConfig:
 class _NormKernel(Kernel[NormConfig, jax.Array]):
     """What RMS norm and layer norm share; ``centered`` tells them apart."""
 
+    plain_implementation = "xla"  # the floor every tuner starts from
     centered: bool
 
     def run(self, x: Float[Array, "*batch width"], *params: Float[Array, "width"], cfg: NormConfig, eps: float) -> Float[Array, "*batch width"]:

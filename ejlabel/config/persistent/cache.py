@@ -59,7 +59,7 @@ from ejlabel.config.persistent.store import (
     resolve_file,
 )
 from ejlabel.core.label_format import check_op_id
-from ejlabel.core.registry import register_config_type
+from ejlabel.core.registry import note_config_for_op, register_config_type
 from ejlabel.utils.sanitize import sanitize
 from ejlabel.utils.serialize import DecodeError, check_json, from_json, from_jsonable, import_path, loads_strict, to_json
 
@@ -320,7 +320,8 @@ class PersistentCache:
         Everything is encoded before the transaction starts, so a config that cannot be encoded
         raises TypeError and writes nothing; one whose type (or a type nested in it) is not
         registered raises :class:`~ejlabel.utils.serialize.UnregisteredTypeError` (a ValueError)
-        and writes nothing, since no process could read it back.
+        and writes nothing, since no process could read it back. A config for the op id of a
+        kernel this process runs registers its type first (``note_config_for_op``).
         """
         if call_key is None and cfg is None:
             key, cfg = normalize_key(dev), op_id_or_cfg
@@ -337,6 +338,9 @@ class PersistentCache:
             kernel_version = kernel_version_of(key[1])
         elif not isinstance(kernel_version, str) or not kernel_version:
             raise ValueError(f"kernel_version: expected a non-empty string, got {kernel_version!r}")
+        # A config of a kernel this process runs is code's, not data's: its type is registered
+        # (a kernel whose class names no config type learns it here), so it reads back.
+        note_config_for_op(key[1], cfg)
         config_json = to_json(cfg)
         config_type = import_path(type(cfg))
         # What cannot be read back must not be stored: a type that is not registered (decoding

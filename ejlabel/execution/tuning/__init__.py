@@ -6,8 +6,9 @@ The story, in the order the modules tell it:
    synchronised, after untimed warm-up, as the median of repeated runs (:class:`Timing`,
    :func:`benchmark`); every candidate's output is checked against the reference first.
 2. **Candidates** (:mod:`.candidates`). A call is tuned over its *floor* (the kernel's
-   heuristic and XLA configs, which every other candidate must beat and which no budget
-   skips) and its config space; each candidate ends with a status and a reason.
+   heuristic config and the config of its declared plain path, which every other candidate
+   must beat and which no budget skips) and its config space; each candidate ends with a
+   status and a reason.
 3. **In isolation** (:mod:`.isolated`, :mod:`.halving`). The :class:`Autotuner` compiles
    every candidate of every call ahead of time in one thread pool, checks each, and ranks the
    correct ones by successive halving. It serves a selector's cache miss, :func:`autotune`,

@@ -1,10 +1,12 @@
 """What one call is tuned over, and what comes back.
 
-A call's candidates are its *floor* first (the kernel's heuristic config and its XLA config,
-:func:`floor_configs`: what every other candidate must beat, never skipped for budget), then its
-config space. :func:`candidate_function` is what one candidate compiles to: the kernel's
+A call's candidates are its *floor* first (the kernel's heuristic config and the config of the
+plain path it declares, :func:`floor_configs`: what every other candidate must beat, never
+skipped for budget), then its config space. Nothing else is added: a candidate is a config the
+kernel declared. :func:`candidate_function` is what one candidate compiles to: the kernel's
 implementation on this platform with that config, and, when the backward pass is timed too,
-forward and backward together through the labelled call. A capped list keeps the floor and
+forward and backward together through the labelled call; a call made under ``jax.vmap`` is
+compiled and timed batched, on :func:`tuning_arguments`. A capped list keeps the floor and
 takes the rest round-robin over implementations (:func:`spread_over_implementations`), so a cap
 never leaves a whole implementation out.
 
@@ -27,6 +29,7 @@ from typing import Any
 import jax
 
 from ejlabel.core.kernel import Invocation
+from ejlabel.core.vmapped import batched_arguments, batched_function
 from ejlabel.execution.executor import run_labelled
 from ejlabel.execution.tuning.measure import Timing
 from ejlabel.utils.fingerprint import get_device_platform
@@ -34,7 +37,7 @@ from ejlabel.utils.serialize import to_jsonable
 
 __all__ = [
     "DEADLINE_COMPILE", "DEADLINE_TIMING", "AutotuneError", "CandidateResult", "Job", "TuneResult", "TuningCut",
-    "candidate_function", "floor_configs", "output_spec", "spread_over_implementations",
+    "candidate_function", "floor_configs", "output_spec", "spread_over_implementations", "tuning_arguments",
 ]
 
 
@@ -45,8 +48,8 @@ class CandidateResult:
     ``status`` is ``ok``, ``compile_error``, ``runtime_error``, ``out_of_memory``, ``nan``,
     ``wrong`` (relative error over tolerance), ``pruned`` (dropped by successive halving after
     timing) or ``skipped`` (never timed: the time budget was spent first). ``floor`` marks the
-    heuristic and XLA candidates, which the budget never skips; ``prior`` those the kernel
-    expects to beat XLA on this device, which come right after them.
+    heuristic and plain-path candidates, which the budget never skips; ``prior`` those the kernel
+    expects to beat its floor on this device, which come right after them.
     """
 
     cfg: Any
@@ -166,20 +169,22 @@ class Job:
 
 
 def floor_configs(inv: Invocation[Any, Any]) -> list[Any]:
-    """The heuristic config and the kernel's XLA config of ``inv`` (one if they are the same)."""
+    """The heuristic config of ``inv`` and the config of the plain path its kernel declares
+    (``Kernel.plain_implementation``; one config if they are the same or none is declared)."""
     kernel = inv.kernel
     floor = [kernel.heuristic_cfg(inv)]
     try:
-        xla = kernel.config_for(inv, "xla")
-    except Exception:  # noqa: BLE001 - a kernel's own hook failing only loses the XLA candidate
-        xla = None
-    if xla is not None and xla not in floor:
-        floor.append(xla)
+        plain = kernel.plain_config(inv)
+    except Exception:  # noqa: BLE001 - a kernel's own hook failing only loses the plain candidate
+        plain = None
+    if plain is not None and plain not in floor:
+        floor.append(plain)
     return floor
 
 
 def candidate_function(inv: Invocation[Any, Any], cfg: Any, backward: bool) -> Callable[..., Any]:
-    """What one candidate compiles to: the forward call, or forward and backward together."""
+    """What one candidate compiles to: the forward call, or forward and backward together, of
+    the arguments :func:`tuning_arguments` gives (a call made under ``jax.vmap`` batched)."""
     impl = inv.kernel.implementation(_platform())
     static = inv.static_kwargs
 
@@ -187,24 +192,33 @@ def candidate_function(inv: Invocation[Any, Any], cfg: Any, backward: bool) -> C
         return impl(*args, cfg=cfg, **array_kwargs, **static)
 
     if not backward:
-        return forward
+        return batched_function(forward, inv.args, inv.array_kwargs, inv.batch_axes)
+
+    def labelled_call(args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> Any:
+        call = Invocation(inv.kernel, args, {**array_kwargs, **static}, known_call_key=inv.call_key)
+        return run_labelled(call, cfg)
+
+    labelled = batched_function(labelled_call, inv.args, inv.array_kwargs, inv.batch_axes)
 
     def forward_and_backward(args: tuple[Any, ...], array_kwargs: dict[str, Any], cotangent: Any) -> Any:
-        def labelled(*primals: Any) -> Any:
-            call = Invocation(inv.kernel, primals, {**array_kwargs, **static}, known_call_key=inv.call_key)
-            return run_labelled(call, cfg)
-
-        out, pullback = jax.vjp(labelled, *args)
+        out, pullback = jax.vjp(lambda *primals: labelled(primals, array_kwargs), *args)
         return out, pullback(cotangent)
 
     return forward_and_backward
 
 
+def tuning_arguments(inv: Invocation[Any, Any], args: tuple[Any, ...], array_kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, array_kwargs)`` of one example as the call runs them: batched along its
+    ``jax.vmap`` axes when it has any (specs grown, values broadcast), else as they are."""
+    return batched_arguments(args, array_kwargs, inv.batch_axes)
+
+
 def output_spec(inv: Invocation[Any, Any], configs: list[Any]) -> Any:
     """The abstract output of ``inv`` (the same for every config), or None if none traces."""
+    operands = tuning_arguments(inv, inv.args, inv.array_kwargs)
     for cfg in configs:
         try:
-            return jax.eval_shape(candidate_function(inv, cfg, backward=False), inv.args, inv.array_kwargs)
+            return jax.eval_shape(candidate_function(inv, cfg, backward=False), *operands)
         except Exception:
             continue
     return None

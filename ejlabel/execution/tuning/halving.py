@@ -3,8 +3,9 @@
 Every survivor gets a few timed runs, the slower half is dropped, the rest get twice as many,
 until one round at the full ``num_iters`` decides. A large config space then costs far less than
 timing every config fully, and the final decision is still made on full-length measurements. The
-floor (heuristic and XLA configs) is timed first and in full: it is what every other candidate
-must beat, and it always stays in the ranking, so the winner is never slower than the floor.
+floor (heuristic and plain-path configs) is timed first and in full: it is what every other
+candidate must beat, and it always stays in the ranking, so the winner is never slower than the
+floor.
 """
 
 from __future__ import annotations

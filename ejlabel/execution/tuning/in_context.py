@@ -16,12 +16,12 @@ step and its inputs it spends a budget of ``DEFAULT_BUDGET_S`` where the gain is
    its final check judged exactly these picks against the floor, nothing is compiled or timed
    at all (unless ``baseline_fn`` asks for a measurement): the report gives that run's step
    times and says so.
-3. **Floor.** The all-XLA assignment: every call gets ``kernel.config_for(inv, "xla")``, what
-   :func:`~ejlabel.use_implementation` ``("xla")`` selects (a kernel without an XLA path keeps
-   its usual selection). It is written out as an explicit assignment, so that every candidate
-   differs from the incumbent in exactly one call. The floor, the warm start (the floor with
-   the recalled picks) and the plain baseline compile at once, on the compile workers (by
-   default one per core); the floor is timed.
+3. **Floor.** The all-XLA assignment: every call gets the config of the plain path its kernel
+   declares (``kernel.plain_config(inv)``, ``Kernel.plain_implementation``: ``"xla"`` for the
+   library's kernels), else its heuristic config. It is written out as an explicit assignment,
+   so that every candidate differs from the incumbent in exactly one call. The floor, the warm
+   start (the floor with the recalled picks) and the plain baseline compile at once, on the
+   compile workers (by default one per core); the floor is timed.
 4. **Priors, then the rest, by expected gain** (:mod:`.ranking`). First each call's prior
    candidates (those its kernel expects to beat XLA here) go straight to the whole step,
    largest call first, without isolated ranking: they are few and expected to win, and ranking
@@ -155,7 +155,7 @@ def tune_in_context(
 
     # 1. Discover the calls; 2. recall what earlier runs decided; 3. compile and time the floor.
     sites, invocations = discover(fn, args)
-    floor: dict[Key, Any] = {key: _floor_cfg(inv, selector, errors) for key, inv in invocations.items()}
+    floor: dict[Key, Any] = {key: _floor_cfg(inv, errors) for key, inv in invocations.items()}
     calls = {key: CallPick(*key, sites[key], floor[key], floor[key]) for key in invocations}
     memory = Recall() if exhaustive else recall(selector.persistent, invocations, sites, floor)
     warm = dict(floor)
@@ -318,21 +318,18 @@ def _settle(calls: Iterable[CallPick], reverted: bool, step_ms: float) -> None:
             call.step_ms = step_ms
 
 
-def _floor_cfg(inv: Invocation[Any, Any], selector: ConfigSelectorChain, errors: dict[str, str]) -> Any:
-    """What ``use_implementation("xla")`` selects for ``inv``: the XLA config, else the usual one.
+def _floor_cfg(inv: Invocation[Any, Any], errors: dict[str, str]) -> Any:
+    """The config of the plain path ``inv``'s kernel declares, else its heuristic config.
 
-    A kernel whose ``config_for`` raises on this call keeps its usual config, and the error is
-    reported under the call: one call's failure does not stop the others' tuning.
+    A kernel whose ``plain_config`` raises on this call keeps its heuristic config, and the error
+    is reported under the call: one call's failure does not stop the others' tuning.
     """
     try:
-        cfg = inv.kernel.config_for(inv, "xla")
+        cfg = inv.kernel.plain_config(inv)
     except Exception as err:  # noqa: BLE001 - the kernel's code, on this call alone
-        errors[f"{inv.op_id}:{inv.call_key}"] = f"no XLA config ({type(err).__name__}: {err}); its usual config stays"
+        errors[f"{inv.op_id}:{inv.call_key}"] = f"no plain-path config ({type(err).__name__}: {err}); its heuristic config stays"
         cfg = None
-    if cfg is not None:
-        return cfg
-    found = selector.lookup(inv.cache_key)
-    return found.cfg if found is not None else inv.kernel.heuristic_cfg(inv)
+    return cfg if cfg is not None else inv.kernel.heuristic_cfg(inv)
 
 
 def _store(

@@ -22,15 +22,15 @@ default tuner), ``autotune``, ``autotune_recorded`` and ejkernel's :class:`Tuner
 The time budget (``AutotunePolicy.time_budget_s``, per call) is spent in this order and never
 buys a worse pick:
 
-* the *floor* candidates, the heuristic config and the kernel's XLA config
-  (``kernel.config_for(inv, "xla")``), come first in the candidate list, survive
+* the *floor* candidates, the heuristic config and the config of the kernel's declared plain
+  path (``kernel.plain_config(inv)``), come first in the candidate list, survive
   ``max_configs``, and are always compiled, checked and fully timed, budget or not;
 * every other candidate's compile seconds count against the budget: once they reach it, the
   remaining candidates are not compiled; timing stops starting new candidates once compile and
   timing together reach it;
 * a candidate is ``skipped`` only if it was never timed, so every timing taken stays in the
   ranking: the winner is the fastest candidate measured, and the floor is always measured, so
-  the stored winner is never slower than the heuristic or XLA. ``TuneResult.skipped`` (and the
+  the stored winner is never slower than the heuristic or the plain path. ``TuneResult.skipped`` (and the
   stored statistics) say how many candidates were skipped and which.
 
 Candidates come in this order: the floor, then the kernel's prior (the configs it expects to
@@ -71,6 +71,7 @@ import numpy as np
 from ejlabel.config.cache import AutotunePolicy, ConfigCache
 from ejlabel.config.selection import ConfigSelectorChain, set_default_tuner
 from ejlabel.core.kernel import Invocation, Kernel, abstract_invocation, random_inputs
+from ejlabel.core.vmapped import batched_function
 from ejlabel.execution.executor import get_default_executor
 from ejlabel.execution.recording import get_invocations
 from ejlabel.execution.tuning.candidates import (
@@ -86,6 +87,7 @@ from ejlabel.execution.tuning.candidates import (
     floor_configs,
     output_spec,
     spread_over_implementations,
+    tuning_arguments,
 )
 from ejlabel.execution.tuning.halving import race
 from ejlabel.execution.tuning.measure import Progress, benchmark, describe_error, output_tolerance, relative_error
@@ -226,7 +228,7 @@ class Autotuner:
             return _call_failed(job.inv, "measuring it", err)
 
     def _job(self, inv: Invocation[Any, Any], configs: list[Any] | None, extra_floor: Any = None) -> Job:
-        """The call's candidates: the floor (heuristic, then XLA) first, then the kernel's prior
+        """The call's candidates: the floor (heuristic, then plain path) first, then the kernel's prior
         (:meth:`~ejlabel.core.kernel.Kernel.prior_configs`), then the rest of the config space.
 
         Given ``configs``, only those are tried (in their order, the floor and prior among them
@@ -283,7 +285,7 @@ class Autotuner:
         if not candidate.floor and job.over_budget():
             candidate.status, candidate.reason = "skipped", "time budget spent compiling other candidates"
             return None
-        operands = (inv.args, inv.array_kwargs) + ((job.cotangent,) if job.cotangent is not None else ())
+        operands = tuning_arguments(inv, inv.args, inv.array_kwargs) + ((job.cotangent,) if job.cotangent is not None else ())
         start = time.perf_counter()
         try:
             executable = jax.jit(candidate_function(inv, candidate.cfg, job.cotangent is not None)).lower(*operands).compile()
@@ -304,7 +306,7 @@ class Autotuner:
 
         def inputs(seed: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
             args, kwargs = inv.kernel.make_inputs(inv, jax.random.key(seed))
-            return (args, {k: v for k, v in kwargs.items() if k in inv.array_kwargs}), kwargs
+            return tuning_arguments(inv, args, {k: v for k, v in kwargs.items() if k in inv.array_kwargs}), kwargs
 
         operands, kwargs = inputs(self.seed)
         if job.cotangent is not None:
@@ -362,11 +364,15 @@ class Autotuner:
         """The kernel's reference output (and gradients), else the first working candidate's."""
         reference = getattr(job.inv.kernel, "reference", None)
         if callable(reference):
-            args = operands[0]
+            inv = job.inv
+            static = {k: v for k, v in kwargs.items() if k not in inv.array_kwargs}
+            # Batched like the candidates when the call runs under jax.vmap.
+            call = batched_function(lambda a, k: reference(*a, **k, **static), inv.args, inv.array_kwargs, inv.batch_axes)
+            args, array_kwargs = operands[0], operands[1]
             try:
                 if job.cotangent is None:
-                    return jax.block_until_ready(reference(*args, **kwargs))
-                out, pullback = jax.vjp(lambda *a: reference(*a, **kwargs), *args)
+                    return jax.block_until_ready(call(args, array_kwargs))
+                out, pullback = jax.vjp(lambda *a: call(a, array_kwargs), *args)
                 return jax.block_until_ready((out, pullback(operands[2])))
             except Exception as err:  # a plain reference can need memory a tiled kernel does not
                 warnings.warn(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
+from ejlabel.utils.modules import public_module_name
+
 __all__ = [
     "CACHE_LIMIT", "INT", "LEAF", "MAP", "RECORD", "SEQ", "SET", "Node", "Unsupported",
     "header", "lp", "qualified_name", "record_header", "text_bytes",
@@ -53,8 +55,9 @@ class Unsupported(Exception):
 
 
 def qualified_name(tp: type) -> str:
-    """``module.qualname`` of a class, used as the type part of a tag."""
-    return f"{tp.__module__}.{tp.__qualname__}"
+    """``module.qualname`` of a class, used as the type part of a tag (a script's ``__main__``
+    under the script's module name, so the script and a process importing it key alike)."""
+    return f"{public_module_name(tp.__module__)}.{tp.__qualname__}"
 
 
 def lp(data: bytes) -> bytes:

@@ -4,7 +4,8 @@ A call key must be the same in every process that makes the same call, so nothin
 depend on memory addresses or on ``repr``. A function, class or callable object counts by its
 module and qualified name, but only after checking that importing the module and walking the
 name gives back the very same object (:func:`resolves`); a rebound or local name is not a
-faithful stand-in. What has no such name (lambdas, closures, local functions) counts by what it
+faithful stand-in. A script's ``__main__`` counts as the script's module name
+(:mod:`ejlabel.utils.modules`), as the command line that imports the script names it. What has no such name (lambdas, closures, local functions) counts by what it
 computes: its code (without file name or line numbers, so moving a lambda does not change its
 key), defaults and closed-over values. Bound methods, partials and wrappers count by their
 parts; an object with none of these rules is an error naming its type.
@@ -21,6 +22,7 @@ from typing import Any
 import jax.tree_util as jtu
 
 from ejlabel.utils.fingerprint.grammar import LEAF, RECORD, SEQ, Node, Unsupported, qualified_name
+from ejlabel.utils.modules import public_module_name
 
 __all__ = [
     "EmptyCell", "reduce_builtin_function", "reduce_code", "reduce_descriptor", "reduce_function",
@@ -72,7 +74,7 @@ def reduce_type(tp: type) -> Node:
         return Node(LEAF, "type", "builtins:" + unnamed)
     module, qualname = tp.__module__, tp.__qualname__
     if module == "builtins" or resolves(tp, module, qualname):
-        return Node(LEAF, "type", f"{module}:{qualname}")
+        return Node(LEAF, "type", f"{public_module_name(module)}:{qualname}")
     raise Unsupported(tp, f"{module}.{qualname} cannot be imported by that name")
 
 
@@ -102,7 +104,7 @@ def reduce_function(fn: types.FunctionType) -> Node:
     """
     module, qualname = fn.__module__, fn.__qualname__
     if resolves(fn, module, qualname):
-        return Node(LEAF, "function", f"{module}:{qualname}")
+        return Node(LEAF, "function", f"{public_module_name(module)}:{qualname}")
     cells = tuple(_cell_contents(c) for c in fn.__closure__ or ())
     values = (module, qualname, fn.__code__, fn.__defaults__, fn.__kwdefaults__, cells)
     return Node(RECORD, "closure", (_CLOSURE_FIELDS, values))
@@ -179,7 +181,7 @@ def reduce_other(obj: Any) -> Node:
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None)
     if module is not None and qualname is not None and resolves(obj, module, qualname):
-        return Node(LEAF, "callable", f"{module}:{qualname}")
+        return Node(LEAF, "callable", f"{public_module_name(module)}:{qualname}")
     wrapped = getattr(obj, "__wrapped__", _MISSING)
     if wrapped is not _MISSING and wrapped is not obj:
         return Node(SEQ, "wrapped:" + qualified_name(type(obj)), (wrapped,))
