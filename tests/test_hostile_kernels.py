@@ -161,20 +161,26 @@ def test_checks_cost_nothing_under_jit_and_traced_labels_agree() -> None:
 
 def test_python_m_from_a_folder_with_networkx_py_is_documented(tmp_path: pathlib.Path) -> None:
     """``python -m`` puts the current folder first on the path, so a ``networkx.py`` there is
-    imported instead of networkx; the console script's path starts at its own folder, and ``-P``
-    leaves the current folder out. README says so next to ``python -m ejlabel``."""
+    imported instead of networkx; the console script's path starts at its own folder (until
+    ``--import`` asks for the current folder), and ``-P`` / ``PYTHONSAFEPATH`` leave the current
+    folder out. README says so next to ``python -m ejlabel``."""
     folder = tmp_path / "work"
     folder.mkdir()
     (folder / "networkx.py").write_text('import pathlib\npathlib.Path(__file__).with_name("SHADOW_RAN").write_text("ran")\n')
     (folder / "p.hlo").write_text(hlo_module("%p = f32[4]{0} parameter(0)", f"ROOT %a = f32[4]{{0}} add(%p, %p), {LABELLED}"))
     cache = ["--cache-dir", str(tmp_path / "c")]
     marker = folder / "SHADOW_RAN"
-    for argv in ([EJLABEL, *cache, "audit", "p.hlo"], [sys.executable, "-P", "-m", "ejlabel", *cache, "audit", "p.hlo"]):
-        proc = subprocess.run(argv, cwd=folder, capture_output=True, text=True, check=False, env=subprocess_env(), timeout=300)
+    safe = [
+        ([EJLABEL, *cache, "audit", "p.hlo"], {}),
+        ([sys.executable, "-P", "-m", "ejlabel", *cache, "--import", "toy_kernels", "audit", "p.hlo"], {}),
+        ([EJLABEL, *cache, "--import", "toy_kernels", "audit", "p.hlo"], {"PYTHONSAFEPATH": "1"}),
+    ]
+    for argv, env in safe:
+        proc = subprocess.run(argv, cwd=folder, capture_output=True, text=True, check=False, env=subprocess_env(**env), timeout=300)
         assert proc.returncode == 0 and "1 kernel call sites" in proc.stdout, proc.stderr
         assert not marker.exists(), argv
     subprocess.run([sys.executable, "-m", "ejlabel", *cache, "audit", "p.hlo"], cwd=folder, capture_output=True, check=False, env=subprocess_env(), timeout=300)
     assert marker.exists()  # what the README warns of: Python's own rule, not ejlabel's
     readme = (REPO_ROOT / "README.md").read_text()
-    note = readme[readme.index("python -m ejlabel") :][:800]
-    assert "current folder" in note and "-P" in note and "console script" in note
+    note = readme[readme.index("`python -m ejlabel ...` runs the same command") :][:800]
+    assert "current folder" in note and "python -P -m ejlabel" in note and "PYTHONSAFEPATH=1" in note and "console script" in note
