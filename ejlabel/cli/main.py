@@ -151,7 +151,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             print(f"       {_skipped_line(result)}")
     for lab, error in report.errors.items():
         print(f"error  {lab}  {sanitize(error)}", file=sys.stderr)
-    print(report.summary())
+    print(sanitize(report.summary()))  # it names the Ray workers, as they name themselves
     if report.results:
         print(
             "these picks come from isolated timings (each call alone, outside its program), not "
