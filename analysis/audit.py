@@ -24,9 +24,10 @@ from ejlabel.config.selection import ConfigSelectorChain
 from ejlabel.core.calls import CallDecodeError, decode_call
 from ejlabel.core.vmapped import batched_call, vmap_levels
 from ejlabel.utils.fingerprint import device_fingerprint
+from ejlabel.utils.sanitize import sanitize
 from ejlabel.utils.serialize import to_jsonable
 
-from .graph import call_graph
+from .graph import WRONG_TYPE, call_graph
 from .program import read_program
 
 __all__ = ["TUNED_PROVENANCES", "CallRow", "CallSummary", "Report", "audit"]
@@ -124,12 +125,6 @@ def _short(cfg: Any, width: int = 48) -> str:
         return "-"
     text = repr(cfg)
     return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def _markdown_cell(text: str) -> str:
-    """``text`` as one Markdown table cell: a ``|`` or a line break from data cannot add a column
-    or end the row."""
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
 def _human(n: float) -> str:
@@ -231,11 +226,13 @@ class Report:
     _HEADERS = ("op", "key", "arguments", "sites", "config", "provenance", "flops", "bytes")
 
     def to_markdown(self) -> str:
-        lines = [f"**{self.summary()}**", "", "| " + " | ".join(self._HEADERS) + " |", "|" + "---|" * len(self._HEADERS)]
-        lines += ["| " + " | ".join(_markdown_cell(cell) for cell in row) + " |" for row in self._table_rows()]
+        """The report as Markdown; every cell from data is sanitized for Markdown (a ``|`` or a
+        line break cannot add a column or end the row, a link, an image or HTML shows as text)."""
+        lines = [f"**{sanitize(self.summary(), 'markdown')}**", "", "| " + " | ".join(self._HEADERS) + " |", "|" + "---|" * len(self._HEADERS)]
+        lines += ["| " + " | ".join(sanitize(cell, "markdown") for cell in row) + " |" for row in self._table_rows()]
         lines += ["", "| op | sites | distinct calls | unseen | flops | bytes |", "|---|---|---|---|---|---|"]
         lines += [
-            f"| {_markdown_cell(op)} | {t['sites']} | {t['labels']} | {t['unseen']} | {_human(t['flops'])} | {_human(t['bytes'])}B |"
+            f"| {sanitize(op, 'markdown')} | {t['sites']} | {t['labels']} | {t['unseen']} | {_human(t['flops'])} | {_human(t['bytes'])}B |"
             for op, t in self.by_op.items()
         ]
         return "\n".join(lines)
@@ -244,19 +241,21 @@ class Report:
         """A terminal table (rich), as text.
 
         Every cell comes from data (argument values, configs, device names read from a program
-        or a cache), so each is a ``rich.text.Text``: rich never parses it as markup or emoji
-        codes, and a value such as ``"[/]"`` prints as itself instead of failing or restyling.
+        or a cache), so each is sanitized for the terminal (no escape code or line break from
+        data reaches it: :func:`~ejlabel.utils.sanitize.sanitize`) and is a ``rich.text.Text``:
+        rich never parses it as markup or emoji codes, and a value such as ``"[/]"`` prints as
+        itself instead of failing or restyling.
         """
         from rich.console import Console
         from rich.table import Table
         from rich.text import Text
 
-        table = Table(title=Text(self.summary()), title_justify="left")
+        table = Table(title=Text(sanitize(self.summary())), title_justify="left")
         for header in self._HEADERS:
             table.add_column(header, no_wrap=header in ("op", "key", "provenance"))
         for cells in self._table_rows():
-            style = "red" if cells[5] in ("UNSEEN", "heuristic") else None
-            table.add_row(*(Text(cell) for cell in cells), style=style)
+            style = "red" if cells[5] in ("UNSEEN", "heuristic", WRONG_TYPE) else None
+            table.add_row(*(Text(sanitize(cell)) for cell in cells), style=style)
         with open(os.devnull, "w") as sink:
             console = Console(width=width, record=True, file=sink, color_system=None, markup=False, emoji=False, highlight=False)
             console.print(table)

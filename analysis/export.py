@@ -10,6 +10,7 @@ from typing import Any
 
 import networkx as nx
 
+from ejlabel.utils.sanitize import sanitize
 from ejlabel.utils.serialize import to_jsonable
 
 __all__ = ["draw", "from_node_link_json", "to_dot", "to_node_link_json"]
@@ -67,10 +68,10 @@ def from_node_link_json(text: str) -> nx.DiGraph:
     return graph
 
 
-def _dot_quote(text: str) -> str:
-    """A DOT double-quoted string; newlines become DOT's ``\\n`` line breaks."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
-    return '"' + escaped.replace("\r", "").replace("\n", "\\n") + '"'
+def _dot_quote(text: object) -> str:
+    """A DOT double-quoted string of data: sanitized for DOT (a quote cannot end it, a backslash
+    names nothing, an escape code shows as text in the drawing), line breaks as DOT's ``\\n``."""
+    return '"' + sanitize(text, "dot") + '"'
 
 
 def _short(text: str, width: int = 60) -> str:

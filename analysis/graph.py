@@ -60,6 +60,12 @@ Which forms count what
 
 ``graph.graph`` also says what was read: ``"program"`` (the input's kind), ``"modules"`` and
 ``"notes"`` (dump files left out, and why).
+
+*Configs.* With a selector, each node's ``config`` and ``provenance`` are what the selector
+resolves for its call. The kernels the program's call descriptions name are instantiated first
+(:func:`.program.note_described_kernels`), so a cached config of another kernel's type is
+refused as the running program refuses it; the node then shows it with provenance
+:data:`WRONG_TYPE`, and the call counts as unseen.
 """
 
 from __future__ import annotations
@@ -67,16 +73,20 @@ from __future__ import annotations
 import gc
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import networkx as nx
 
+from ejlabel.config.persistent import CacheError
 from ejlabel.core.label_format import (
     BACKWARD_SUFFIX,
     LABEL_ATTRIBUTE,
     LABEL_RE,
+    forward_op_id,
+    is_backward,
     split_op_id,
 )
+from ejlabel.core.registry import config_type_problem
 from ejlabel.utils.fingerprint import device_fingerprint
 
 from .costs import ELEMENTWISE, elements, instruction_flops, shape_info
@@ -84,10 +94,10 @@ from .cycles import sites_on_cycles, split_apart, split_by_level
 from .export import draw, from_node_link_json, to_dot, to_node_link_json
 from .flow import MAX_UPSTREAM, DataFlow
 from .hlo import HloComputation, HloInstruction
-from .program import ProgramModule, UnreadModule, read_program
+from .program import ProgramModule, UnreadModule, note_described_kernels, read_program
 from .sites import NESTING_KIND, TRANSPARENT, Site, SiteFinder, own_label
 
-__all__ = ["MAX_UPSTREAM", "call_graph", "draw", "from_node_link_json", "to_dot", "to_node_link_json"]
+__all__ = ["MAX_UPSTREAM", "WRONG_TYPE", "Found", "call_graph", "draw", "from_node_link_json", "to_dot", "to_node_link_json", "wrong_type_entry"]
 
 _MAX_SPLIT_ROUNDS = 8  # each round splits the sites on cycles; real programs need one
 _NOTHING: frozenset[str] = frozenset()
@@ -113,11 +123,14 @@ def call_graph(x: Any, selector: Any = None, device: str | None = None) -> nx.Di
     graph.graph["notes"] = list(program.notes)
     graph.graph["shared"] = []
     resolved: dict[tuple[str, str], Any] = {}
+    if selector is not None:
+        note_described_kernels(program)
 
     def resolve(op_id: str, call_key: str) -> Any:
         key = (op_id, call_key)
         if key not in resolved:
-            resolved[key] = None if selector is None else selector.resolve((device, op_id, call_key))
+            found = None if selector is None else selector.resolve((device, op_id, call_key))
+            resolved[key] = found if found is not None or selector is None else wrong_type_entry(selector, (device, op_id, call_key))
         return resolved[key]
 
     # The passes allocate many small acyclic objects; the cycle collector walking them again and
@@ -520,6 +533,34 @@ def _add_data_edges(graph: nx.DiGraph, names: list[str], incoming: list[list[fro
                 out_of[u][head] = data
                 into[names[u]] = data
     _clear_cache(graph)
+
+
+class Found(NamedTuple):
+    """A config found for a call and where from (a selector's ``Selection`` has these fields too)."""
+
+    cfg: Any
+    provenance: str
+
+
+WRONG_TYPE = "WRONG TYPE"
+"""Provenance of a cached config the call's kernel does not take: shown, never served, unseen."""
+
+
+def wrong_type_entry(selector: Any, key: tuple[str, str, str]) -> Found | None:
+    """The persistent entry for ``key`` (or, for a backward label, its forward's) that the
+    selector refused because the kernel takes another config type, as :data:`WRONG_TYPE`."""
+    persistent = getattr(selector, "persistent", None)
+    if persistent is None:
+        return None
+    device, op_id, call_key = key
+    for candidate in ((device, op_id, call_key), (device, forward_op_id(op_id), call_key))[: 2 if is_backward(op_id) else 1]:
+        try:
+            entry = persistent.get_entry(candidate)
+        except CacheError:
+            return None
+        if entry is not None:
+            return Found(entry.config, WRONG_TYPE) if config_type_problem(candidate[1], entry.config) is not None else None
+    return None
 
 
 def _add_degraded(graph: nx.DiGraph, unread: UnreadModule, resolve: Any) -> None:

@@ -53,7 +53,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ejlabel.core.calls import invocations_from_program
+import numpy as np
+
+from ejlabel.core.calls import CallDecodeError, decode_call, invocations_from_program, rebuild_kernel
 from ejlabel.core.labels import label_table
 from ejlabel.core.program_source import ProgramReadError, Stage, read_program_source
 from ejlabel.utils import files
@@ -63,12 +65,15 @@ from .hlo import HloModule, parse_hlo, program_kind, stablehlo_frontend_attribut
 
 __all__ = [
     "MAX_DIRECTORY_ENTRIES",
+    "MAX_NESTING",
     "MAX_PROGRAM_BYTES",
     "Program",
     "ProgramModule",
     "ProgramReadError",
     "UnreadModule",
+    "bracket_depth",
     "invocations_from_program",
+    "note_described_kernels",
     "read_program",
 ]
 
@@ -77,6 +82,12 @@ __all__ = [
 MAX_PROGRAM_BYTES = files.MAX_PROGRAM_BYTES
 #: Most directory entries walked when reading a directory (an XLA dump holds a few per module).
 MAX_DIRECTORY_ENTRIES = files.MAX_DIRECTORY_ENTRIES
+
+#: Deepest nesting of brackets (``[ ( { <`` together) in StableHLO text handed to jaxlib's
+#: converter. Its parser recurses per level and ends the whole process with a segfault (on an
+#: 8 MiB stack: regions nested 900 deep, about 1,800 brackets; ``tuple<`` 4,000 deep; ``[`` 6,733
+#: deep); real programs nest tens deep. Deeper text is refused before the converter sees it.
+MAX_NESTING = 500
 
 _MLIR_MODULE_NAME = re.compile(r"module\s+@\"?([\w.$\-]+)")
 
@@ -217,6 +228,13 @@ class _Reader:
             self.add_module(parse_hlo(text), source, text)
 
     def add_stablehlo(self, text: str, source: str) -> None:
+        depth, at = bracket_depth(text)
+        if depth > MAX_NESTING:
+            line = text.count("\n", 0, at) + 1
+            raise ProgramReadError(
+                f"x: {source} nests brackets {depth} deep (line {line}), more than the {MAX_NESTING} levels handed to "
+                "jaxlib's StableHLO converter (ejlabel.analysis.program.MAX_NESTING), which would end the process"
+            )
         try:
             hlo = _stablehlo_to_hlo(text)
         except Exception as err:  # noqa: BLE001 - any failure of the converter: read the attributes only
@@ -227,6 +245,63 @@ class _Reader:
             self.notes.append(f"{source}: {reason}; its labels are read, its structure is not")
             return
         self.add_module(parse_hlo(hlo), f"{source} (StableHLO, converted to HLO)", hlo)
+
+
+def note_described_kernels(program: Program) -> None:
+    """Make an instance of each kernel the program's call descriptions name (of those registered
+    here), so that the registry knows which config types each op id takes before any config is
+    looked up for it (:func:`ejlabel.core.registry.config_type_problem`).
+
+    Without it a kernel defined in a module given by ``--import`` is known as a class but not by
+    its op id, and a cached entry of another kernel's type under its key would pass as tuned,
+    while the running program refuses it and never tunes the call.
+    """
+    seen: set[tuple[str | None, str, str]] = set()
+    for lab, text in program.descriptions.items():
+        try:
+            desc = decode_call(text, lab)
+            if (desc.kernel, desc.op_id, desc.version) not in seen:
+                seen.add((desc.kernel, desc.op_id, desc.version))
+                rebuild_kernel(desc)  # Kernel.__init__ records the op id with its config types
+        except CallDecodeError:
+            continue  # a kernel not registered here: nothing is known of its configs
+
+
+_BRACKET_STEP = np.zeros(256, np.int8)
+_BRACKET_STEP[list(b"[({<")] = 1
+_BRACKET_STEP[list(b"])}>")] = -1
+_SCAN_CHUNK = 1 << 24
+
+
+def bracket_depth(text: str) -> tuple[int, int]:
+    """The deepest nesting of brackets in ``text`` and the character offset where it is reached.
+
+    ``[ ( { <`` open and ``] ) } >`` close, whatever their kinds (MLIR's parser recurses into
+    each); the ``>`` of ``->`` closes nothing. The count never goes below zero, so closing
+    brackets (in a string, say) cannot hide the openers after them. Brackets inside strings count
+    too: real programs keep them balanced there, so the bound only errs towards refusing hostile
+    text. Vectorised over the UTF-8 bytes, in chunks: a 100 MB text takes about two seconds.
+    """
+    data = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
+    deepest = deepest_at = 0
+    total = floor = 0  # the running sum of opens and closes, and its lowest value so far (<= 0)
+    for start in range(0, len(data), _SCAN_CHUNK):
+        chunk = data[start : start + _SCAN_CHUNK]
+        steps = np.take(_BRACKET_STEP, chunk)
+        where = np.flatnonzero(steps)
+        if not where.size:
+            continue
+        step = steps[where].astype(np.int64)
+        before = data[np.maximum(where + start - 1, 0)]
+        step[(chunk[where] == ord(">")) & (before == ord("-")) & (where + start > 0)] = 0
+        sums = np.cumsum(step) + total
+        floors = np.minimum(np.minimum.accumulate(sums), floor)
+        depth = sums - floors  # the walk reflected at zero: the depth, never negative
+        i = int(np.argmax(depth))
+        if depth[i] > deepest:
+            deepest, deepest_at = int(depth[i]), start + int(where[i])
+        total, floor = int(sums[-1]), int(floors[-1])
+    return deepest, deepest_at
 
 
 def _stablehlo_to_hlo(text: str) -> str:

@@ -33,9 +33,10 @@ from ejlabel.core.registry import import_user_modules
 from ejlabel.execution.tuning import AutotuneError, Autotuner, TuneResult, store_result
 from ejlabel.execution.tuning.remote import call_request, result_from_data
 from ejlabel.utils.fingerprint import device_fingerprint
+from ejlabel.utils.sanitize import sanitize
 
 from .audit import TUNED_PROVENANCES
-from .program import Program, read_program
+from .program import Program, note_described_kernels, read_program
 
 __all__ = ["TuneReport", "tune_unseen"]
 
@@ -77,6 +78,9 @@ class TuneReport:
 
 
 def _unseen_labels(program: Program, selector: ConfigSelectorChain, device: str) -> tuple[list[str], list[str]]:
+    # The described kernels first: a cached config of another kernel's type is then refused (and
+    # the call tuned), as the running program would refuse it.
+    note_described_kernels(program)
     unseen: list[str] = []
     seen: list[str] = []
     for lab in program.labels:
@@ -244,16 +248,16 @@ def _tune_on_ray(
         requests = {key: call_request(*source_of[key], policy) for key in calls}
         show = progress if progress is not None else sys.stderr.isatty()
         if show:
-            print(f"tuning {len(requests)} calls on {pool.size} Ray workers ({report.device})", file=sys.stderr, flush=True)
+            print(sanitize(f"tuning {len(requests)} calls on {pool.size} Ray workers ({report.device})"), file=sys.stderr, flush=True)
         done = collections.Counter()
         for key, answer in pool.tune(requests, calls_per_task):
             report.worker_of[key] = answer.get("worker") or "?"
             outcome = _store_answer(key, answer, calls[key], selector, report, labels_of[key])
             done[report.worker_of[key]] += 1
-            if show:
+            if show:  # a worker's name and errors are its data: shown inert
                 print(
-                    f"[{sum(done.values())}/{len(requests)}] {key[0]}:{key[1]} {outcome} on {report.worker_of[key]} "
-                    f"({done[report.worker_of[key]]} by it)",
+                    sanitize(f"[{sum(done.values())}/{len(requests)}] {key[0]}:{key[1]} {outcome} on {report.worker_of[key]} "
+                             f"({done[report.worker_of[key]]} by it)"),
                     file=sys.stderr, flush=True,
                 )
     return report

@@ -94,8 +94,10 @@ def test_put_replaces_and_kernel_version(cache: PersistentCache) -> None:
     assert entry is not None and entry.config == new
     assert entry.kernel_version == "1.custom" and entry.provenance == "override"
     assert len(cache.entries()) == 1
-    cache.put(DEV, "multi@part@v12", KEY, CFG)
-    assert cache.get_entry(DEV, "multi@part@v12", KEY).kernel_version == "12"  # type: ignore[union-attr]
+    cache.put(DEV, "multi.v2@v12", KEY, CFG)
+    assert cache.get_entry(DEV, "multi.v2@v12", KEY).kernel_version == "12"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="op_id"):  # a name a label cannot carry is never stored
+        cache.put(DEV, "multi@part@v12", KEY, CFG)
 
 
 def test_entries_stats_delete_clear(cache: PersistentCache) -> None:

@@ -9,6 +9,10 @@ names (``--import MODULE``, ``module:function``) is imported as ``python -m`` fi
 current directory comes first on the import path; ``--import`` also takes a path to a ``.py``
 file (:func:`~ejlabel.core.registry.import_user_modules`). :func:`usage_text` is the synopsis
 README shows.
+
+What the command prints from data (cache entries, errors and warnings that quote a program, a
+dump or a cache) goes through :func:`~ejlabel.utils.sanitize.sanitize` first, so no escape code
+from a file reaches the terminal.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,8 @@ from typing import Any
 import ejlabel.kernels  # noqa: F401  (registers the library's kernels and their config types)
 from ejlabel.core.registry import import_user_modules
 from ejlabel.execution.tuning import DEFAULT_BUDGET_S
+from ejlabel.utils.sanitize import sanitize
+from ejlabel.utils.serialize import check_array_size
 from ejlabel.utils.version import VERSION
 
 __all__ = ["main", "build_parser", "usage_text"]
@@ -66,7 +73,12 @@ def _parse_example_args(text: str) -> list[Any]:
         if match is None or match.group("dtype") not in _DTYPES:
             raise UsageError(f"--example-args: expected specs like 'f32[8,16] i32[8]', got {token!r}")
         dims = tuple(int(d) for d in match.group("dims").replace(" ", "").split(",") if d)
-        specs.append(jax.ShapeDtypeStruct(dims, jnp.dtype(_DTYPES[match.group("dtype")])))
+        dtype = jnp.dtype(_DTYPES[match.group("dtype")])
+        try:
+            check_array_size(dims, dtype, "--example-args")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        specs.append(jax.ShapeDtypeStruct(dims, dtype))
     return specs
 
 
@@ -133,13 +145,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     on_ray = {} if args.ray is None else {"backend": "ray", "address": args.ray or None, "modules": args.imports, "progress": True}
     report = tune_unseen(_program(args.path, args.example_args), selector=selector, policy=policy, **on_ray)
     for (op_id, call_key), result in report.results.items():
-        where = f"  on {report.worker_of[op_id, call_key]}" if on_ray else ""
+        where = f"  on {sanitize(report.worker_of[op_id, call_key])}" if on_ray else ""
         print(f"tuned  {op_id}:{call_key}  {result.best.timing.median_ms:.4g} ms  {result.best_cfg!r}{where}")
         if result.skipped:
             print(f"       {_skipped_line(result)}")
     for lab, error in report.errors.items():
-        print(f"error  {lab}  {error}", file=sys.stderr)
-    print(report.summary())
+        print(f"error  {lab}  {sanitize(error)}", file=sys.stderr)
+    print(sanitize(report.summary()))  # it names the Ray workers, as they name themselves
     if report.results:
         print(
             "these picks come from isolated timings (each call alone, outside its program), not "
@@ -207,7 +219,7 @@ def _tune_step_in_context(args: argparse.Namespace) -> int:
     if report.stored:
         print(f"stored {len(report.calls)} picks with provenance 'in-context' in {selector.persistent.path}")
     for what, error in report.errors.items():
-        print(f"error  {what}  {error}", file=sys.stderr)
+        print(f"error  {what}  {sanitize(error)}", file=sys.stderr)
     return 1 if report.errors else 0
 
 
@@ -223,8 +235,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         for entry in entries:
             median = (entry.stats or {}).get("median_ms")
             timing = f"{median:.4g} ms" if isinstance(median, (int, float)) else "-"
-            config = repr(entry.config) if entry.status == "ok" else f"UNDECODABLE: {entry.error}"
-            print(f"{entry.op_id:28} {entry.call_key}  {entry.provenance:10} {timing:>12}  {entry.device}  {config}")
+            config = _shown_config(entry)
+            op_id, provenance, device = (sanitize(text) for text in (entry.op_id, entry.provenance, entry.device))
+            print(f"{op_id:28} {entry.call_key}  {provenance:10} {timing:>12}  {device}  {config}")
     elif action == "show":
         matches = [e for e in cache.entries(include_undecodable=True) if _names_entry(args.key, e.op_id, e.call_key)]
         if not matches:
@@ -241,7 +254,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     elif action == "stats":
         print(json.dumps(cache.stats(), indent=2, default=str))
     elif action == "export":
-        print(f"exported {cache.export(args.file)} entries to {args.file}")
+        print(f"exported {cache.export(args.file, device=args.device, op_id=args.op_id)} entries to {args.file}")
     elif action == "import":
         count = cache.import_(args.file, overwrite=args.overwrite)
         kept = "" if count or args.overwrite else " (entries already in the cache are kept; --overwrite replaces them)"
@@ -251,6 +264,18 @@ def _cmd_cache(args: argparse.Namespace) -> int:
             raise UsageError(f"clear removes every entry of {cache.path}; pass --yes to confirm")
         print(f"removed {cache.clear()} entries from {cache.path}")
     return 0
+
+
+def _shown_config(entry: Any) -> str:
+    """The config column of ``cache ls``: the config, or why it cannot serve its call."""
+    from ejlabel.core.registry import config_type_problem
+
+    if entry.status != "ok":
+        return sanitize(f"UNDECODABLE: {entry.error}")
+    problem = config_type_problem(entry.op_id, entry.config)
+    if problem is not None:  # never served: the call counts as unseen, and tuning replaces it
+        return sanitize(f"WRONG TYPE: {entry.config!r} ({problem})")
+    return sanitize(repr(entry.config))
 
 
 def _names_entry(key: str, op_id: str, call_key: str) -> bool:
@@ -356,6 +381,8 @@ def _add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore
     actions.add_parser("stats", help="counts by op and device")
     export = actions.add_parser("export", help="write entries to a JSON file")
     export.add_argument("file")
+    export.add_argument("--device", help="only the entries of this device fingerprint")
+    export.add_argument("--op-id", help="only the entries of this op id (op@vN)")
     imp = actions.add_parser("import", help="read entries from a JSON file")
     imp.add_argument("file")
     imp.add_argument("--overwrite", action="store_true", help="replace existing entries")
@@ -375,7 +402,7 @@ _SYNOPSIS = (
     ("ejlabel tune PATH [--budget SECONDS] [--iters N] [--max-configs N]", "a dump or HLO file: each unseen call alone (isolated)"),
     ("ejlabel tune PATH --ray [ADDRESS]", "the same, across a Ray cluster"),
     ("ejlabel tune module:function --example-args 'f32[8,16]' [--budget SECONDS]", "in context: whole-step timings"),
-    ("ejlabel cache ls | show KEY | stats | export FILE | import FILE [--overwrite] | clear --yes", ""),
+    ("ejlabel cache ls | show KEY | stats | export FILE [--device D] [--op-id OP] | import FILE [--overwrite] | clear --yes", ""),
     ("ejlabel demo [--fresh] [--workdir DIR]", ""),
     ("anywhere on the line: --import MODULE|FILE.py  --cache-dir DIR  --debug  --version  --help", ""),
 )
@@ -393,6 +420,15 @@ def _global_flags(argv: list[str]) -> tuple[list[str], bool, bool]:
     end = argv.index("--") if "--" in argv else len(argv)
     head, tail = argv[:end], argv[end:]
     return [a for a in head if a not in ("--debug", "--version")] + tail, "--debug" in head, "--version" in head
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: str | None = None) -> None:
+    """``warnings.showwarning`` with the message sanitized (its lines kept)."""
+    text = warnings.formatwarning(sanitize(str(message), multiline=True), category, filename, lineno, line)  # type: ignore[arg-type]
+    try:
+        (file if file is not None else sys.stderr).write(text)
+    except OSError:  # as the default does: a closed or broken stderr loses the warning
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -414,14 +450,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.imports:
             _from_current_directory()
         import_user_modules(args.imports)
-        return args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning  # warnings quote programs and caches too
+            return args.run(args)
     except UsageError as err:
-        return _fail(args, f"ejlabel {args.command}: error: {err}", 2)
+        return _fail(args, f"ejlabel {args.command}: error: {sanitize(str(err))}", 2)
     except BrokenPipeError:  # `ejlabel cache ls | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (Exception, KeyboardInterrupt) as err:  # the command line reports, it does not crash
-        return _fail(args, f"ejlabel {args.command}: error: {type(err).__name__}: {err}", 1)
+        return _fail(args, f"ejlabel {args.command}: error: {type(err).__name__}: {sanitize(str(err))}", 1)
 
 
 def _fail(args: argparse.Namespace, message: str, code: int) -> int:

@@ -8,7 +8,10 @@ A label ``ejkernel_ops#<op>@v<version>:<call key>`` names one kernel call signat
 
 ``<op>@v<version>`` is the *op id* the caches key on. Op names and versions are validated where
 kernels are made, against exactly the characters the readers read back (:data:`LABEL_RE`):
-a name the readers cannot find again must not be written.
+a name the readers cannot find again must not be written. :func:`check_op_id` is the same rule
+for a whole op id, applied wherever one is stored: a cache ``put`` and every entry of an imported
+export file, so an op id in a cache is always one a label could carry (never ``"a b{c}@v1"`` or
+one holding terminal escape codes).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "is_backward",
     "check_op_name",
     "check_version",
+    "check_op_id",
 ]
 
 LABEL_PREFIX = "ejkernel_ops#"
@@ -43,6 +47,7 @@ _OP_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.\-/]*"
 _VERSION = r"[0-9A-Za-z_][0-9A-Za-z_.\-]*"
 _OP_NAME_RE = re.compile(_OP_NAME)
 _VERSION_RE = re.compile(_VERSION)
+_OP_ID_RE = re.compile(f"{_OP_NAME}(?:@v{_VERSION})?")
 _KEY_RE = re.compile(r"[0-9a-f]{16}")
 _PREFIX_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*#")
 
@@ -72,6 +77,17 @@ def check_version(version: object, argument: str = "version") -> str:
     if not isinstance(version, str) or _VERSION_RE.fullmatch(version) is None:
         raise ValueError(f"{argument}: expected letters, digits and '_', '.', '-', got {version!r}")
     return version
+
+
+def check_op_id(op_id: object, argument: str = "op_id") -> str:
+    """``op_id`` if a label could carry it: ``<name>@v<version>`` (a backward pass's ``.bwd`` name
+    included) or, as ejkernel's caches allow, a bare ``<name>``; ValueError naming ``argument``."""
+    if not isinstance(op_id, str) or _OP_ID_RE.fullmatch(op_id) is None:
+        raise ValueError(
+            f"{argument}: expected '<name>@v<version>' (the name of letters, digits and '_', '.', '-', '/'; "
+            f"the version of letters, digits and '_', '.', '-'), got {op_id!r:.120}"
+        )
+    return op_id
 
 
 def versioned_op(name: str, version: str) -> str:

@@ -41,7 +41,9 @@ Decoding is also bounded, so one hostile entry cannot exhaust the stack or the d
 containers nest at most :data:`MAX_DEPTH` deep (counting every JSON array and object, so a
 tagged tuple counts two), numbers must be finite (non-finite floats have their own tag), and
 every malformed value raises :class:`DecodeError` (a ``ValueError``), never a stray
-``KeyError`` or ``RecursionError``.
+``KeyError`` or ``RecursionError``. An ``$array`` is checked before it reaches JAX: a shape whose
+element count overflows XLA's 64-bit products aborts the whole process inside jaxlib when it is
+lowered, so :func:`check_array_size` refuses any array of more than :data:`MAX_ARRAY_BYTES`.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ import numpy as np
 from ejlabel.utils.modules import public_module_name
 
 __all__ = [
+    "MAX_ARRAY_BYTES",
     "MAX_DEPTH",
+    "check_array_size",
     "DecodeError",
     "UnregisteredTypeError",
     "unregistered_error",
@@ -90,6 +94,10 @@ _TAG_PREFIX = "$"
 #: descriptions stay under 20 (AttentionConfig is 4); the cap keeps the recursive decoder far
 #: from Python's recursion limit even when it runs inside a deep trace.
 MAX_DEPTH = 64
+
+#: Most bytes an array described by data may hold: 1 PiB, beyond any one device's memory, and far
+#: enough below 2**63 that XLA's element and byte counts (padded to tiles) cannot overflow.
+MAX_ARRAY_BYTES = 1 << 50
 
 _NAME_RE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
 
@@ -447,6 +455,7 @@ def _decode(data: Any) -> Any:
         except (TypeError, ValueError):
             raise DecodeError(f"$array: {match.group(1)!r} is not a dtype") from None
         shape = tuple(int(d) for d in match.group(2).split(",") if d)
+        check_array_size(shape, dtype, "$array")
         return jax.ShapeDtypeStruct(shape, dtype, weak_type=match.group(3) == "w")
     if tag == "$slice":
         parts = _expect(value, list, "$slice")
@@ -455,6 +464,24 @@ def _decode(data: Any) -> Any:
         return slice(*parts)
     # $ref
     return _kind(value, lambda c: isinstance(c, type) or callable(c), "class or function")
+
+
+def check_array_size(shape: tuple[int, ...], dtype: Any, what: str) -> None:
+    """DecodeError (a ValueError) naming ``what`` unless ``shape`` of ``dtype`` is a real array:
+    non-negative dimensions, at most :data:`MAX_ARRAY_BYTES` in all.
+
+    A zero dimension does not excuse the others: XLA multiplies the dimensions in order, so
+    ``[2**40, 2**40, 0]`` overflows before the zero is reached.
+    """
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+        raise DecodeError(f"{what}: dimensions must be non-negative integers, got {shape!r:.120}")
+    count = math.prod(max(d, 1) for d in shape)
+    size = count * np.dtype(dtype).itemsize
+    if size > MAX_ARRAY_BYTES:
+        raise DecodeError(
+            f"{what}: shape {shape!r:.120} of {np.dtype(dtype).name} spans {size} bytes, over the "
+            f"{MAX_ARRAY_BYTES}-byte limit of one array (ejlabel.utils.serialize.MAX_ARRAY_BYTES)"
+        )
 
 
 def _hashable(value: Any, what: str) -> Any:

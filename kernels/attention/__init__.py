@@ -52,16 +52,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import numbers
 import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ejlabel import BwdParams, FwdParams, Invocation, Kernel
 
-from ..checks import check_config, check_floating, check_integer, check_same_dtype
+from ..checks import check_config, check_floating, check_integer, check_nondecreasing, check_number, check_same_dtype
 from ..pallas_common import on_gpu
 from .cudnn_packed import GROUPED_HEADS, attention_cudnn_packed
 from .masks import Window, cu_seqlens_to_segment_ids, window_bounds
@@ -307,6 +309,20 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
 _ATTENTION = AttentionKernel()
 
 
+def _window(sliding_window: Any) -> tuple[int, int] | None:
+    """``sliding_window`` as ``(left, right)``: two ints >= 0, or None."""
+    if sliding_window is None:
+        return None
+    if not isinstance(sliding_window, (tuple, list)) or len(sliding_window) != 2:
+        raise ValueError(f"sliding_window: expected (left, right), two ints >= 0, got {sliding_window!r:.60}")
+    for side in sliding_window:
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral):
+            raise TypeError(f"sliding_window: expected (left, right), two ints >= 0, got {sliding_window!r:.60}")
+        if side < 0:
+            raise ValueError(f"sliding_window: expected (left, right), two ints >= 0, got {sliding_window!r:.60}")
+    return int(sliding_window[0]), int(sliding_window[1])
+
+
 def flash_attention(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     *, causal: bool = False, segment_ids: Int[Array, "batch seq"] | None = None, cu_seqlens: Int[Array, "n+1"] | None = None,
@@ -321,10 +337,12 @@ def flash_attention(
       causal: query ``i`` sees keys ``j <= i``.
       segment_ids: ``[batch, seq]`` int; tokens see only equal ids; ids ``<= 0`` are padding
         (output 0). Needs ``seq_q == seq_kv``.
-      cu_seqlens: ``[n + 1]`` int cumulative lengths of a packed batch; ``q``, ``k``, ``v``
-        are then ``[1, total, ...]``. Exclusive with ``segment_ids``.
-      softmax_scale: multiplies ``q k^T``; default ``1 / sqrt(dim)``.
-      sliding_window: ``(left, right)``: query ``i`` sees keys ``i - left .. i + right``.
+      cu_seqlens: ``[n + 1]`` int cumulative lengths of a packed batch, non-negative and
+        non-decreasing (checked when concrete; traced ones are trusted, and a decreasing one
+        gives segments that are not its sequences); ``q``, ``k``, ``v`` are then ``[1, total,
+        ...]``. Exclusive with ``segment_ids``.
+      softmax_scale: a finite number multiplying ``q k^T``; default ``1 / sqrt(dim)``.
+      sliding_window: ``(left, right)``, two ints >= 0: query ``i`` sees keys ``i - left .. i + right``.
       max_documents: with ``segment_ids``, the most documents (runs of equal positive ids) any
         row holds, a static int; it lets the call run on cuDNN's packed layout
         (``"cudnn_packed"``), which it sizes. There a row that layout cannot say (more
@@ -343,8 +361,12 @@ def flash_attention(
         if ids is not None:
             check_integer(ids, name)
     check_config(cfg, AttentionConfig)
-    window = None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1]))
-    scale = None if softmax_scale is None else float(softmax_scale)
+    if cu_seqlens is not None:
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1:
+            raise ValueError(f"cu_seqlens: expected [n + 1] cumulative lengths, got shape {cu_seqlens.shape}")
+        check_nondecreasing(cu_seqlens, "cu_seqlens")
+    window = _window(sliding_window)
+    scale = None if softmax_scale is None else check_number(softmax_scale, "softmax_scale")
     # Passed only when given: calls without it keep the call keys (and tuned configs) they had.
     extra = {} if max_documents is None else {"max_documents": _check_max_documents(max_documents, segment_ids)}
     return _ATTENTION(

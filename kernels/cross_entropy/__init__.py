@@ -7,10 +7,15 @@ Implementations, chosen by :class:`CrossEntropyConfig.impl`:
 - ``"pallas"``: an online log-sum-exp over vocabulary chunks on Pallas's Triton backend, its
   own backward kernel reading the forward's log-sum-exp (:mod:`.triton`).
 
-With ``ignore_index`` set (``-100`` by default), tokens labelled with it, and any label outside
-``[0, vocab)``, are ignored (:mod:`.labels`): their loss is 0 and their logits get no gradient.
-With ``ignore_index=None`` labels are trusted to lie in ``[0, vocab)`` and the XLA path is
-exactly ``logsumexp(logits) - logits[label]``.
+Labels must lie in ``[0, vocab)`` or equal ``ignore_index`` (``-100`` by default; tokens
+labelled with it have loss 0 and no gradient). Concrete labels are checked: an eager call with
+any other label raises ValueError. Traced labels (under ``jit``, ``grad``, ``vmap``) cannot be
+checked and cost nothing; there every implementation gives the same (:mod:`.labels`):
+
+- with ``ignore_index`` set, a label outside ``[0, vocab)`` is ignored like ``ignore_index``;
+- with ``ignore_index=None`` (the XLA path is then exactly ``logsumexp(logits) -
+  logits[label]``), a label in ``[-vocab, 0)`` counts as ``label + vocab`` (NumPy's indexing) and
+  any other label outside ``[0, vocab)`` gives a NaN loss.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import Invocation, Kernel
 
-from ..checks import check_config, check_floating, check_integer
+from ..checks import check_config, check_fields_positive, check_floating, check_ignore_index, check_integer, check_labels
 from ..pallas_common import on_gpu
+from .labels import nan_where_out_of_range, wrapped
 from .triton import cross_entropy_triton, cross_entropy_triton_backward
 from .xla import cross_entropy_xla
 
@@ -56,6 +62,7 @@ class CrossEntropyConfig:
     def __post_init__(self) -> None:
         if self.impl not in _IMPLS:
             raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
+        check_fields_positive(self, ("block_tokens", "chunk_vocab", "num_warps"))
 
 
 class CrossEntropyKernel(Kernel[CrossEntropyConfig, jax.Array]):
@@ -76,21 +83,25 @@ class CrossEntropyKernel(Kernel[CrossEntropyConfig, jax.Array]):
             raise ValueError(f"logits, labels: expected [tokens, vocab] and [tokens], got {logits.shape} and {labels.shape}")
         if cfg.impl == "xla":
             return cross_entropy_xla(logits, labels, ignore_index)
-        return cross_entropy_triton(logits, labels, ignore_index, **_tiles(cfg))[0]
+        return self.fwd_with_residuals(logits, labels=labels, cfg=cfg, ignore_index=ignore_index)[0]
 
     def fwd_with_residuals(
         self, logits: Float[Array, "tokens vocab"], *, labels: Int[Array, "tokens"], cfg: CrossEntropyConfig,
         ignore_index: int | None = -100,
     ) -> tuple[Float[Array, "tokens"], Float[Array, "tokens"]]:
-        # Only the Pallas path gets here, and only under differentiation: the XLA one is
-        # differentiated by JAX, and a forward alone runs `run`.
-        return cross_entropy_triton(logits, labels, ignore_index, **_tiles(cfg))
+        # Only the Pallas path gets here (from `run` for a forward alone): the XLA one is
+        # differentiated by JAX.
+        vocab = logits.shape[1]
+        labels = labels if ignore_index is not None else wrapped(labels, vocab)
+        loss, lse = cross_entropy_triton(logits, labels, ignore_index, **_tiles(cfg))
+        return (loss if ignore_index is not None else nan_where_out_of_range(loss, labels, vocab)), lse
 
     def vjp(
         self, lse: Float[Array, "tokens"], out: Float[Array, "tokens"], g: Float[Array, "tokens"], logits: Float[Array, "tokens vocab"], *,
         labels: Int[Array, "tokens"], cfg: CrossEntropyConfig, ignore_index: int | None = -100,
     ) -> tuple[jax.Array]:
         del out
+        labels = labels if ignore_index is not None else wrapped(labels, logits.shape[1])
         return (cross_entropy_triton_backward(logits, labels, ignore_index, lse, g, **_tiles(cfg)),)
 
     def differentiated_by_jax(self, cfg: CrossEntropyConfig) -> bool:
@@ -142,10 +153,11 @@ def softmax_cross_entropy(
 
     Args:
       logits: ``[tokens, vocab]`` unnormalized scores, any float dtype.
-      labels: ``[tokens]`` integer classes.
-      ignore_index: tokens with this label, and any label outside ``[0, vocab)``, are ignored
-        (loss 0, no gradient). ``None``: every label is in range, and the XLA path is the plain
-        expression a JAX user writes (no masking ops).
+      labels: ``[tokens]`` integer classes in ``[0, vocab)``, or ``ignore_index``; checked when
+        concrete (ValueError), traced ones as the module docstring says.
+      ignore_index: an int: tokens with this label are ignored (loss 0, no gradient). ``None``:
+        every label is a class, and the XLA path is the plain expression a JAX user writes (no
+        masking ops).
       cfg: force a config; by default the executor picks one.
 
     Returns:
@@ -154,6 +166,8 @@ def softmax_cross_entropy(
     check_floating(logits, "logits")
     check_integer(labels, "labels")
     check_config(cfg, CrossEntropyConfig)
-    if ignore_index is not None and not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index: expected an int or None, got {type(ignore_index).__name__}")
+    check_ignore_index(ignore_index)
+    if logits.ndim != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"logits, labels: expected [tokens, vocab] and [tokens], got {logits.shape} and {labels.shape}")
+    check_labels(labels, logits.shape[1], ignore_index)
     return _CROSS_ENTROPY(logits, labels=labels, ignore_index=ignore_index, cfg=cfg)

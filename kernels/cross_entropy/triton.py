@@ -8,7 +8,9 @@ memory. The forward keeps each token's log-sum-exp (``[tokens]`` floats) for the
 second kernel that writes ``(softmax - onehot) * cotangent`` tile by tile: two reads of the
 logits and one write in all, as XLA's program (H100: 0.87x XLA while the backward recomputed
 the log-sum-exp, a third read). The vocabulary is padded to whole chunks and the padding masked
-out of the log-sum-exp.
+out of the log-sum-exp. With ``ignore_index`` set the kernels ignore labels outside the
+vocabulary (loss 0, no gradient); without, such a label picks no logit (loss: the log-sum-exp,
+gradient: the softmax's), as the XLA path's gather reads it, and the caller makes the loss NaN.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _pallas_labels(labels: Int[Array, "tokens"], ignore_index: int | None) -> In
     return labels if ignore_index is None or ignore_index < 0 else jnp.where(labels == ignore_index, -1, labels)
 
 
-def _forward_kernel(logits_ref: Any, labels_ref: Any, loss_ref: Any, lse_ref: Any, *, vocab: int, chunk: int) -> None:
+def _forward_kernel(logits_ref: Any, labels_ref: Any, loss_ref: Any, lse_ref: Any, *, vocab: int, chunk: int, masked: bool) -> None:
     labels = labels_ref[...]
     rows = labels.shape[0]
 
@@ -52,14 +54,18 @@ def _forward_kernel(logits_ref: Any, labels_ref: Any, loss_ref: Any, lse_ref: An
     running_max, running_sum, picked = lax.fori_loop(0, logits_ref.shape[1] // chunk, step, init)
     lse = running_max + jnp.log(running_sum)
     lse_ref[...] = lse
-    loss_ref[...] = jnp.where(ignored(labels, vocab), 0.0, lse - picked)
+    # Unmasked (no ignore_index), a label outside the vocabulary picks nothing: the loss is the
+    # log-sum-exp, which the caller turns into NaN as the XLA path's gather gives it.
+    loss_ref[...] = jnp.where(ignored(labels, vocab), 0.0, lse - picked) if masked else lse - picked
 
 
-def _backward_kernel(logits_ref: Any, labels_ref: Any, lse_ref: Any, g_ref: Any, dlogits_ref: Any, *, vocab: int, chunk: int) -> None:
+def _backward_kernel(
+    logits_ref: Any, labels_ref: Any, lse_ref: Any, g_ref: Any, dlogits_ref: Any, *, vocab: int, chunk: int, masked: bool
+) -> None:
     labels = labels_ref[...]
     cols = pl.program_id(1) * chunk + jnp.arange(chunk)[None, :]
     probs = fast_exp(logits_ref[...].astype(jnp.float32) - lse_ref[...][:, None])
-    scale = jnp.where(ignored(labels, vocab), 0.0, g_ref[...])
+    scale = jnp.where(ignored(labels, vocab), 0.0, g_ref[...]) if masked else g_ref[...]
     dlogits_ref[...] = ((probs - (cols == labels[:, None])) * scale[:, None]).astype(dlogits_ref.dtype)
 
 
@@ -79,7 +85,7 @@ def cross_entropy_triton(
     rows = pl.BlockSpec((block_tokens,), lambda i: (i,))
     per_token = jax.ShapeDtypeStruct(labels_p.shape, jnp.float32)
     loss, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, vocab=vocab, chunk=chunk_vocab),
+        functools.partial(_forward_kernel, vocab=vocab, chunk=chunk_vocab, masked=ignore_index is not None),
         grid=(labels_p.shape[0] // block_tokens,),
         in_specs=[pl.BlockSpec((block_tokens, logits_p.shape[1]), lambda i: (i, 0)), rows],
         out_specs=[rows, rows],
@@ -104,7 +110,7 @@ def cross_entropy_triton_backward(
     rows = pl.BlockSpec((block_tokens,), lambda i, j: (i,))
     tile = pl.BlockSpec((block_tokens, chunk_vocab), lambda i, j: (i, j))
     dlogits = pl.pallas_call(
-        functools.partial(_backward_kernel, vocab=vocab, chunk=chunk_vocab),
+        functools.partial(_backward_kernel, vocab=vocab, chunk=chunk_vocab, masked=ignore_index is not None),
         grid=(logits_p.shape[0] // block_tokens, logits_p.shape[1] // chunk_vocab),
         in_specs=[tile, rows, rows, rows],
         out_specs=tile,

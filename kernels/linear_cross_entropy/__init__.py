@@ -38,6 +38,13 @@ at chunks of 8192 tokens, 1.23-1.31x at 4096, 1.18-1.25x at 2048 with 0.119 of i
 Tokens labelled ``ignore_index`` get loss 0 and no gradient. The reduction (``"mean"`` over the
 tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is
 :meth:`.loss.Loss.reduce`, whose pullback gives the backward its per-token cotangent.
+
+Labels must lie in ``[0, vocab)`` or equal ``ignore_index``. Concrete labels are checked: an
+eager call with any other label raises ValueError. Traced labels (under ``jit``, ``grad``,
+``vmap``) cannot be checked and cost nothing; there every implementation reads them as the XLA
+path's gather (NumPy's indexing) does: a label in ``[-vocab, 0)`` counts as ``label + vocab``,
+and any other label outside ``[0, vocab)`` gives its token a NaN loss (so a NaN mean or sum) and
+the gradient of its log-sum-exp alone.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import Invocation, Kernel
 
-from ..checks import check_config, check_floating, check_integer
+from ..checks import check_config, check_fields_positive, check_floating, check_ignore_index, check_integer, check_labels, check_number
 from ..pallas_common import on_gpu
 from .loss import Loss, TokenPass
 from .triton import triton_tokens_pass
@@ -85,10 +92,7 @@ class LinearCrossEntropyConfig:
     def __post_init__(self) -> None:
         if self.impl not in _IMPLS:
             raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
-        for name in ("chunk_vocab", "chunk_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        check_fields_positive(self, ("chunk_vocab", "chunk_tokens"))
 
 
 class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
@@ -113,12 +117,14 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
     ) -> Float[Array, "..."]:
         loss = Loss(ignore_index, label_smoothing, logit_soft_cap, reduction)
         if cfg.impl == "xla":
-            per_token = loss_xla(hidden, weight, labels, loss)
-        elif cfg.impl == "chunked":
+            return loss.reduce(loss_xla(hidden, weight, labels, loss), labels)
+        vocab = weight.shape[1]
+        labels = loss.wrapped(labels, vocab)
+        if cfg.impl == "chunked":
             per_token = forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)[0]
         else:  # a forward alone is the same program for both token-chunked implementations
             per_token = tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens).per_token
-        return loss.reduce(per_token, labels)
+        return loss.reduce(loss.nan_where_out_of_range(per_token, labels, vocab), labels)
 
     def fwd_with_residuals(
         self, hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], *, labels: Int[Array, "tokens"],
@@ -128,16 +134,18 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
         # Only the chunked paths get here (the XLA one is differentiated by JAX), and only under
         # differentiation: the executor runs `run` for a forward that is not differentiated.
         loss = Loss(ignore_index, label_smoothing, logit_soft_cap, reduction)
+        vocab = weight.shape[1]
+        labels = loss.wrapped(labels, vocab)
         if cfg.impl == "chunked":
             # The per-token log-sum-exp, [tokens] floats: the backward recomputes each chunk's
             # logits from it instead of rerunning the whole forward.
             per_token, lse = forward_chunked(hidden, weight, labels, loss, cfg.chunk_vocab)
-            return loss.reduce(per_token, labels), lse
+            return loss.reduce(loss.nan_where_out_of_range(per_token, labels, vocab), labels), lse
         if reduction == "none":  # a cotangent per token, known only in the backward
-            return tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens).per_token, None
+            return loss.nan_where_out_of_range(tokens_pass(hidden, weight, labels, loss, cfg.chunk_tokens).per_token, labels, vocab), None
         # A scalar output: the gradient for a unit cotangent now, from the logits at hand.
         done = _gradient_pass(cfg)(hidden, weight, labels, loss, cfg.chunk_tokens, loss.token_cotangent(1.0, labels))
-        return loss.reduce(done.per_token, labels), (done.d_hidden, done.d_weight)
+        return loss.reduce(loss.nan_where_out_of_range(done.per_token, labels, vocab), labels), (done.d_hidden, done.d_weight)
 
     def vjp(
         self, residuals: Any, out: Float[Array, "..."], g: Float[Array, "..."],
@@ -147,6 +155,7 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
     ) -> tuple[jax.Array, jax.Array]:
         del out
         loss = Loss(ignore_index, label_smoothing, logit_soft_cap, reduction)
+        labels = loss.wrapped(labels, weight.shape[1])
         if cfg.impl == "chunked":
             return backward_chunked(hidden, weight, labels, residuals, loss.token_cotangent(g, labels), loss, cfg.chunk_vocab)
         if residuals is None:
@@ -227,7 +236,8 @@ def linear_cross_entropy(
     Args:
       hidden: ``[tokens, d]`` final hidden states.
       weight: ``[d, vocab]`` unembedding, the dtype of ``hidden``.
-      labels: ``[tokens]`` integer classes in ``[0, vocab)``, or ``ignore_index``.
+      labels: ``[tokens]`` integer classes in ``[0, vocab)``, or ``ignore_index``; checked when
+        concrete (ValueError), traced ones as the module docstring says.
       ignore_index: tokens with this label count nowhere (loss 0, no gradient); None: all count.
       label_smoothing: ``eps`` in ``[0, 1)``: the target puts ``eps`` uniformly over the vocabulary.
       logit_soft_cap: if given, logits pass through ``cap * tanh(z / cap)`` first.
@@ -247,14 +257,15 @@ def linear_cross_entropy(
         raise TypeError(f"hidden, weight: expected one dtype, got {jnp.dtype(hidden.dtype).name} and {jnp.dtype(weight.dtype).name}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= float(label_smoothing) < 1.0:
+    smoothing = check_number(label_smoothing, "label_smoothing", minimum=0.0)
+    if not smoothing < 1.0:
         raise ValueError(f"label_smoothing: expected a number in [0, 1), got {label_smoothing!r}")
-    if logit_soft_cap is not None and not float(logit_soft_cap) > 0:
+    cap = None if logit_soft_cap is None else check_number(logit_soft_cap, "logit_soft_cap")
+    if cap is not None and not cap > 0:
         raise ValueError(f"logit_soft_cap: expected None or a number > 0, got {logit_soft_cap!r}")
-    if ignore_index is not None and not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index: expected an int or None, got {type(ignore_index).__name__}")
-    cap = None if logit_soft_cap is None else float(logit_soft_cap)
+    check_ignore_index(ignore_index)
+    check_labels(labels, weight.shape[1], ignore_index)
     return _LINEAR_CROSS_ENTROPY(
-        hidden, weight, labels=labels, ignore_index=ignore_index, label_smoothing=float(label_smoothing), logit_soft_cap=cap,
+        hidden, weight, labels=labels, ignore_index=ignore_index, label_smoothing=smoothing, logit_soft_cap=cap,
         reduction=reduction, cfg=cfg,
     )

@@ -42,6 +42,16 @@ class Loss:
     def counts(self, labels: jax.Array) -> jax.Array:
         return jnp.ones(labels.shape, bool) if self.ignore_index is None else labels != self.ignore_index
 
+    def wrapped(self, labels: Int[Array, "tokens"], vocab: int) -> Int[Array, "tokens"]:
+        """Counting labels in ``[-vocab, 0)`` as ``label + vocab``: the class the XLA path's
+        gather reads (NumPy's indexing), for the implementations that read labels otherwise."""
+        return jnp.where(self.counts(labels) & (labels < 0) & (labels >= -vocab), labels + vocab, labels)
+
+    def nan_where_out_of_range(self, per_token: Float[Array, "tokens"], labels: Int[Array, "tokens"], vocab: int) -> Float[Array, "tokens"]:
+        """``per_token`` with NaN where a counting (wrapped) label is outside ``[0, vocab)``, as
+        the XLA path's gather gives it."""
+        return jnp.where(self.counts(labels) & ((labels < 0) | (labels >= vocab)), jnp.nan, per_token)
+
     def per_token(self, lse: jax.Array, picked: jax.Array, mean_logit: Callable[[], jax.Array]) -> jax.Array:
         """Each token's loss from its log-sum-exp, its label's logit and (only read with
         smoothing) ``mean_logit()``, the mean of its logits, all ``[tokens]`` float32."""

@@ -101,7 +101,11 @@ def _row_kernel(
 
     zero = jnp.zeros((1, 1), jnp.float32)
     m, s, others, total = lax.fori_loop(0, steps, stats, (jnp.full((1, 1), MASK_VALUE, jnp.float32), zero, zero, zero))
-    c_y = loss.cap(pltriton.load(z_ref.at[:, pl.ds(label, 1)]).astype(jnp.float32))  # one load, not a reduction per block
+    # One load, not a reduction per block; a label outside the vocabulary (traced, unchecked)
+    # reads inside the row and gives NaN, as the XLA path's gather: no column is its own.
+    in_range = (label >= 0) & (label < vocab)
+    c_y = loss.cap(pltriton.load(z_ref.at[:, pl.ds(jnp.clip(label, 0, vocab - 1), 1)]).astype(jnp.float32))
+    c_y = jnp.where(in_range, c_y, jnp.nan)
     lse = m + jnp.log(s)
     uniform = eps / vocab
     q_y = others / s  # the probability off the label
@@ -124,8 +128,9 @@ def softmax_rows(
     """Each row's loss, and the gradient of ``sum(token_g * loss)``, from raw logits ``z`` (see
     the module docstring), with ``loss``'s smoothing, cap and per-token formula.
 
-    ``labels`` must lie in ``[0, vocab)`` (the caller maps ignored tokens to a real class and
-    gives them a zero ``token_g``). ``z``'s buffer becomes the result's where nothing else holds
+    ``labels`` should lie in ``[0, vocab)`` (the caller maps ignored tokens to a real class and
+    gives them a zero ``token_g``); one outside gives that row a NaN loss and the gradient of its
+    log-sum-exp alone, as the XLA path does, and is never read out of bounds. ``z``'s buffer becomes the result's where nothing else holds
     it. A program per row (more rows per program ran slower), ``block`` columns per step,
     ``num_warps``: the defaults ran fastest on the H100.
     """

@@ -23,7 +23,7 @@ from jaxtyping import Array, Float
 
 from ejlabel import Invocation, Kernel
 
-from ..checks import check_config, check_floating
+from ..checks import check_config, check_fields_positive, check_floating
 from ..pallas_common import on_gpu
 from .triton import matmul_triton
 from .xla import matmul_xla
@@ -59,6 +59,7 @@ class MatmulConfig:
     def __post_init__(self) -> None:
         if self.impl not in _IMPLS:
             raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
+        check_fields_positive(self, ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m"))
 
 
 def _matmul(a: Float[Array, "*batch m k"], b: Float[Array, "*batch k n"], cfg: MatmulConfig) -> Float[Array, "*batch m n"]:

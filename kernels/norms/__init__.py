@@ -20,7 +20,7 @@ from jaxtyping import Array, Float
 
 from ejlabel import Invocation, Kernel
 
-from ..checks import check_config, check_floating
+from ..checks import check_config, check_fields_positive, check_floating, check_number
 from ..pallas_common import next_power_of_2, on_gpu
 from .triton import norm_triton, norm_triton_backward
 from .xla import norm_xla
@@ -49,6 +49,7 @@ class NormConfig:
     def __post_init__(self) -> None:
         if self.impl not in _IMPLS:
             raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
+        check_fields_positive(self, ("block_rows", "num_warps"))
 
 
 class _NormKernel(Kernel[NormConfig, jax.Array]):
@@ -73,9 +74,10 @@ class _NormKernel(Kernel[NormConfig, jax.Array]):
         return norm_triton_backward(x, w, b, g, kwargs["eps"], block_rows=cfg.block_rows, num_warps=cfg.num_warps)
 
     def _params(self, x: Any, params: tuple[Any, ...]) -> tuple[Any, Any]:
-        expected = 2 if self.centered else 1
-        if len(params) != expected or any(p.shape != x.shape[-1:] for p in params):
-            raise ValueError(f"{self.op_id}: expected {expected} parameter vector(s) of shape {x.shape[-1:]}, got {[p.shape for p in params]}")
+        names = ("w", "b") if self.centered else ("w",)
+        if len(params) != len(names):
+            raise ValueError(f"{self.op_id}: expected the parameter vector(s) {', '.join(names)}, got {len(params)}")
+        _check_widths(x, dict(zip(names, params)))
         return params[0], (params[1] if self.centered else None)
 
     def differentiated_by_jax(self, cfg: NormConfig) -> bool:
@@ -133,7 +135,7 @@ def rms_norm(
     Args:
       x: ``[..., width]`` activations.
       w: ``[width]`` scale.
-      eps: added to the mean square before the square root.
+      eps: added to the mean square before the square root; a number >= 0.
       cfg: force a config; by default the executor picks one.
 
     Returns:
@@ -142,7 +144,8 @@ def rms_norm(
     check_floating(x, "x")
     check_floating(w, "w")
     check_config(cfg, NormConfig)
-    return _RMS_NORM(x, w, eps=float(eps), cfg=cfg)
+    _check_widths(x, {"w": w})
+    return _RMS_NORM(x, w, eps=check_number(eps, "eps", minimum=0.0), cfg=cfg)
 
 
 def layer_norm(
@@ -154,7 +157,7 @@ def layer_norm(
     Args:
       x: ``[..., width]`` activations.
       w, b: ``[width]`` scale and shift.
-      eps: added to the variance before the square root.
+      eps: added to the variance before the square root; a number >= 0.
       cfg: force a config; by default the executor picks one.
 
     Returns:
@@ -163,4 +166,14 @@ def layer_norm(
     for name, array in (("x", x), ("w", w), ("b", b)):
         check_floating(array, name)
     check_config(cfg, NormConfig)
-    return _LAYER_NORM(x, w, b, eps=float(eps), cfg=cfg)
+    _check_widths(x, {"w": w, "b": b})
+    return _LAYER_NORM(x, w, b, eps=check_number(eps, "eps", minimum=0.0), cfg=cfg)
+
+
+def _check_widths(x: Any, params: dict[str, Any]) -> None:
+    """Each parameter vector is ``[width]``, ``x``'s last axis; ValueError naming the one that is not."""
+    if x.ndim < 1:
+        raise ValueError(f"x: expected [..., width] with at least one axis, got shape {x.shape}")
+    for name, p in params.items():
+        if p.shape != x.shape[-1:]:
+            raise ValueError(f"{name}: expected shape {x.shape[-1:]} (the width of x), got {p.shape}")

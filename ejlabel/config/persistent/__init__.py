@@ -12,7 +12,10 @@ The modules, in the order a row travels:
 * :mod:`.entry`: the key (:func:`normalize_key`), the entry a read gives back
   (:class:`CacheEntry`) and :class:`CacheError`;
 * :mod:`.store`: the SQLite file: where it lives (:func:`default_cache_path`), its schema, and
-  opening it safely from many processes at once (identity checks, WAL);
+  opening it safely from many processes at once (identity checks, WAL), or read-only where it
+  cannot be written;
+* :mod:`.wal`: damage in the write-ahead log, which SQLite would drop without a word, found and
+  reported when the file is opened;
 * :mod:`.cache`: :class:`PersistentCache`, the API: get, put, entries, stats, export, import;
 * :mod:`.exchange`: the export document that moves tuned configs between machines, and its
   validation on import.

@@ -9,7 +9,10 @@ read back.
 
 One connection per process, guarded by a lock, reopened after a fork (a child never uses or
 closes its parent's). Each :meth:`PersistentCache.put` is one short transaction; the file, its
-schema and how it is opened safely by many processes at once are :mod:`.store`'s.
+schema and how it is opened safely by many processes at once are :mod:`.store`'s. A cache that
+cannot be written (a read-only mount) opens read-only (``read_only`` is then True): every read
+works, every write raises :class:`CacheError`. Damage found in the write-ahead log when the file
+is opened (:mod:`.wal`) is a warning naming the file and what was lost.
 
 The cache file and export files are data from elsewhere, so one bad entry never breaks the
 cache: an entry whose config does not decode (a type not registered here, nesting deeper than
@@ -50,11 +53,14 @@ from ejlabel.config.persistent.store import (
     KEY_WHERE,
     SELECT,
     UPSERT,
+    can_write,
     is_op_name,
     open_connection,
     resolve_file,
 )
+from ejlabel.core.label_format import check_op_id
 from ejlabel.core.registry import note_config_for_op, register_config_type
+from ejlabel.utils.sanitize import sanitize
 from ejlabel.utils.serialize import DecodeError, check_json, from_json, from_jsonable, import_path, loads_strict, to_json
 
 __all__ = ["PersistentCache", "open_default_persistent"]
@@ -108,6 +114,9 @@ class PersistentCache:
         if cfg_type is not None:
             register_config_type(cfg_type)
         self.path: pathlib.Path = resolve_file(path)
+        # A cache that exists but cannot be written (a read-only mount) is still read: listed,
+        # shown, audited; only writing to it fails.
+        self.read_only: bool = self.path.is_file() and not can_write(self.path)
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._pid = os.getpid()
@@ -122,7 +131,10 @@ class PersistentCache:
     # ------------------------------------------------------------------ connection plumbing
 
     def _open(self) -> sqlite3.Connection:
-        return open_connection(self.path)
+        conn, damage = open_connection(self.path, read_only=self.read_only)
+        if damage is not None:
+            self._warn_once("wal", f"cache file {self.path}: {damage}")
+        return conn
 
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -145,6 +157,8 @@ class PersistentCache:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction: all statements inside commit together or not at all."""
+        if self.read_only:
+            raise CacheError(f"cache file {self.path} is read-only (it or its folder cannot be written): nothing can be stored in it")
         with self._db() as conn:
             # IMMEDIATE takes the write lock up front, so a busy writer is waited for
             # (busy timeout) instead of failing later on a read-to-write upgrade.
@@ -180,6 +194,7 @@ class PersistentCache:
         if tag in self._warned:
             return
         self._warned.add(tag)
+        message = sanitize(message)  # it quotes rows of the file: data, shown on a terminal
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
@@ -314,6 +329,7 @@ class PersistentCache:
             key = normalize_key(dev, op_id_or_cfg, call_key)
         if cfg is None:
             raise TypeError("cfg: missing; a config of None cannot be cached")
+        check_op_id(key[1])
         if not isinstance(provenance, str) or not provenance:
             raise ValueError(f"provenance: expected a non-empty string, got {provenance!r}")
         if stats is not None and not isinstance(stats, dict):
@@ -351,8 +367,12 @@ class PersistentCache:
 
     # ------------------------------------------------------------------ export / import
 
-    def export(self, path: str | os.PathLike[str]) -> int:
+    def export(self, path: str | os.PathLike[str], *, device: str | None = None, op_id: str | None = None) -> int:
         """Write every row (decodable here or not) to a JSON document at ``path``; returns the count.
+
+        ``device`` and/or ``op_id`` export only the rows of that device / op id: a cache too large
+        for one document (more than :data:`~.exchange.MAX_IMPORT_BYTES`, which is refused, since
+        no import could read it) moves in parts.
 
         The target is resolved through symlinks, and the document written to a temporary file
         next to the real target, flushed to disk and renamed over it: readers never see half a
@@ -362,8 +382,16 @@ class PersistentCache:
         to embed (config not JSON, a non-finite time written by an older version) are skipped
         with a warning rather than failing the export.
         """
+        where, params = [], []
+        for column, value in (("device", device), ("op_id", op_id)):
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"{column}: expected a non-empty string or None, got {value!r}")
+                where.append(f"{column} = ?")
+                params.append(value)
+        sql = SELECT + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY device, op_id, call_key"
         with self._db() as conn:
-            rows = conn.execute(SELECT + " ORDER BY device, op_id, call_key").fetchall()
+            rows = conn.execute(sql, params).fetchall()
         entries = []
         for row in rows:
             fields = dict(zip(COLUMNS, row))

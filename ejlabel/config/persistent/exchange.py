@@ -2,14 +2,20 @@
 
 :func:`write_export` writes every row as an entry of ``{"format": "ejlabel-configs", "version":
 1, "entries": [...]}``, configs embedded as their tagged JSON (still tagged, so the document
-stays readable and nothing in it is ever imported). The target is replaced atomically, through
-symlinks, keeping its mode: readers never see half a document, and a crash leaves the old file.
+stays readable and nothing in it is ever imported), one entry per line. The target is replaced
+atomically, through symlinks, keeping its mode: readers never see half a document, and a crash
+leaves the old file.
 
 :func:`read_export` is the other side, and treats the document as data from elsewhere: it reads
 at most :data:`MAX_IMPORT_BYTES` from a regular file only (never a FIFO or a device), and
-validates the whole document (keys, text fields, versions, finite numbers, nesting depth) into
-database rows before anything is written, so a bad document raises a :class:`~.entry.CacheError`
-naming the file and the entry and changes nothing.
+validates the whole document (keys, op ids as labels carry them, text fields, versions, finite
+numbers, nesting depth, no key twice, no member name twice in an object) into database rows
+before anything is written, so a bad document raises a :class:`~.entry.CacheError` naming the
+file and the entry and changes nothing.
+
+Export and import agree on size: :func:`write_export` refuses (changing nothing) a document
+larger than what :func:`read_export` reads, so every file an export writes imports again; a
+cache too large for one document is exported in parts (by device or op id).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 
 from ejlabel.config.persistent.entry import CacheError, normalize_key
 from ejlabel.config.persistent.store import COLUMNS
+from ejlabel.core.label_format import check_op_id
 from ejlabel.utils.files import FileTooLargeError, SpecialFileError, file_kind, read_regular_file
 from ejlabel.utils.serialize import MAX_DEPTH, DecodeError, check_json, loads_strict
 
@@ -32,9 +39,10 @@ __all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "MAX_IMPORT_BYTES", "export_entry"
 
 EXPORT_FORMAT = "ejlabel-configs"
 EXPORT_VERSION = 1
-#: Largest export document :meth:`~.cache.PersistentCache.import_` reads (64 MiB, about 100,000 entries):
-#: the file is read in chunks and refused as soon as it grows past this, so a huge or endless
-#: file (``/dev/zero``, a file still being written) cannot exhaust memory.
+#: Largest export document :meth:`~.cache.PersistentCache.import_` reads, and so the largest one
+#: :meth:`~.cache.PersistentCache.export` writes (64 MiB: about 150,000 entries of one line
+#: each). The file is read in chunks and refused as soon as it grows past this, so a huge or
+#: endless file (``/dev/zero``, a file still being written) cannot exhaust memory.
 MAX_IMPORT_BYTES = 64 * 1024 * 1024
 
 
@@ -61,10 +69,22 @@ def export_entry(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_export(path: pathlib.Path, entries: list[dict[str, Any]]) -> None:
-    """Write ``entries`` (each from :func:`export_entry`) as an export document at ``path``, atomically."""
-    doc = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "entries": entries}
-    text = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
-    _write_atomic(path, text.encode("utf-8"))
+    """Write ``entries`` (each from :func:`export_entry`) as an export document at ``path``, atomically.
+
+    One entry per line: readable, diffable, and a third of the bytes of an indented document.
+    CacheError, and nothing written, when the document would be larger than
+    :data:`MAX_IMPORT_BYTES`, since no import could read it.
+    """
+    lines = [_dumps(entry) for entry in entries]
+    text = '{"entries": [\n' + ",\n".join(lines) + f'\n], "format": {json.dumps(EXPORT_FORMAT)}, "version": {EXPORT_VERSION}}}\n'
+    data = text.encode("utf-8")
+    if len(data) > MAX_IMPORT_BYTES:
+        raise CacheError(
+            f"cannot export to {path}: the {len(entries)} entries take {len(data)} bytes, more than the "
+            f"{MAX_IMPORT_BYTES} bytes an import reads (MAX_IMPORT_BYTES); export them in parts with "
+            "export(path, device=..., op_id=...) (`ejlabel cache export FILE --device D --op-id OP`)"
+        )
+    _write_atomic(path, data)
 
 
 def _current_umask() -> int:
@@ -150,6 +170,16 @@ def _read_limited(path: pathlib.Path) -> bytes:
         raise CacheError(f"cannot read {path}: {err.strerror or err}") from None
 
 
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; ValueError for a member name given twice (``json`` keeps the last)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        names = [name for name, _ in pairs]
+        twice = next(name for name in names if names.count(name) > 1)
+        raise ValueError(f"member name {twice!r:.80} appears twice in one object")
+    return obj
+
+
 def _check_text(value: Any, what: str, bad: Callable[[str], CacheError]) -> str:
     if not isinstance(value, str) or not value:
         raise bad(f"{what} is {value!r:.80}, expected a non-empty string")
@@ -172,7 +202,7 @@ def read_export(path: pathlib.Path, provenance: str | None) -> list[tuple[Any, .
         raise bad(f"not UTF-8 text ({err})") from None
     try:
         # Non-finite numbers are parsed here and rejected below, where the entry can be named.
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=_unique_members)
     except RecursionError:
         raise bad(f"nested too deeply to parse (configs may nest at most {MAX_DEPTH} levels)") from None
     except ValueError as err:  # JSONDecodeError, and ints past Python's digit limit
@@ -190,6 +220,7 @@ def read_export(path: pathlib.Path, provenance: str | None) -> list[tuple[Any, .
         raise bad("'entries' is missing or not a list")
     text_fields = ("config_type", "provenance", "kernel_version", "jax_version", "jaxlib_version")
     rows = []
+    first_of: dict[tuple[str, str, str], int] = {}
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
             raise bad(f"entries[{i}] is not an object")
@@ -198,8 +229,13 @@ def read_export(path: pathlib.Path, provenance: str | None) -> list[tuple[Any, .
             raise bad(f"entries[{i}] lacks {', '.join(missing)}")
         try:
             key = normalize_key(e["device"], e["op_id"], e["call_key"])
+            check_op_id(key[1])
         except (TypeError, ValueError) as err:
             raise bad(f"entries[{i}]: {err}") from None
+        first = first_of.setdefault(key, i)
+        if first != i:
+            # Two entries for one key: which config the cache would keep depends on their order.
+            raise bad(f"entries[{i}] has the key of entries[{first}] {key!r:.200}; a key may appear once")
         for k, v in zip(("device", "op_id"), key[:2]):
             _check_text(v, f"entries[{i}].{k}", bad)
         for k in text_fields:

@@ -13,6 +13,12 @@ schema creation are one ``BEGIN IMMEDIATE`` transaction, so processes opening a 
 together never see each other's half-made schema. The database runs in WAL mode with a busy
 timeout; the switch to WAL is retried, since SQLite refuses it at once while another
 connection holds a shared lock.
+
+A cache that cannot be written (a read-only mount, a file or folder without write permission:
+:func:`can_write`) still opens, read-only (``open_connection(path, read_only=True)``), so that
+it can be listed, shown, counted and audited: through SQLite's ``mode=ro`` where the WAL index
+can be used, else as ``immutable`` (which cannot read the write-ahead log: what that leaves out
+is reported, see :mod:`.wal`). Nothing is created or changed then, and writes fail.
 """
 
 from __future__ import annotations
@@ -22,14 +28,16 @@ import pathlib
 import random
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ejlabel.config.persistent.entry import CacheError
+from ejlabel.config.persistent.wal import log_damage
 
 __all__ = [
     "BUSY_TIMEOUT_S", "COLUMNS", "DEFAULT_FILENAME", "FILE_SUFFIXES", "INSERT_NEW", "KEY_WHERE", "SCHEMA_VERSION", "SELECT",
-    "UPSERT", "default_cache_path", "is_op_name", "open_connection", "resolve_file",
+    "UPSERT", "can_write", "default_cache_path", "is_op_name", "open_connection", "resolve_file",
 ]
 
 _T = TypeVar("_T")
@@ -125,12 +133,25 @@ def _not_ours(path: pathlib.Path, what: str) -> CacheError:
     return CacheError(f"{path} is not an ejlabel cache: {what}")
 
 
-def open_connection(path: pathlib.Path) -> sqlite3.Connection:
+def can_write(path: pathlib.Path) -> bool:
+    """Whether the cache file ``path`` can be opened for writing: the file (when it exists) and its
+    folder, where SQLite writes the WAL's side files, are writable. A read-only mount fails this
+    even for root, which the permission bits alone do not stop."""
+    folder_ok = os.access(path.parent, os.W_OK | os.X_OK)
+    return folder_ok and (not path.exists() or os.access(path, os.W_OK))
+
+
+def open_connection(path: pathlib.Path, *, read_only: bool = False) -> tuple[sqlite3.Connection, str | None]:
     """Connect to the cache file ``path``, check that it is ours (or new), and create the schema if new.
 
+    Returns the connection and what damage in the write-ahead log cost (:func:`.wal.log_damage`,
+    checked before anything is written, which would overwrite the damaged log), or None. With
+    ``read_only`` the file must exist already and nothing is written to it or next to it.
     :class:`~.entry.CacheError` naming the file for anything that stops it; a file that is not
     ours is left byte-for-byte unchanged.
     """
+    if read_only:
+        return _open_read_only(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -147,7 +168,9 @@ def open_connection(path: pathlib.Path) -> sqlite3.Connection:
         raise CacheError(f"cannot open cache file {path}: {err}") from None
     try:
         # Read-only checks first: nothing is written until the file is known to be ours.
-        if _in_snapshot(conn, lambda c: _inspect(path, c)) == "new":
+        kind = _in_snapshot(conn, lambda c: _inspect(path, c))
+        damage = log_damage(path, conn, reads_log=True, keep_copy=True)
+        if kind == "new":
             _create(path, conn)
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         _ensure_wal(conn)
@@ -166,7 +189,46 @@ def open_connection(path: pathlib.Path) -> sqlite3.Connection:
     except sqlite3.DatabaseError as err:
         conn.close()
         raise _not_ours(path, str(err)) from None
-    return conn
+    return conn, damage
+
+
+def _open_read_only(path: pathlib.Path) -> tuple[sqlite3.Connection, str | None]:
+    """Open an existing cache without writing anything: ``mode=ro``, else ``immutable``.
+
+    ``mode=ro`` reads the write-ahead log too, but needs its index (``-shm``) to exist or be
+    creatable; on a read-only folder without one only ``immutable`` opens, and it reads the
+    database file alone.
+    """
+    if not path.is_file():
+        raise CacheError(f"cannot open cache file {path} read-only: no such file (a new cache needs a writable folder)")
+    _check_header(path)
+    quoted = urllib.parse.quote(str(path))
+    last: sqlite3.Error | None = None
+    for query, reads_log in (("mode=ro", True), ("immutable=1", False)):
+        try:
+            conn = sqlite3.connect(f"file:{quoted}?{query}", uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as err:
+            last = err
+            continue
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            if _in_snapshot(conn, lambda c: _inspect(path, c)) == "new":
+                unread = "" if reads_log else (
+                    ", or everything is still in its write-ahead log, which a read-only open without the "
+                    "log's index (-shm) cannot read: open it once where it is writable"
+                )
+                raise CacheError(f"cannot open cache file {path} read-only: it holds no cache yet{unread}")
+            return conn, log_damage(path, conn, reads_log=reads_log, keep_copy=False)
+        except CacheError:
+            conn.close()
+            raise
+        except sqlite3.OperationalError as err:  # no WAL index to be had: try the next way
+            conn.close()
+            last = err
+        except sqlite3.DatabaseError as err:
+            conn.close()
+            raise _not_ours(path, str(err)) from None
+    raise CacheError(f"cannot open cache file {path} read-only: {last}")
 
 
 def _check_header(path: pathlib.Path) -> None:

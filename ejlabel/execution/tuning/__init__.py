@@ -26,7 +26,7 @@ The story, in the order the modules tell it:
    that sends the calls out and stores the answers is :mod:`ejlabel.analysis.ray_tuning`.
 """
 
-from ejlabel.execution.tuning.candidates import AutotuneError, CandidateResult, TuneResult, TuningCut
+from ejlabel.execution.tuning.candidates import AutotuneError, CallCodeError, CandidateResult, TuneResult, TuningCut
 from ejlabel.execution.tuning.in_context import DEFAULT_BUDGET_S, PROVENANCE, RANK_SHARE, tune_in_context
 from ejlabel.execution.tuning.isolated import Autotuner, Tuner, autotune, autotune_recorded, store_result, tune_invocation
 from ejlabel.execution.tuning.measure import Timing, benchmark
@@ -43,6 +43,7 @@ __all__ = [
     "ROUND_CAP",
     "AutotuneError",
     "Autotuner",
+    "CallCodeError",
     "CallPick",
     "CandidateResult",
     "Comparison",

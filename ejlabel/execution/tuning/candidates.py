@@ -108,6 +108,15 @@ class AutotuneError(RuntimeError):
     """Every candidate of a call failed; the message lists each one's reason."""
 
 
+class CallCodeError(AutotuneError):
+    """The call's own code raised (the kernel listing its candidates, making its inputs or its
+    reference): that call fails, alone. ``error`` is what it raised."""
+
+    def __init__(self, message: str, error: Exception) -> None:
+        super().__init__(message)
+        self.error = error
+
+
 class TuningCut(AutotuneError):
     """The caller's deadline passed before any candidate of this call was timed.
 

@@ -155,7 +155,7 @@ def tune_in_context(
 
     # 1. Discover the calls; 2. recall what earlier runs decided; 3. compile and time the floor.
     sites, invocations = discover(fn, args)
-    floor: dict[Key, Any] = {key: _floor_cfg(inv) for key, inv in invocations.items()}
+    floor: dict[Key, Any] = {key: _floor_cfg(inv, errors) for key, inv in invocations.items()}
     calls = {key: CallPick(*key, sites[key], floor[key], floor[key]) for key in invocations}
     memory = Recall() if exhaustive else recall(selector.persistent, invocations, sites, floor)
     warm = dict(floor)
@@ -318,9 +318,17 @@ def _settle(calls: Iterable[CallPick], reverted: bool, step_ms: float) -> None:
             call.step_ms = step_ms
 
 
-def _floor_cfg(inv: Invocation[Any, Any]) -> Any:
-    """The config of the plain path ``inv``'s kernel declares, else its heuristic config."""
-    cfg = inv.kernel.plain_config(inv)
+def _floor_cfg(inv: Invocation[Any, Any], errors: dict[str, str]) -> Any:
+    """The config of the plain path ``inv``'s kernel declares, else its heuristic config.
+
+    A kernel whose ``plain_config`` raises on this call keeps its heuristic config, and the error
+    is reported under the call: one call's failure does not stop the others' tuning.
+    """
+    try:
+        cfg = inv.kernel.plain_config(inv)
+    except Exception as err:  # noqa: BLE001 - the kernel's code, on this call alone
+        errors[f"{inv.op_id}:{inv.call_key}"] = f"no plain-path config ({type(err).__name__}: {err}); its heuristic config stays"
+        cfg = None
     return cfg if cfg is not None else inv.kernel.heuristic_cfg(inv)
 
 

@@ -11,7 +11,10 @@ For one call (an :class:`~ejlabel.core.kernel.Invocation`) the :class:`Autotuner
 4. times the compiled executables with successive halving (:mod:`.halving`).
 
 Candidates that fail to compile, run out of memory, give NaN or a wrong result are recorded with
-the reason and skipped. The winner goes to the memory cache and the persistent cache with
+the reason and skipped. A call whose own kernel code raises (listing its candidates, making its
+inputs or its reference: a malformed call rebuilt from a program, an array too big to make) fails
+alone: :meth:`Autotuner.tune_each` gives a :class:`~.candidates.CallCodeError` in its place, and
+every other call of the batch is tuned. The winner goes to the memory cache and the persistent cache with
 provenance ``autotuned``, its statistics and every candidate's result (:func:`store_result`).
 The same engine serves a selector's cache miss (:func:`tune_invocation`, registered as the
 default tuner), ``autotune``, ``autotune_recorded`` and ejkernel's :class:`Tuner`.
@@ -56,12 +59,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from ejlabel.config.cache import AutotunePolicy, ConfigCache
 from ejlabel.config.selection import ConfigSelectorChain, set_default_tuner
@@ -73,6 +78,7 @@ from ejlabel.execution.tuning.candidates import (
     DEADLINE_COMPILE,
     DEADLINE_TIMING,
     AutotuneError,
+    CallCodeError,
     CandidateResult,
     Job,
     TuneResult,
@@ -191,6 +197,8 @@ class Autotuner:
                 jobs.append(self._job(abstract_invocation(inv), configs.get(i), floors.get(i)))
             except AutotuneError as err:
                 jobs.append(err)
+            except Exception as err:  # noqa: BLE001 - the kernel's code failed on this call alone
+                jobs.append(_call_failed(inv, "listing its candidates", err))
         return jobs
 
     def _tune_jobs(self, jobs: list[Job | AutotuneError], deadline: float | None) -> list[TuneResult | AutotuneError]:
@@ -216,6 +224,8 @@ class Autotuner:
             return self._measure(job, progress)
         except AutotuneError as err:
             return err
+        except Exception as err:  # noqa: BLE001 - making its inputs or its reference failed: this call alone
+            return _call_failed(job.inv, "measuring it", err)
 
     def _job(self, inv: Invocation[Any, Any], configs: list[Any] | None, extra_floor: Any = None) -> Job:
         """The call's candidates: the floor (heuristic, then plain path) first, then the kernel's prior
@@ -227,6 +237,7 @@ class Autotuner:
         a whole implementation out.
         """
         kernel = inv.kernel
+        _check_fits(inv)
         floor = floor_configs(inv)
         if extra_floor is not None and extra_floor not in floor:
             floor.append(extra_floor)
@@ -376,6 +387,41 @@ class Autotuner:
                 continue
         return None
 
+
+def _memory_bytes() -> int | None:
+    """The memory tuning inputs are made in: the host's (they are drawn with numpy), and the
+    default device's when it reports a limit; None when neither can be read."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+        if isinstance(stats.get("bytes_limit"), int):
+            limits.append(stats["bytes_limit"])
+    except Exception:  # noqa: BLE001, S110 - a backend without memory statistics: the host's limit stands
+        pass
+    return min(limits) if limits else None
+
+
+def _check_fits(inv: Invocation[Any, Any]) -> None:
+    """AutotuneError for a call whose arguments alone do not fit in memory.
+
+    A call rebuilt from a program can describe any shape; making its inputs would fail late,
+    or, where the system lets a process take more memory than it has, end it with a signal.
+    """
+    leaves = jax.tree_util.tree_leaves((inv.args, inv.kwargs))
+    need = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves if hasattr(x, "shape") and hasattr(x, "dtype"))
+    limit = _memory_bytes()
+    if limit is not None and need > limit:
+        raise AutotuneError(f"{inv.op_id} call {inv.call_key}: its arguments take {need} bytes, more than the {limit} bytes of memory here")
+
+
+def _call_failed(inv: Invocation[Any, Any], stage: str, err: Exception) -> CallCodeError:
+    """The error of one call whose own code (the kernel's candidate list, inputs, reference)
+    raised: that call fails, the batch goes on."""
+    return CallCodeError(f"{inv.op_id} call {inv.call_key}: failed while {stage}: {describe_error(err)[1]}", err)
 
 
 def _outside_trace(fn: Callable[..., Any], *args: Any) -> Any:

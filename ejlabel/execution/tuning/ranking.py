@@ -98,11 +98,18 @@ class Ranking:
             else:
                 to_tune.append(key)
         lists = {}
-        for i, key in enumerate(to_tune):
-            candidates = _candidate_list(invocations[key], self.floor[key])
+        listed: list[Key] = []
+        for key in to_tune:
+            try:
+                candidates = _candidate_list(invocations[key], self.floor[key])
+            except Exception as err:  # noqa: BLE001 - the kernel's code failed on this call alone
+                self._failed(key, AutotuneError(f"cannot list its candidates: {type(err).__name__}: {err}"))
+                continue
             lost = losers.get(key, {})
             self.calls[key].skipped_losers = {cfg: lost[cfg] for cfg in candidates if cfg in lost}
-            lists[i] = [cfg for cfg in candidates if cfg not in lost]
+            lists[len(listed)] = [cfg for cfg in candidates if cfg not in lost]
+            listed.append(key)
+        to_tune = listed
         jobs = self.tuner.jobs([invocations[key] for key in to_tune], lists, floors={i: self.floor[key] for i, key in enumerate(to_tune)})
         for key, job in zip(to_tune, jobs):
             if isinstance(job, AutotuneError):

@@ -32,7 +32,7 @@ from typing import Any
 from ejlabel.config.cache import AutotunePolicy
 from ejlabel.core.calls import invocation_from_description
 from ejlabel.core.registry import import_user_modules
-from ejlabel.execution.tuning.candidates import AutotuneError, CandidateResult, TuneResult
+from ejlabel.execution.tuning.candidates import AutotuneError, CallCodeError, CandidateResult, TuneResult
 from ejlabel.execution.tuning.isolated import Autotuner
 from ejlabel.execution.tuning.measure import Timing
 from ejlabel.utils.fingerprint import device_fingerprint
@@ -146,7 +146,8 @@ class TuningWorker:
         ``{"status": "tuned", "result": ..., "device", "kernel_version", "worker"}``, or
         ``{"status": "failed", "error": ..., "worker"}`` when every candidate failed (a tuning
         outcome, as in a local run). Anything else (the description does not decode here, the
-        kernel's own code raises) propagates, so that the driver can retry the call elsewhere.
+        kernel's own code raises) propagates, so that the driver can retry the call elsewhere;
+        a call that fails on every attempt is reported, the others are tuned.
         """
         return self.tune_many([request])[0]
 
@@ -163,6 +164,11 @@ class TuningWorker:
         policy = AutotunePolicy(**requests[0]["policy"])
         invocations = [invocation_from_description(r["label"], r["description"]) for r in requests]
         outcomes = Autotuner(policy, progress=False).tune_each(invocations)
+        for outcome in outcomes:
+            if isinstance(outcome, CallCodeError):
+                # Raised, not answered: the driver retries the task's calls alone, elsewhere
+                # (it may be this worker's environment), and reports a call that fails each time.
+                raise outcome.error
         worker, device = worker_name(self._where), device_fingerprint()
         answers = []
         for inv, outcome in zip(invocations, outcomes, strict=True):
