@@ -12,7 +12,6 @@ import collections
 import dataclasses
 import importlib
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from ejlabel.execution import tuning
 from ejlabel.execution.tuning import PROVENANCE, Autotuner, ContextTuneReport, tune_in_context
 from ejlabel.execution.tuning.memory import shape_class
 from ejlabel.execution.tuning.search import Search
+from tuning_clock import clock  # noqa: F401 (a fixture)
 
 FAST = AutotunePolicy(num_warmup=1, num_iters=5, compile_workers=2)
 X = jax.ShapeDtypeStruct((128, 128), jnp.float32)
@@ -75,26 +75,6 @@ tiny = BusyKernel("ranktiny", 0)
 choosy = BusyKernel("rankchoosy", 400, space=("xla", "a", "b", "c"), prior=("c",))
 loser = BusyKernel("rankloser", 400, space=("xla", "slow", "direct"))
 xla_best = BusyKernel("rankxlabest", 400, space=("xla", "slow"))
-
-
-class FakeClock:
-    """``time.perf_counter`` plus an offset a test moves forward: a slow run without sleeping."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def perf_counter(self) -> float:
-        return time.perf_counter() + self.offset
-
-
-@pytest.fixture
-def clock(monkeypatch) -> FakeClock:
-    """The clock of the tuning modules (and only theirs) made a :class:`FakeClock`."""
-    fake = FakeClock()
-    fake_time = types.SimpleNamespace(perf_counter=fake.perf_counter)
-    for module in (tuning.measure, tuning.candidates, tuning.halving, tuning.isolated, tuning.paired, tuning.search, tuning.in_context):
-        monkeypatch.setattr(module, "time", fake_time)
-    return fake
 
 
 def tune(fn, *args, **kwargs) -> ContextTuneReport:

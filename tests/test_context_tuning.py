@@ -17,7 +17,6 @@ import fractions
 import math
 import random
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ from ejlabel.execution import tuning
 from ejlabel.execution.tuning import PROVENANCE, Autotuner, CallPick, ContextTuneReport, TuningCut, tune_in_context
 from ejlabel.execution.tuning.paired import _bound_rank, _decide, _runs_per_sample, compare
 from ejlabel.execution.tuning.search import Search
+from tuning_clock import FakeClock, clock  # noqa: F401 (a fixture)
 
 FAST = AutotunePolicy(num_warmup=1, num_iters=5, compile_workers=2)
 X = jax.ShapeDtypeStruct((128, 128), jnp.float32)
@@ -118,26 +118,6 @@ def assert_never_slower_than_floor(report: ContextTuneReport) -> None:
         final = report.final
         assert final is not None and final.verdict == "accept" and final.lower_ms > final.threshold_ms >= 0
     assert report.tuned.median_ms <= report.floor.median_ms + report.noise_ms
-
-
-class FakeClock:
-    """``time.perf_counter`` plus an offset a test moves forward: a slow run without sleeping."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def perf_counter(self) -> float:
-        return time.perf_counter() + self.offset
-
-
-@pytest.fixture
-def clock(monkeypatch) -> FakeClock:
-    """The clock of the tuning modules (and only theirs) made a :class:`FakeClock`."""
-    fake = FakeClock()
-    fake_time = types.SimpleNamespace(perf_counter=fake.perf_counter)
-    for module in (tuning.measure, tuning.candidates, tuning.halving, tuning.isolated, tuning.paired, tuning.search, tuning.in_context):
-        monkeypatch.setattr(module, "time", fake_time)
-    return fake
 
 
 def jump_after(monkeypatch, owner, name: str, clock: FakeClock, seconds: float, after: int = 1) -> None:
