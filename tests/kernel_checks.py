@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import ejlabel
+from ejlabel.kernels.attention import AttentionConfig, flash_attention
 from ejlabel.kernels.attention.masks import window_bounds
 from ejlabel import BwdParams, FwdParams
 from ejlabel.kernels.attention.mosaic import kernel as mosaic_kernel
@@ -80,6 +81,18 @@ def assert_tunes(kernel: ejlabel.Kernel, args: tuple[Any, ...], kwargs: dict[str
         assert candidate.status in ("ok", "pruned") or candidate.reason, candidate
     assert result.best.status == "ok"
     return result
+
+
+def values_and_grads(cfg: AttentionConfig, q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> tuple[Any, Any]:
+    """``(output, (dq, dk, dv))`` of a random projection of the output, in one jitted call."""
+    probe = jax.random.normal(jax.random.key(7), q.shape)
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out = flash_attention(q, k, v, cfg=cfg, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * probe), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
 
 
 def documents(batch: int, seq: int, count: int, padding: int, seed: int = 0) -> jax.Array:

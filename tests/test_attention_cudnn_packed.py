@@ -24,7 +24,7 @@ from ejlabel.kernels.attention import cudnn_packed
 from ejlabel.kernels.attention.cudnn_packed import packed_layout, packed_runs
 from ejlabel.kernels.attention.mosaic import on_hopper
 
-from kernel_checks import assert_close, gpu
+from kernel_checks import assert_close, gpu, values_and_grads
 
 attention_module = importlib.import_module("ejlabel.kernels.attention")
 CUDNN_PACKED = AttentionConfig("cudnn_packed")
@@ -228,17 +228,6 @@ def random_documents(key: jax.Array, batch: int, seq: int, documents: int, paddi
     cuts = jax.vmap(lambda k: jnp.sort(jax.random.permutation(k, jnp.arange(1, used))[: documents - 1]))(jax.random.split(key, batch))
     ids = 1 + jax.vmap(lambda c: jnp.searchsorted(c, jnp.arange(seq), side="right"))(cuts).astype(jnp.int32)
     return jnp.where(jnp.arange(seq) < used, ids, 0)
-
-
-def values_and_grads(cfg: AttentionConfig, q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> tuple[Any, Any]:
-    probe = jax.random.normal(jax.random.key(7), q.shape)
-
-    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        out = flash_attention(q, k, v, cfg=cfg, **kwargs)
-        return jnp.sum(out.astype(jnp.float32) * probe), out
-
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    return out, grads
 
 
 @gpu

@@ -18,7 +18,7 @@ from ejlabel.kernels.attention.arg_specs import REAL_SIZE
 from ejlabel.kernels.attention.mosaic import on_hopper
 from ejlabel.kernels.attention.triton import Geometry
 
-from kernel_checks import assert_close, assert_labelled, assert_tunes, gpu, needs_gpu
+from kernel_checks import assert_close, assert_labelled, assert_tunes, gpu, needs_gpu, values_and_grads
 
 XLA = AttentionConfig("xla")
 # 16-row tiles over 40 tokens: the last block of every sequence is partial.
@@ -86,18 +86,6 @@ def test_cu_seqlens_are_segments() -> None:
     q, k, v = qkv(1, 40, 4, 2, 16)
     got = flash_attention(q, k, v, causal=True, cu_seqlens=CU_SEQLENS, cfg=XLA)
     assert_close(got, attention64(q, k, v, causal=True, segment_ids=ids), jnp.float32)
-
-
-def values_and_grads(cfg: AttentionConfig, q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> tuple[Any, Any]:
-    """``(output, (dq, dk, dv))`` of a random projection of the output, in one jitted call."""
-    probe = jax.random.normal(jax.random.key(7), q.shape)
-
-    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        out = flash_attention(q, k, v, cfg=cfg, **kwargs)
-        return jnp.sum(out.astype(jnp.float32) * probe), out
-
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    return out, grads
 
 
 @pytest.mark.parametrize(
