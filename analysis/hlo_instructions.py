@@ -53,6 +53,11 @@ from .hlo_model import HloInstruction, HloParseError
 __all__ = ["InstructionReader"]
 
 
+# The reader's state that belongs to the computation being read: saved around an inline
+# computation (a body written inside an instruction) and restored after it.
+_COMPUTATION_STATE = ("comp_name", "comp_entry", "comp_line", "comp_pos", "instrs", "root", "names", "names_seen", "anon_next")
+
+
 class InstructionReader(ItemReader):
     """The item reader with instructions: the parts of one instruction and their attributes."""
 
@@ -388,17 +393,7 @@ class InstructionReader(ItemReader):
         while name in self.computations:
             count += 1
             name = f"{base}.{count}"
-        outer = (
-            self.comp_name,
-            self.comp_entry,
-            self.comp_line,
-            self.comp_pos,
-            self.instrs,
-            self.root,
-            self.names,
-            self.names_seen,
-            self.anon_next,
-        )
+        outer = {field: getattr(self, field) for field in _COMPUTATION_STATE}
         self.depth += 1
         self.open_computation(name, False, start)
         pos = start + 1
@@ -411,19 +406,9 @@ class InstructionReader(ItemReader):
             pos = self.instruction(pos)
         self.close_computation(name, False, self.instrs, self.root, self.comp_line)
         self.depth -= 1
-        (
-            self.comp_name,
-            self.comp_entry,
-            self.comp_line,
-            self.comp_pos,
-            self.instrs,
-            self.root,
-            self.names,
-            self.names_seen,
-            self.anon_next,
-        ) = outer
+        for field, value in outer.items():
+            setattr(self, field, value)
         return intern(name), pos + 1
-
 
     def build(
         self,
