@@ -6,7 +6,6 @@ index of every case and its test is the docstring of ``tests/test_hostile_input.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import pathlib
 import re
@@ -44,39 +43,57 @@ from hostile import (  # noqa: F401  (cache is a fixture)
 # ---------------------------------------------------------------- 3. a fresh cache opened by many processes
 
 
-def _open_together(path: str, barrier, results) -> None:
-    try:
-        barrier.wait(60)
+# Runs in a fresh interpreter that has imported the cache but run no JAX computation, so it has no
+# busy threads and may fork safely; a pytest worker that has run JAX may not (a forked child can
+# inherit a lock some thread held and hang). Forked workers start in milliseconds on a small
+# machine and really race; before the fix, 16 workers failed in ~20% of trials.
+_RACE = textwrap.dedent(
+    """
+    import json, multiprocessing, os, sys
+    from ejlabel.config.persistent import PersistentCache
+
+    DEV, KERNEL = sys.argv[1], "race@v1"
+    root, n_proc, trials = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+    def open_together(path, barrier, results):
+        try:
+            barrier.wait(60)
+            with PersistentCache(path) as c:
+                c.put(DEV, KERNEL, f"{os.getpid():016x}", {"pid": os.getpid()})
+            results.put(None)
+        except BaseException as err:  # reported to the parent, which asserts on it
+            results.put(f"{type(err).__name__}: {err}")
+
+    ctx = multiprocessing.get_context("fork")
+    report = []
+    for trial in range(trials):
+        path = os.path.join(root, f"fresh{trial}", "c.sqlite")
+        barrier, results = ctx.Barrier(n_proc), ctx.Queue()
+        procs = [ctx.Process(target=open_together, args=(path, barrier, results)) for _ in range(n_proc)]
+        for p in procs:
+            p.start()
+        outcomes = [results.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
         with PersistentCache(path) as c:
-            c.put(DEV, "race@v1", f"{os.getpid():016x}", {"pid": os.getpid()})
-        results.put(None)
-    except BaseException as err:  # reported to the parent, which asserts on it
-        results.put(f"{type(err).__name__}: {err}")
+            entries = c.stats()["entries"]
+        report.append({"errors": [o for o in outcomes if o is not None], "entries": entries})
+    print(json.dumps(report))
+    """
+)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="forks workers (fast start); Linux only")
 def test_32_processes_open_a_fresh_cache_at_once(tmp_path: pathlib.Path) -> None:
-    # Forked after the parent imported everything, so 32 workers start in milliseconds on a
-    # small machine and really race; before the fix, 16 workers failed in ~20% of trials.
-    ctx = multiprocessing.get_context("fork")
     n_proc, trials = 32, 8
-    errors = []
-    for trial in range(trials):
-        path = str(tmp_path / f"fresh{trial}" / "c.sqlite")
-        barrier, results = ctx.Barrier(n_proc), ctx.Queue()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # JAX warns about fork; the workers only use SQLite
-            procs = [ctx.Process(target=_open_together, args=(path, barrier, results)) for _ in range(n_proc)]
-            for p in procs:
-                p.start()
-        outcomes = [results.get(timeout=120) for _ in procs]
-        for p in procs:
-            p.join(30)
-        errors += [f"trial {trial}: {o}" for o in outcomes if o is not None]
-        with PersistentCache(path) as c:
-            assert c.stats()["entries"] == n_proc - sum(o is not None for o in outcomes)
-    assert errors == []
-
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", _RACE, DEV, str(tmp_path), str(n_proc), str(trials)],
+        capture_output=True, text=True, env=subprocess_env(), timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["errors"] for r in report] == [[]] * trials
+    assert [r["entries"] for r in report] == [n_proc] * trials
 
 
 # ---------------------------------------------------------------- 5. deep nesting
