@@ -32,6 +32,7 @@ import numpy as np
 
 from ejlabel.core.label_format import check_op_name, check_version, versioned_op
 from ejlabel.core.registry import note_kernel_instance, register_kernel
+from ejlabel.core.shards import ShardRule
 from ejlabel.utils.fingerprint import (
     abstractify,
     default_key_builder_with_sharding,
@@ -286,6 +287,17 @@ class Kernel(Generic[Cfg, Out]):
         False by default: a kernel with a ``custom_vjp`` hook gets its own backward.
         """
         return False
+
+    def shard_rule(self, inv: Invocation[Cfg, Out]) -> ShardRule | None:
+        """Which dimensions of ``inv``'s arrays may be split across devices, or None.
+
+        With a rule, a call whose arguments are split over explicit mesh axes runs once per
+        shard under ``jax.shard_map`` whenever its config selects a path that JAX does not
+        differentiate itself (a Pallas kernel: opaque to XLA's partitioner, which would gather
+        its inputs); the label, key and config are the per-shard call's (:mod:`ejlabel.core.shards`).
+        None by default: the call runs whole, as XLA partitions it.
+        """
+        return None
 
     def __call__(self, *args: Any, cfg: Cfg | None = None, **kwargs: Any) -> Out:
         """Run through the default executor (memory cache, persistent cache, heuristic)."""
