@@ -288,13 +288,21 @@ class Kernel(Generic[Cfg, Out]):
         """
         return False
 
+    def partitioned_by_xla(self, cfg: Cfg) -> bool:
+        """Whether XLA's partitioner splits ``cfg``'s path by itself (plain JAX ops), so that a
+        split call runs whole and the program stays the plain one. By default the paths JAX
+        differentiates itself; a vendor call that JAX partitions only in some modes (cuDNN
+        attention, on explicit mesh axes) answers False and runs per shard."""
+        return self.differentiated_by_jax(cfg)
+
     def shard_rule(self, inv: Invocation[Cfg, Out]) -> ShardRule | None:
         """Which dimensions of ``inv``'s arrays may be split across devices, or None.
 
         With a rule, a call whose arguments are split over explicit mesh axes runs once per
-        shard under ``jax.shard_map`` whenever its config selects a path that JAX does not
-        differentiate itself (a Pallas kernel: opaque to XLA's partitioner, which would gather
-        its inputs); the label, key and config are the per-shard call's (:mod:`ejlabel.core.shards`).
+        shard under ``jax.shard_map`` whenever its config selects a path that XLA does not
+        partition itself (:meth:`partitioned_by_xla`; a Pallas kernel is opaque to XLA's
+        partitioner, which would gather its inputs); the label, key and config are the
+        per-shard call's (:mod:`ejlabel.core.shards`).
         None by default: the call runs whole, as XLA partitions it.
         """
         return None

@@ -116,12 +116,11 @@ class Executor(Generic[Cfg, Out]):
 
     def run_split(self, inv: Invocation[Any, Any], split: Split) -> Any:
         """Run ``inv`` as ``split`` says: each device its shard, keyed and labelled as the
-        per-shard call; a path JAX differentiates itself runs whole (XLA partitions it, and the
-        program stays the plain one)."""
+        per-shard call; a path XLA partitions itself runs whole (the program stays the plain one)."""
         local = Invocation(inv.kernel, split.local_args, split.local_kwargs, override_cfg=inv.override_cfg, metadata={"shardings": split.shardings})
         cfg = self.selector.select(local).cfg
         maybe_record(local)
-        if inv.kernel.differentiated_by_jax(cfg):
+        if inv.kernel.partitioned_by_xla(cfg):
             return run_labelled(inv, cfg, identity=local)
         arg_at = [i for i, spec in enumerate(split.arg_specs) if spec is not None]
         kwarg_names = list(split.kwarg_specs)

@@ -171,6 +171,11 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
     def differentiated_by_jax(self, cfg: AttentionConfig) -> bool:
         return cfg.impl not in ("pallas", "mosaic")
 
+    def partitioned_by_xla(self, cfg: AttentionConfig) -> bool:
+        # cuDNN's calls carry JAX's partitioning rule on auto mesh axes but not on explicit ones:
+        # split, they run per shard like ours (inside shard_map, as JAX's own cuDNN tests do).
+        return cfg.impl == "xla"
+
     def shard_rule(self, inv: Invocation[AttentionConfig, jax.Array]) -> ShardRule | None:
         """Rows and heads are independent (query and key/value heads split alike, which keeps
         each group of query heads with its key/value head); sequences and head dims stay whole.
