@@ -141,7 +141,7 @@ def main() -> int:
         add(packed_layout, lambda: compiled(examples.PLAIN_CUDNN_PACKED_OPS))
     if auto_inputs is not None:
         for name, ops in [("plain JAX, auto axes", examples.PLAIN_OPS), ("plain JAX, cuDNN packed layout, auto axes", examples.PLAIN_CUDNN_PACKED_OPS)]:
-            if ops is examples.PLAIN_OPS or packed_layout in variants:
+            if ops is examples.PLAIN_OPS or (args.packed and jax.default_backend() == "gpu"):
                 inputs_of[name] = auto_inputs
                 add(name, lambda ops=ops: compiled(ops, inputs=auto_inputs))
     add("ejlabel, all XLA (use_implementation)", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(), "xla"))
