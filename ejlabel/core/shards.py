@@ -53,9 +53,10 @@ class ShardRule:
     """Which dimensions of a kernel call may be split across devices.
 
     Attributes:
-      args: one dimension string per positional argument, ``None`` for one that is not an array
-        (``"m _"``: rows may be split, the contraction stays whole).
-      kwargs: dimension strings of the array keyword arguments, by name.
+      args: one dimension string per positional argument (``"m _"``: rows may be split, the
+        contraction stays whole); ``None``: an array there stays whole on every device.
+      kwargs: dimension strings of the array keyword arguments, by name; an array keyword
+        argument not named stays whole.
       out: the output's dimension string, or a tuple of them for a tuple of outputs.
       out_summed: the (single) output is each shard's part of a sum over the split dimensions
         (a loss summed over its tokens): the whole call's output is the sum of the shards'.
