@@ -272,7 +272,7 @@ class RayTuningPool:
         self.platform, count, options = worker_request(self._ray.nodes(), self.platform, accelerator_type, workers, calls, cpus_per_worker)
         options["runtime_env"] = self._runtime_env(runtime_env)
         self._actor = self._ray.remote(_RayWorker).options(**options)
-        self._replacements_left = 2 * count
+        self._replacements_left = 3 * count  # bounded: workers that keep dying must not be replaced forever
         self._workers = [self._start() for _ in range(count)]
         return self._first_identity()
 
@@ -321,12 +321,15 @@ class RayTuningPool:
         return len(self._workers)
 
     def plans(self, requests: Mapping[Key, dict[str, Any]]) -> dict[Key, Plan | None]:
-        """Each call's plan, the calls shared out between the workers (None where none came)."""
+        """Each call's plan (None where none came), the calls shared out between the workers up
+        already: one still starting would hold up every other's first call."""
         ray, keys = self._ray, list(requests)
-        chunks = [keys[n :: self.size] for n in range(self.size)]
+        up = [w for w in self._workers if w.name is not None or ray.wait([w.ready], num_returns=1, timeout=0)[0]]
+        up = up or self._workers[:1]
+        chunks = [keys[n :: len(up)] for n in range(len(up))]
         asked = {
             worker.handle.plan.remote([requests[key] for key in chunk]): (chunk, worker)
-            for worker, chunk in zip(list(self._workers), chunks) if chunk
+            for worker, chunk in zip(up, chunks) if chunk
         }
         plans: dict[Key, Plan | None] = {}
         for ref, (chunk, worker) in asked.items():
