@@ -120,11 +120,16 @@ def _program(sizes: tuple[int, ...], faults: dict[str, Path] | None = None) -> A
 @pytest.fixture(scope="module")
 def cluster() -> Any:
     # A driver that starts Ray itself ships the modules its workers import (as tune_unseen does
-    # when it connects on its own): this file, which defines the kernels.
-    ray.init(
-        num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
-        object_store_memory=100 * 2**20, runtime_env={"py_modules": [__file__]},
-    )
+    # when it connects on its own): this file, which defines the kernels. Ray's memory monitor is
+    # off in this cluster (its raylet reads the variable when it starts): on a machine loaded by
+    # other test processes it would kill a worker of these tests, whose kernels take a few MB, and
+    # a call would fail for a reason that is not its own.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_memory_monitor_refresh_ms", "0")
+        ray.init(
+            num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+            object_store_memory=100 * 2**20, runtime_env={"py_modules": [__file__]},
+        )
     yield
     ray.shutdown()
 
@@ -367,3 +372,19 @@ def test_one_worker_per_gpu_each_pinned_to_its_gpu() -> None:
     assert worker_request(host, "cpu")[:2] == ("cpu", 64)  # a CPU program on a GPU host: CPU workers, no GPU held
     with pytest.raises(ValueError, match="no GPU of type H200"):
         worker_request(host, "gpu", accelerator_type="H200")
+
+
+def test_a_worker_plans_a_call_as_its_tuner_lists_the_candidates(tmp_path: Path) -> None:
+    from ejlabel.execution.tuning.remote import TuningWorker, call_request
+    from ejlabel.utils.serialize import from_json
+
+    program = _program((8,), {"raise": tmp_path / "raises"})
+    [work_label] = [lab for lab in program.labels if "raywork" in lab]
+    [faulty_label] = [lab for lab in program.labels if "rayfaulty" in lab]
+    worker = TuningWorker([MODULE])
+    work_plan, faulty_plan = worker.plan([call_request(lab, program.descriptions[lab], POLICY) for lab in (work_label, faulty_label)])
+    assert work_plan["status"] == "planned" and [from_json(c) for c in work_plan["candidates"]] == [WorkConfig(400), WorkConfig(1)]
+    # The loop's body counts: each candidate's program is more than the few operations around it.
+    assert len(work_plan["costs"]) == 2 and all(cost > 10 for cost in work_plan["costs"])
+    assert work_plan["checked_by_reference"] is True
+    assert faulty_plan["status"] == "error" and "broken on purpose" in faulty_plan["error"]
