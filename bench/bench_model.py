@@ -1,6 +1,7 @@
 """Whole-model step times against the model as a JAX user writes it, all variants in one run.
 
 Run on the GPU machine:  python bench/bench_model.py [--packed] [--quick] [--tune-budget S] [--skip-defaults]
+                         [--devices N [--fsdp]] [--train-only]
 
 Variants of the example transformer (``ejlabel.examples``), training step (value_and_grad +
 SGD) and serving step (forward):
@@ -16,6 +17,8 @@ SGD) and serving step (forward):
 - ``ejlabel, all XLA``: every call labelled, under ``ejlabel.use_implementation("xla")``; the
   compiled program should be the plain one (the zero-cost path).
 - ``ejlabel, heuristic``: every call labelled, configs from the kernels' heuristics.
+- ``ejlabel, Mosaic attention forced`` (on a GPU): attention forced onto our Mosaic GPU kernel
+  (``use_implementation("mosaic")``), every other call on its heuristic path.
 - ``ejlabel, fused loss``: the same with ``linear_cross_entropy`` forced onto its
   ``"chunked_tokens"`` implementation (``use_implementation``), the loss's effect alone.
 - ``ejlabel, tuned in context (defaults)``: the configs ``tune_in_context(step, params, batch)``
@@ -30,6 +33,13 @@ SGD) and serving step (forward):
 
 One run of either model (dense, or ``--packed``) with both tuned rows fits a 10-minute command
 on an H100; ``--tune-budget 0`` keeps only the defaults row.
+
+``--devices N`` runs every variant sharded over the first N devices (a mesh with one explicit
+axis, ``data``; ``examples.place_on_mesh``): the batch's rows split, the parameters replicated
+(data parallel) or, with ``--fsdp``, sharded and gathered layer by layer. The batch is the
+model's whole batch, so each device runs ``batch / N`` rows; our kernels run per shard
+(``Kernel.shard_rule``) and tuning in context times the whole sharded step. ``--train-only``
+leaves out the serving step.
 
 Every variant is compiled first, then timed interleaved: each round takes one sample of every
 variant in turn (``--steps-per-sample`` back-to-back steps, synchronised), so clock and thermal
@@ -69,6 +79,9 @@ def main() -> int:
     parser.add_argument("--max-configs", type=int, default=6, help="the hand-set row's candidates per call in the isolated ranking")
     parser.add_argument("--skip-defaults", action="store_true", help="leave out the row tuned with tune_in_context's defaults")
     parser.add_argument("--skip-second-call", action="store_true", help="do not time a second defaults call on the same step")
+    parser.add_argument("--devices", type=int, default=1, help="shard every variant's batch over this many devices")
+    parser.add_argument("--fsdp", action="store_true", help="with --devices: shard the parameters too, gathered layer by layer")
+    parser.add_argument("--train-only", action="store_true", help="time the training step only")
     args = parser.parse_args()
     os.environ.setdefault("EJLABEL_CACHE_DIR", tempfile.mkdtemp(prefix="ejlabel-bench-model-"))
 
@@ -82,18 +95,32 @@ def main() -> int:
         cfg = examples.TINY_PACKED if args.packed else examples.TINY
     params = examples.init_params(cfg, jax.random.key(0))
     batch = examples.example_batch(cfg, jax.random.key(1))
-    serve_args = (batch["tokens"], batch.get("segment_ids"))
+    auto_inputs = None
+    if args.devices > 1:
+        devices = jax.devices()[: args.devices]
+        # Explicit axes (jax.make_mesh's default): shardings the kernels see while tracing. The
+        # plain model also runs on a mesh of auto axes (XLA alone propagates the shardings), the
+        # way older sharded JAX code is written; the faster of the two is the baseline.
+        auto_mesh = jax.make_mesh((args.devices,), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+        auto_inputs = examples.place_on_mesh(auto_mesh, params, batch, fsdp=args.fsdp)
+        mesh = jax.make_mesh((args.devices,), ("data",), devices=devices)
+        params, batch = examples.place_on_mesh(mesh, params, batch, fsdp=args.fsdp)
+    inputs_of: dict[str, tuple[Any, Any]] = {}  # variant -> (params, batch) when not the explicit ones
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     print(f"model: {n_params / 1e6:.1f}M parameters, {cfg}", flush=True)
 
-    def compiled(ops: examples.Ops, selector: Any = None, implementation: str | None = None) -> tuple[Any, Any]:
+    def serve_args(batch: dict[str, Any]) -> tuple[Any, Any]:
+        return batch["tokens"], batch.get("segment_ids")
+
+    def compiled(ops: examples.Ops, selector: Any = None, implementation: str | None = None, inputs: Any = None) -> tuple[Any, Any]:
         """AOT-compiled (train, serve) steps; selection happens while lowering, under the
         executor and implementation given."""
         ejlabel.set_default_executor(ejlabel.Executor(selector) if selector is not None else None)
         forced = ejlabel.use_implementation(implementation) if implementation else contextlib.nullcontext()
+        p, b = inputs or (params, batch)
         with forced:
-            train = jax.jit(examples.make_train_step(cfg, ops)).lower(params, batch).compile()
-            serve = jax.jit(examples.make_serve_step(cfg, ops)).lower(params, *serve_args).compile()
+            train = jax.jit(examples.make_train_step(cfg, ops)).lower(p, b).compile()
+            serve = None if args.train_only else jax.jit(examples.make_serve_step(cfg, ops)).lower(p, *serve_args(b)).compile()
         return train, serve
 
     variants: dict[str, tuple[Any, Any]] = {}
@@ -112,8 +139,15 @@ def main() -> int:
     packed_layout = "plain JAX, cuDNN packed layout (baseline)"
     if args.packed and jax.default_backend() == "gpu":  # cuDNN's packed layout runs on the GPU only
         add(packed_layout, lambda: compiled(examples.PLAIN_CUDNN_PACKED_OPS))
+    if auto_inputs is not None:
+        for name, ops in [("plain JAX, auto axes", examples.PLAIN_OPS), ("plain JAX, cuDNN packed layout, auto axes", examples.PLAIN_CUDNN_PACKED_OPS)]:
+            if ops is examples.PLAIN_OPS or packed_layout in variants:
+                inputs_of[name] = auto_inputs
+                add(name, lambda ops=ops: compiled(ops, inputs=auto_inputs))
     add("ejlabel, all XLA (use_implementation)", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(), "xla"))
     add("ejlabel, heuristic configs", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain()))
+    if jax.default_backend() == "gpu":
+        add("ejlabel, Mosaic attention forced, the rest heuristic", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(), "mosaic"))
     # The fused loss set by hand (token chunks of 2048, the memory goal's size), every other call
     # on its heuristic (XLA) path: what the loss alone does to the whole step.
     add("ejlabel, fused loss (chunked_tokens), the rest heuristic", lambda: compiled(examples.KERNEL_OPS, ejlabel.ConfigSelectorChain(), "chunked_tokens"))
@@ -175,17 +209,34 @@ def main() -> int:
             selector.persistent,
             {"tune_budget_s": args.tune_budget, "max_configs": args.max_configs, "compile_workers": 12},
         )
-    tune_note = "; ".join(notes) if notes else "tune_in_context skipped"
 
-    train_ms = time_interleaved({n: (lambda s=v[0]: s(params, batch)) for n, v in variants.items()}, args.samples, args.steps_per_sample)
-    serve_ms = time_interleaved({n: (lambda s=v[1]: s(params, *serve_args)) for n, v in variants.items()}, args.samples, args.steps_per_sample)
-    first_loss = {n: float(v[0](params, batch)[1]) for n, v in variants.items()}
+    given = {n: inputs_of.get(n, (params, batch)) for n in variants}
+    train_ms = time_interleaved({n: (lambda s=v[0], a=given[n]: s(*a)) for n, v in variants.items()}, args.samples, args.steps_per_sample)
+    serve_ms = (
+        dict.fromkeys(variants) if args.train_only
+        else time_interleaved({n: (lambda s=v[1], a=given[n]: s(a[0], *serve_args(a[1]))) for n, v in variants.items()}, args.samples, args.steps_per_sample)
+    )
+    first_loss = {n: float(v[0](*given[n])[1]) for n, v in variants.items()}
+    # Sharded, the baselines are the faster of each plain model on explicit and on auto axes.
+    for name, auto in [("plain JAX (baseline)", "plain JAX, auto axes"), (packed_layout, "plain JAX, cuDNN packed layout, auto axes")]:
+        if auto not in train_ms:
+            continue
+        if name not in train_ms:  # failed on explicit axes: the auto-axes model is the baseline
+            variants[name], train_ms[name], serve_ms[name], first_loss[name] = variants[auto], train_ms[auto], serve_ms[auto], first_loss[auto]
+            notes.append(f"{name}: auto axes only (explicit axes failed)")
+        elif train_ms[auto] < train_ms[name]:
+            notes.append(f"{name}: the auto-axes timing ({train_ms[auto]:.2f} ms against {train_ms[name]:.2f} ms on explicit axes)")
+            train_ms[name] = train_ms[auto]
+            if serve_ms[name] is not None:
+                serve_ms[name] = min(serve_ms[name], serve_ms[auto])
+    tune_note = "; ".join(notes) if notes else "tune_in_context skipped"
 
     plain = "plain JAX (baseline)"
     device = jax.devices()[0]
+    placement = "" if args.devices == 1 else f"sharded over {args.devices} devices ({'FSDP' if args.fsdp else 'data parallel'}), "
     model = (
         f"model {n_params / 1e6:.1f}M params, d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
-        f"seq {cfg.seq_len}, batch {cfg.batch}, {cfg.documents} document(s) per row, {jnp.dtype(cfg.dtype).name}; "
+        f"seq {cfg.seq_len}, batch {cfg.batch}, {placement}{cfg.documents} document(s) per row, {jnp.dtype(cfg.dtype).name}; "
         f"medians of {args.samples} interleaved samples of {args.steps_per_sample} steps"
     )
     lines = [
@@ -205,26 +256,30 @@ def main() -> int:
         row = {
             "variant": name,
             "train_ms": train_ms[name], "train_vs_plain": train_ms[plain] / train_ms[name] if has_plain else None,
-            "serve_ms": serve_ms[name], "serve_vs_plain": serve_ms[plain] / serve_ms[name] if has_plain else None,
+            "serve_ms": serve_ms[name], "serve_vs_plain": serve_ms[plain] / serve_ms[name] if has_plain and serve_ms[name] else None,
             "first_loss": first_loss[name],
             "first_loss_rel_to_plain": abs(first_loss[name] - first_loss[plain]) / abs(first_loss[plain]) if has_plain else None,
         }
         if has_layout:
-            row |= {"train_vs_packed_layout": train_ms[packed_layout] / train_ms[name], "serve_vs_packed_layout": serve_ms[packed_layout] / serve_ms[name]}
+            row |= {
+                "train_vs_packed_layout": train_ms[packed_layout] / train_ms[name],
+                "serve_vs_packed_layout": serve_ms[packed_layout] / serve_ms[name] if serve_ms[name] else None,
+            }
         row |= extra.get(name, {})
         rows.append(row)
         lines.append(
-            f"| {name} | {row['train_ms']:.2f} | {shown(row['train_vs_plain'], '.3f')}x | {row['serve_ms']:.2f} | "
+            f"| {name} | {row['train_ms']:.2f} | {shown(row['train_vs_plain'], '.3f')}x | {shown(row['serve_ms'], '.2f')} | "
             f"{shown(row['serve_vs_plain'], '.3f')}x | {first_loss[name]:.5f} ({shown(row['first_loss_rel_to_plain'], '.1e')}) |"
         )
         if has_layout:
-            lines[-1] += f" {row['train_vs_packed_layout']:.3f}x | {row['serve_vs_packed_layout']:.3f}x |"
+            lines[-1] += f" {row['train_vs_packed_layout']:.3f}x | {shown(row['serve_vs_packed_layout'], '.3f')}x |"
     for name, why in failures.items():
         rows.append({"variant": name, "failed": why})
         lines.append(f"| {name} | FAILED: {why} | | | | |")
     lines += ["", tune_note + "."]
     print("\n" + "\n".join(lines))
     size = ".tiny" if args.tiny else (".quick" if args.quick else "")
+    size += "" if args.devices == 1 else f".{args.devices}dev" + (".fsdp" if args.fsdp else "")
     ratios = "vs_plain: plain time / this time" + ("; vs_packed_layout: the packed-layout plain time / this time" if has_layout else "")
     write_results(f"bench_model{'.packed' if args.packed else ''}{size}", rows, notes=f"{model}; {tune_note}; {ratios}")
     return 0

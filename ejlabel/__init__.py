@@ -43,6 +43,7 @@ from ejlabel.core.labels import (  # noqa: E402
     label,
     label_scope,
 )
+from ejlabel.core.shards import ShardRule  # noqa: E402
 from ejlabel.execution.batch import pmap_with_config, vmap_with_config  # noqa: E402
 from ejlabel.execution.executor import (  # noqa: E402
     Executor,
@@ -106,6 +107,7 @@ __all__ = [
     "Out",
     "PersistentCache",
     "Selection",
+    "ShardRule",
     "Timing",
     "Tuner",
     "abstractify",

@@ -98,7 +98,8 @@ def encode_call(inv: Invocation[Any, Any]) -> str:
     if cached is not None:
         return cached
     leaves = jax.tree_util.tree_leaves((inv.args, inv.kwargs))
-    shardings = [sharding_fingerprint(x) for x in leaves if hasattr(x, "shape")]
+    # A per-shard call (core/shards) says how it was split; a whole one gives its arrays' shardings.
+    shardings = list(inv.metadata.get("shardings", ())) or [sharding_fingerprint(x) for x in leaves if hasattr(x, "shape")]
     data = [
         _FORMAT,
         _kernel_path(inv.kernel),

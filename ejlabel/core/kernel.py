@@ -32,6 +32,7 @@ import numpy as np
 
 from ejlabel.core.label_format import check_op_name, check_version, versioned_op
 from ejlabel.core.registry import note_kernel_instance, register_kernel
+from ejlabel.core.shards import ShardRule
 from ejlabel.utils.fingerprint import (
     abstractify,
     default_key_builder_with_sharding,
@@ -286,6 +287,25 @@ class Kernel(Generic[Cfg, Out]):
         False by default: a kernel with a ``custom_vjp`` hook gets its own backward.
         """
         return False
+
+    def partitioned_by_xla(self, cfg: Cfg) -> bool:
+        """Whether XLA's partitioner splits ``cfg``'s path by itself (plain JAX ops), so that a
+        split call runs whole and the program stays the plain one. By default the paths JAX
+        differentiates itself; a vendor call that JAX partitions only in some modes (cuDNN
+        attention, on explicit mesh axes) answers False and runs per shard."""
+        return self.differentiated_by_jax(cfg)
+
+    def shard_rule(self, inv: Invocation[Cfg, Out]) -> ShardRule | None:
+        """Which dimensions of ``inv``'s arrays may be split across devices, or None.
+
+        With a rule, a call whose arguments are split over explicit mesh axes runs once per
+        shard under ``jax.shard_map`` whenever its config selects a path that XLA does not
+        partition itself (:meth:`partitioned_by_xla`; a Pallas kernel is opaque to XLA's
+        partitioner, which would gather its inputs); the label, key and config are the
+        per-shard call's (:mod:`ejlabel.core.shards`).
+        None by default: the call runs whole, as XLA partitions it.
+        """
+        return None
 
     def __call__(self, *args: Any, cfg: Cfg | None = None, **kwargs: Any) -> Out:
         """Run through the default executor (memory cache, persistent cache, heuristic)."""

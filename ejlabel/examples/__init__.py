@@ -23,12 +23,15 @@ from .model import (
     Ops,
     Params,
     example_batch,
+    fsdp_specs,
+    gathered,
     hidden_fn,
     init_params,
     logits_fn,
     loss_fn,
     make_serve_step,
     make_train_step,
+    place_on_mesh,
 )
 
 __all__ = [
@@ -43,10 +46,13 @@ __all__ = [
     "Ops",
     "Params",
     "example_batch",
+    "fsdp_specs",
+    "gathered",
     "hidden_fn",
     "init_params",
     "logits_fn",
     "loss_fn",
     "make_serve_step",
     "make_train_step",
+    "place_on_mesh",
 ]

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.cudnn.fused_attention_stablehlo import MaskType
 from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dot_product_attention
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from ejlabel.kernels.attention import flash_attention
@@ -43,7 +44,7 @@ from ejlabel.kernels.norms import rms_norm
 
 __all__ = [
     "ModelConfig", "TINY", "TINY_PACKED", "GPU_125M", "GPU_125M_PACKED", "Ops", "KERNEL_OPS", "PLAIN_OPS", "PLAIN_CUDNN_PACKED_OPS", "Params",
-    "init_params", "example_batch", "hidden_fn", "logits_fn", "loss_fn", "make_train_step", "make_serve_step",
+    "init_params", "example_batch", "fsdp_specs", "gathered", "place_on_mesh", "hidden_fn", "logits_fn", "loss_fn", "make_train_step", "make_serve_step",
 ]
 
 Params = dict[str, Any]
@@ -206,36 +207,96 @@ def _random_documents(key: jax.Array, rows: int, seq_len: int, documents: int) -
     return jax.vmap(one_row)(jax.random.split(key, rows))
 
 
+def _reshape_rows(x: Array, shape: tuple[int, ...]) -> Array:
+    """``x.reshape(shape)`` between ``[batch * seq, ...]`` and ``[batch, seq, ...]``; a batch
+    split over explicit mesh axes stays split over the first dimension (JAX asks to be told)."""
+    sharding = jax.typeof(x).sharding
+    if not any(entry is not None for entry in getattr(sharding, "spec", ())):
+        return x.reshape(shape)
+    rows = PartitionSpec(sharding.spec[0], *([None] * (len(shape) - 1)))
+    return jax.lax.reshape(x, shape, out_sharding=NamedSharding(sharding.mesh, rows))
+
+
 def _block(x: Float[Array, "tokens d"], layer: Params, cfg: ModelConfig, ops: Ops, segment_ids: Int[Array, "batch seq"] | None) -> Float[Array, "tokens d"]:
     b, s = cfg.batch, cfg.seq_len
     h = ops.rms_norm(x, layer["attn_norm"])
-    q = ops.matmul(h, layer["wq"]).reshape(b, s, cfg.n_heads, cfg.head_dim)
-    k = ops.matmul(h, layer["wk"]).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
-    v = ops.matmul(h, layer["wv"]).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
-    attended = ops.attention(q, k, v, segment_ids, cfg.documents).reshape(b * s, cfg.d_model)
+    q = _reshape_rows(ops.matmul(h, layer["wq"]), (b, s, cfg.n_heads, cfg.head_dim))
+    k = _reshape_rows(ops.matmul(h, layer["wk"]), (b, s, cfg.n_kv_heads, cfg.head_dim))
+    v = _reshape_rows(ops.matmul(h, layer["wv"]), (b, s, cfg.n_kv_heads, cfg.head_dim))
+    attended = _reshape_rows(ops.attention(q, k, v, segment_ids, cfg.documents), (b * s, cfg.d_model))
     x = x + ops.matmul(attended, layer["wo"])
     h = ops.rms_norm(x, layer["mlp_norm"])
     gated = jax.nn.silu(ops.matmul(h, layer["w_gate"])) * ops.matmul(h, layer["w_up"])
     return x + ops.matmul(gated, layer["w_down"])
 
 
+def gathered(params: Any) -> Any:
+    """``params`` whole on every device: a no-op for replicated (or unsharded) parameters, the
+    per-layer gather of FSDP for parameters sharded over explicit mesh axes."""
+
+    def whole(p: Array) -> Array:
+        sharding = jax.typeof(p).sharding
+        if not any(entry is not None for entry in getattr(sharding, "spec", ())):
+            return p
+        return jax.sharding.reshard(p, NamedSharding(sharding.mesh, PartitionSpec()))
+
+    return jax.tree_util.tree_map(whole, params)
+
+
+def fsdp_specs(params: Params, shards: int, axis: str | tuple[str, ...]) -> Any:
+    """Partition specs that shard every parameter FSDP-style: its first dimension that
+    ``shards`` divides, over mesh ``axis``; parameters with none stay whole. The model gathers
+    them layer by layer (:func:`gathered`); their gradients come back sharded alike."""
+
+    def spec(p: Array) -> PartitionSpec:
+        for dim, size in enumerate(p.shape):
+            if size % shards == 0:
+                return PartitionSpec(*([None] * dim), axis)
+        return PartitionSpec()
+
+    return jax.tree_util.tree_map(spec, params)
+
+
+def place_on_mesh(mesh: jax.sharding.Mesh, params: Params, batch: dict[str, Array], *, fsdp: bool = False, axis: str = "data") -> tuple[Params, dict[str, Array]]:
+    """``(params, batch)`` on ``mesh``: every batch array's rows split over mesh ``axis``, the
+    parameters replicated (data parallel) or, with ``fsdp``, sharded by :func:`fsdp_specs`.
+
+    The mesh needs explicit axes (``jax.make_mesh``'s default), so that the kernels see the
+    shardings while tracing and run per shard."""
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    shards = mesh.shape[axis]
+    specs = fsdp_specs(params, shards, axis) if fsdp else jax.tree_util.tree_map(lambda _: PartitionSpec(), params)
+    return jax.tree_util.tree_map(put, params, specs), {name: put(x, PartitionSpec(axis)) for name, x in batch.items()}
+
+
+def _embed(table: Float[Array, "vocab d"], ids: Int[Array, " tokens"]) -> Float[Array, "tokens d"]:
+    # With explicit shardings the rows of the result follow the ids' (JAX asks to be told).
+    sharding = jax.typeof(ids).sharding
+    if not any(entry is not None for entry in getattr(sharding, "spec", ())):
+        return table[ids]
+    return table.at[ids].get(out_sharding=NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0], None)))
+
+
 def hidden_fn(params: Params, tokens: Int[Array, "batch seq"], cfg: ModelConfig, ops: Ops, segment_ids: Int[Array, "batch seq"] | None = None) -> Float[Array, "tokens d"]:
-    """Final normalised hidden states for every position, flattened to ``[batch * seq, d]``."""
-    x = params["embed"][tokens.reshape(-1)]
+    """Final normalised hidden states for every position, flattened to ``[batch * seq, d]``.
+
+    Sharded (a batch split over explicit mesh axes), every device runs its rows; parameters
+    sharded FSDP-style are gathered layer by layer, where they are used (:func:`gathered`)."""
+    x = _embed(gathered(params["embed"]), _reshape_rows(tokens, (tokens.size,)))
     for layer in params["layers"]:
-        x = _block(x, layer, cfg, ops, segment_ids)
-    return ops.rms_norm(x, params["final_norm"])
+        x = _block(x, gathered(layer), cfg, ops, segment_ids)
+    return ops.rms_norm(x, gathered(params["final_norm"]))
 
 
 def logits_fn(params: Params, tokens: Int[Array, "batch seq"], cfg: ModelConfig, ops: Ops, segment_ids: Int[Array, "batch seq"] | None = None) -> Float[Array, "tokens vocab"]:
     """Next-token logits for every position, flattened to ``[batch * seq, vocab]``."""
-    return ops.matmul(hidden_fn(params, tokens, cfg, ops, segment_ids), params["unembed"])
+    return ops.matmul(hidden_fn(params, tokens, cfg, ops, segment_ids), gathered(params["unembed"]))
 
 
 def loss_fn(params: Params, batch: dict[str, Array], cfg: ModelConfig, ops: Ops) -> Float[Array, ""]:
     """Mean next-token cross-entropy."""
     hidden = hidden_fn(params, batch["tokens"], cfg, ops, batch.get("segment_ids"))
-    return ops.unembed_loss(hidden, params["unembed"], batch["targets"].reshape(-1))
+    return ops.unembed_loss(hidden, gathered(params["unembed"]), _reshape_rows(batch["targets"], (batch["targets"].size,)))
 
 
 def make_train_step(cfg: ModelConfig, ops: Ops = KERNEL_OPS, learning_rate: float = 0.05) -> Callable[[Params, dict[str, Array]], tuple[Params, Array]]:

@@ -7,6 +7,8 @@ differentiates itself (``Kernel.differentiated_by_jax``) runs without a custom V
 is then exactly the plain one, and JAX carries the label onto the transposed ops. The encoded
 call description goes only onto the first site of each call key in a traced function. A call
 traced under ``jax.vmap`` is keyed and described with its batch axes (:mod:`ejlabel.core.vmapped`).
+A call whose kernel has a shard rule and whose arguments are split over explicit mesh axes is
+keyed as the call each device runs, and runs per shard (:mod:`ejlabel.core.shards`, :meth:`Executor.run_split`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ejlabel.core.calls import encode_call
 from ejlabel.core.kernel import Cfg, Invocation, Kernel, Out, is_array, set_default_runner
 from ejlabel.core.label_format import backward_op_id
 from ejlabel.core.labels import label, label_scope
+from ejlabel.core.shards import Split, plan_split
 from ejlabel.core.vmapped import traced_batch_axes
 from ejlabel.execution.recording import maybe_record
 from ejlabel.utils.fingerprint import get_device_platform
@@ -100,13 +103,47 @@ class Executor(Generic[Cfg, Out]):
         return inv
 
     def __call__(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
-        return self.run_invocation(self._invocation(kernel, args, cfg, kwargs))
+        inv = self._invocation(kernel, args, cfg, kwargs)
+        rule = kernel.shard_rule(inv) if inv.batch_axes is None else None
+        split = None if rule is None else plan_split(rule, inv.args, inv.kwargs)
+        return self.run_invocation(inv) if split is None else self.run_split(inv, split)
 
     def run_invocation(self, inv: Invocation[Any, Any]) -> Any:
         """Select a config for ``inv``, then run it labelled."""
         selection = self.selector.select(inv)
         maybe_record(inv)
         return run_labelled(inv, selection.cfg)
+
+    def run_split(self, inv: Invocation[Any, Any], split: Split) -> Any:
+        """Run ``inv`` as ``split`` says: each device its shard, keyed and labelled as the
+        per-shard call; a path XLA partitions itself runs whole (the program stays the plain one)."""
+        local = Invocation(inv.kernel, split.local_args, split.local_kwargs, override_cfg=inv.override_cfg, metadata={"shardings": split.shardings})
+        cfg = self.selector.select(local).cfg
+        maybe_record(local)
+        if inv.kernel.partitioned_by_xla(cfg):
+            return run_labelled(inv, cfg, identity=local)
+        arg_at = [i for i, spec in enumerate(split.arg_specs) if spec is not None]
+        kwarg_names = list(split.kwarg_specs)
+        in_specs = tuple(split.arg_specs[i] for i in arg_at) + tuple(split.kwarg_specs[n] for n in kwarg_names)
+        leaves = [inv.args[i] for i in arg_at] + [inv.kwargs[n] for n in kwarg_names]
+        # Arguments split otherwise than the shards need (an FSDP weight the kernel needs whole)
+        # are resharded first, as XLA would gather them for a plain expression of the call.
+        leaves = [jax.sharding.reshard(x, jax.sharding.NamedSharding(split.mesh, spec)) for x, spec in zip(leaves, in_specs)]
+
+        def per_shard(*shards: Any) -> Any:
+            args = list(inv.args)
+            for i, shard in zip(arg_at, shards):
+                args[i] = shard
+            kwargs = dict(split.local_kwargs)
+            kwargs.update(zip(kwarg_names, shards[len(arg_at):]))
+            out = run_labelled(Invocation(inv.kernel, tuple(args), kwargs), cfg, identity=local)
+            return out[None] if split.summed else out  # a part of a sum: stacked, then added up
+
+        # check_vma off: a Pallas call states no replication; the rule says what is split.
+        out = jax.shard_map(per_shard, mesh=split.mesh, in_specs=in_specs, out_specs=split.out_specs, check_vma=False)(*leaves)
+        if split.summed:
+            out = jax.numpy.sum(out, axis=0)
+        return out if split.finish is None else split.finish(out)
 
     def choose_config(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
         """The config a call with these arguments gets, without running it (ejkernel's name)."""
@@ -142,18 +179,23 @@ def _takes_keyword(kernel: Kernel[Any, Any], name: str) -> bool:
     return _takes_cache[key]
 
 
-def run_labelled(inv: Invocation[Any, Any], cfg: Any) -> Any:
-    """Run ``inv`` with ``cfg``, its forward (and backward) ops carrying their labels."""
+def run_labelled(inv: Invocation[Any, Any], cfg: Any, identity: Invocation[Any, Any] | None = None) -> Any:
+    """Run ``inv`` with ``cfg``, its forward (and backward) ops carrying their labels.
+
+    ``identity``: the call the label, key and description name, when it is not ``inv`` itself
+    (a per-shard call, run on each shard or whole).
+    """
     kernel = inv.kernel
-    call_key = inv.call_key
-    forward_label = label(inv.op_id, call_key)
-    description = encode_call(inv) if _first_in_trace(inv) else None
+    identity = inv if identity is None else identity
+    call_key = identity.call_key
+    forward_label = label(identity.op_id, call_key)
+    description = encode_call(identity) if _first_in_trace(identity) else None
     impl = kernel.implementation(get_device_platform())
     if not kernel.has_custom_vjp or kernel.differentiated_by_jax(cfg):
         with label_scope(forward_label, description):
             return impl(*inv.args, cfg=cfg, **inv.kwargs)
 
-    backward_label = label(backward_op_id(inv.op_id), call_key)
+    backward_label = label(backward_op_id(identity.op_id), call_key)
     static_kwargs = inv.static_kwargs
     pair = kernel.residual_vjp(get_device_platform())
     if pair is not None:

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ejlabel import BwdParams, FwdParams, Invocation, Kernel
+from ejlabel import BwdParams, FwdParams, Invocation, Kernel, ShardRule
 
 from ..checks import check_config, check_floating, check_integer, check_nondecreasing, check_number, check_same_dtype
 from ..pallas_common import on_gpu
@@ -170,6 +170,23 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
 
     def differentiated_by_jax(self, cfg: AttentionConfig) -> bool:
         return cfg.impl not in ("pallas", "mosaic")
+
+    def partitioned_by_xla(self, cfg: AttentionConfig) -> bool:
+        # cuDNN's calls carry JAX's partitioning rule on auto mesh axes but not on explicit ones:
+        # split, they run per shard like ours (inside shard_map, as JAX's own cuDNN tests do).
+        return cfg.impl == "xla"
+
+    def shard_rule(self, inv: Invocation[AttentionConfig, jax.Array]) -> ShardRule | None:
+        """Rows and heads are independent (query and key/value heads split alike, which keeps
+        each group of query heads with its key/value head); sequences and head dims stay whole.
+        Varlen calls (``cu_seqlens``) pack every sequence into one row: they run whole."""
+        if inv.kwargs.get("cu_seqlens") is not None:
+            return None
+        per_token = "b _ h _"
+        return ShardRule(
+            args=(per_token,) * len(inv.args), out=per_token,
+            kwargs={"q": per_token, "k": per_token, "v": per_token, "segment_ids": "b _"},
+        )
 
     def config_for(self, inv: Invocation[AttentionConfig, jax.Array], implementation: str) -> AttentionConfig | None:
         """``"xla"`` means what ``jax.nn.dot_product_attention`` gives a JAX user: cuDNN on a GPU

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ejlabel import Invocation, Kernel
+from ejlabel import Invocation, Kernel, ShardRule
 
 from ..checks import check_config, check_fields_positive, check_floating, check_ignore_index, check_integer, check_labels
 from ..pallas_common import on_gpu
@@ -106,6 +106,10 @@ class CrossEntropyKernel(Kernel[CrossEntropyConfig, jax.Array]):
 
     def differentiated_by_jax(self, cfg: CrossEntropyConfig) -> bool:
         return cfg.impl == "xla"
+
+    def shard_rule(self, inv: Invocation[CrossEntropyConfig, jax.Array]) -> ShardRule | None:
+        """Each token's loss is its own: tokens split, the vocabulary stays whole."""
+        return ShardRule(args=("n _",) * len(inv.args), kwargs={"logits": "n _", "labels": "n"}, out="n")
 
     def reference(
         self, logits: Float[Array, "tokens vocab"], *, labels: Int[Array, "tokens"], ignore_index: int | None = -100

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ejlabel import Invocation, Kernel
+from ejlabel import Invocation, Kernel, ShardRule
 
 from ..checks import check_config, check_fields_positive, check_floating, check_ignore_index, check_integer, check_labels, check_number
 from ..pallas_common import on_gpu
@@ -167,6 +167,28 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
 
     def differentiated_by_jax(self, cfg: LinearCrossEntropyConfig) -> bool:
         return cfg.impl == "xla"
+
+    def shard_rule(self, inv: Invocation[LinearCrossEntropyConfig, jax.Array]) -> ShardRule | None:
+        """Tokens split; the weight stays whole on every device. A summed or mean loss is
+        summed per shard (the fused paths then compute the gradient in the same pass), the
+        shards' sums added up and, for the mean, divided by the tokens that count."""
+        if len(inv.args) != 2:
+            return None
+        args, kwargs = ("n _", "_ _"), {"labels": "n"}
+        reduction = inv.kwargs.get("reduction", "none")
+        if reduction == "none":
+            return ShardRule(args=args, kwargs=kwargs, out="n")
+        loss = Loss(inv.kwargs.get("ignore_index", -100), 0.0, None, "mean")
+        labels, tokens = inv.kwargs["labels"], inv.args[0].shape[0]
+
+        def mean(total: jax.Array) -> jax.Array:
+            count = tokens if loss.ignore_index is None else jnp.maximum(jnp.sum(loss.counts(labels)), 1)
+            return total / count
+
+        return ShardRule(
+            args=args, kwargs=kwargs, out="", out_summed=True, local_kwargs={"reduction": "sum"},
+            finish=mean if reduction == "mean" else None,
+        )
 
     def reference(
         self, hidden: Float[Array, "tokens d"], weight: Float[Array, "d vocab"], *, labels: Int[Array, "tokens"],

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ejlabel import Invocation, Kernel
+from ejlabel import Invocation, Kernel, ShardRule
 
 from ..checks import check_config, check_fields_positive, check_floating
 from ..pallas_common import on_gpu
@@ -105,6 +105,19 @@ class MatmulKernel(Kernel[MatmulConfig, jax.Array]):
 
     def differentiated_by_jax(self, cfg: MatmulConfig) -> bool:
         return cfg.impl == "xla"
+
+    def shard_rule(self, inv: Invocation[MatmulConfig, jax.Array]) -> ShardRule | None:
+        """Rows of ``a``, columns of ``b`` and shared batch dimensions split; the contraction
+        stays whole (split, it would need a sum across devices after the kernel)."""
+        if len(inv.args) != 2:
+            return None
+        a, b = inv.args
+        batch = " ".join(f"b{i}" for i in range(len(a.shape) - 2))
+        if len(b.shape) == len(a.shape):
+            return ShardRule(args=(f"{batch} m _", f"{batch} _ n"), out=f"{batch} m n")
+        if len(b.shape) == 2:
+            return ShardRule(args=(f"{batch} m _", "_ n"), out=f"{batch} m n")
+        return None
 
     def reference(self, a: Float[Array, "*batch m k"], b: Float[Array, "*batch k n"]) -> Float[Array, "*batch m n"]:
         return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jaxtyping import Array, Float
 
-from ejlabel import Invocation, Kernel
+from ejlabel import Invocation, Kernel, ShardRule
 
 from ..checks import check_config, check_fields_positive, check_floating, check_number
 from ..pallas_common import next_power_of_2, on_gpu
@@ -82,6 +82,11 @@ class _NormKernel(Kernel[NormConfig, jax.Array]):
 
     def differentiated_by_jax(self, cfg: NormConfig) -> bool:
         return cfg.impl == "xla"
+
+    def shard_rule(self, inv: Invocation[NormConfig, jax.Array]) -> ShardRule | None:
+        """Every row is normalised alone: the leading dimensions split, the normalised one stays whole."""
+        dims = " ".join([*(f"r{i}" for i in range(len(inv.args[0].shape) - 1)), "_"])
+        return ShardRule(args=(dims, *(("_",) * (len(inv.args) - 1))), out=dims)
 
     def reference(self, x: Float[Array, "*batch width"], *params: Float[Array, "width"], eps: float) -> Float[Array, "*batch width"]:
         return norm_xla(x, *self._params(x, params), eps)
