@@ -23,7 +23,9 @@ their estimated costs, :meth:`~ejlabel.execution.tuning.remote.TuningWorker.plan
   candidates, balanced by cost; the driver merges the parts' candidates and picks the winner
   as one worker would (:func:`~ejlabel.execution.tuning.remote.merge_parts`). Only calls whose
   kernel has a reference are split (a part without the call's first candidate would otherwise
-  check its candidates against one of its own), and a call with one candidate cannot be.
+  check its candidates against one of its own), and a call with one candidate cannot be. Under
+  a per-call time budget (``AutotunePolicy.time_budget_s``) each part has the whole budget: a
+  split call may time candidates that one worker would have skipped, never fewer.
 
 Calls without a plan (one worker; a plan that failed; several calls per task) keep their order
 and are never split; a call whose plan failed counts at the largest known cost (its tuning will
