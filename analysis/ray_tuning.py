@@ -8,7 +8,9 @@ arrives, so that the driver can store it at once: only the driver writes the per
 Design choices:
 
 * Workers are Ray actors, one per accelerator (``num_gpus=1``, and ``accelerator_type`` when
-  given) for GPU tuning, one per ``cpus_per_worker`` CPUs otherwise; each call is one actor task.
+  given: Ray gives each its own GPU and sets its ``CUDA_VISIBLE_DEVICES``, so on a host of four
+  GPUs four workers tune side by side) for GPU tuning, one per ``cpus_per_worker`` CPUs
+  otherwise (:func:`worker_request`); each call, or part of a call, is one actor task.
   An actor keeps its JAX runtime and compilation caches warm across the calls it tunes, and keeps
   the GPU Ray gave it: plain GPU tasks run each call in a fresh process (Ray's default for GPU
   tasks), which costs a JAX start and a GPU init per call, and a reused task process could be
@@ -18,17 +20,21 @@ Design choices:
   capability), so compiling on CPU workers would mean shipping executables and compiling for a
   device the compiling machine does not have; the tuner already overlaps compiles of a call's
   candidates in a thread pool on the worker's CPUs.
-* Retries are counted per call by the driver: a call whose worker dies (the process exits or its
-  node is lost) or whose task raises is sent once more, to another worker when one is idle; a
-  dead worker is replaced by a fresh one. After the second failure the call is reported with the
-  reason. A call whose candidates all fail is a tuning outcome (as in a local run), not retried.
+* Retries are counted per task by the driver: a call (or part) whose worker dies (the process
+  exits or its node is lost) or whose task raises is sent once more, to another worker when one
+  is idle; a dead worker is replaced by a fresh one. After the second failure the call is
+  reported with the reason. A worker that died before it ever came up (its process could not
+  start, as on a loaded machine) costs the task no attempt: the task never ran. A call whose
+  candidates all fail is a tuning outcome (as in a local run), not retried.
 * Granularity: one call per task by default, so answers stream in and a lost worker costs one
   call. A worker compiles one task's candidates at a time, so calls with fewer candidates than
   the policy's compile threads leave threads idle that a local run (one pool for every call)
   keeps busy; ``calls_per_task`` > 1 tunes several calls in one pool (one GPU, few candidates).
-* Order: the calls wait in one queue, round-robin over kernels at first, then the kernels whose
-  calls took longest so far first (:class:`_Queue`), so that a long call rarely starts last and
-  keeps one worker busy while the others idle.
+* Order and splitting (:mod:`.ray_schedule`): with more than one worker, the workers first plan
+  the calls between them (each call's candidates as the workers' device lists them, each with
+  an estimated cost), then the calls go out longest first; a call that costs more than a
+  worker's share, or that waits while workers idle, is split into parts of its candidates, one
+  task each, and the driver merges the parts' results (the winner as one worker picks it).
 * Which device: ``platform="auto"`` takes the one the program says it was compiled for (an XLA
   dump's ``*gpu_after_optimizations*`` / ``*cpu_after_optimizations*`` files, a ``Lowered``'s
   backend), else GPUs when the cluster has any, else CPUs. The driver's own JAX backend is never
@@ -51,19 +57,21 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import itertools
 import math
-import statistics
 import sys
 import sysconfig
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from ejlabel.execution.tuning.remote import TuningWorker
+from ejlabel.execution.tuning.candidates import AutotuneError
+from ejlabel.execution.tuning.remote import TuningWorker, candidates_from_data, merge_parts, result_to_data
+from ejlabel.utils.serialize import from_json
 
-__all__ = ["RayTuningPool", "import_ray", "program_platform"]
+from .ray_schedule import Plan, Schedule, Task
+
+__all__ = ["RayTuningPool", "import_ray", "program_platform", "worker_request"]
 
 Key = tuple[str, str]
 _INSTALL_HINT = 'pip install "ejlabel[ray]"'
@@ -131,6 +139,48 @@ def _holds_a_gpu() -> bool:
     return any(name in ("cuda", "rocm", "gpu") for name in backend.backends())
 
 
+def worker_request(
+    nodes: Sequence[Mapping[str, Any]],
+    platform: str,
+    accelerator_type: str | None = None,
+    workers: int | None = None,
+    calls: int | None = None,
+    cpus_per_worker: float = 1,
+) -> tuple[str, int, dict[str, Any]]:
+    """``(platform, count, actor options)``: the workers to start on a cluster of ``nodes``.
+
+    ``nodes`` as ``ray.nodes()`` gives them. ``platform="auto"`` is GPU when a live node has a
+    GPU (or ``accelerator_type`` names one), else CPU. GPU workers reserve one GPU each
+    (``num_gpus=1``: Ray gives each its own and sets its ``CUDA_VISIBLE_DEVICES``), one per GPU
+    of the cluster (of ``accelerator_type`` when given); CPU workers ``cpus_per_worker`` CPUs
+    each, as many as fit. By default no more workers than ``calls``; an explicit ``workers`` is
+    started as asked (parts of calls keep more workers than calls busy). ValueError when the
+    cluster has no room for one.
+    """
+    alive = [n for n in nodes if n.get("Alive")]
+    if platform == "auto":  # decided by the cluster, never by starting this process's GPU
+        has_gpus = any(n["Resources"].get("GPU", 0) > 0 for n in alive)
+        platform = "gpu" if has_gpus or accelerator_type is not None else "cpu"
+    if platform == "cpu":
+        slots = sum(int(n["Resources"].get("CPU", 0) // cpus_per_worker) for n in alive)
+        if slots < 1:
+            raise ValueError(f"the Ray cluster has no node with {cpus_per_worker} free CPUs for a tuning worker")
+    else:
+        wanted = None if accelerator_type is None else f"accelerator_type:{accelerator_type}"
+        slots = sum(int(n["Resources"].get("GPU", 0)) for n in alive if wanted is None or wanted in n["Resources"])
+        if slots < 1:
+            kinds = sorted({k.partition(":")[2] for n in alive for k in n["Resources"] if k.startswith("accelerator_type:")})
+            where = f" of type {accelerator_type} (the cluster has: {', '.join(kinds) or 'no typed accelerators'})" if wanted else ""
+            raise ValueError(f"GPU tuning asked for, but the Ray cluster has no GPU{where}; start GPU workers or tune with platform='cpu'")
+    count = workers if workers is not None else (slots if calls is None else min(slots, calls))
+    options: dict[str, Any] = {"num_cpus": cpus_per_worker, "max_restarts": 0, "max_task_retries": 0}
+    if platform == "gpu":
+        options["num_gpus"] = 1
+        if accelerator_type is not None:
+            options["accelerator_type"] = accelerator_type
+    return platform, max(1, count), options
+
+
 class _RayWorker(TuningWorker):
     """A :class:`TuningWorker` that knows its cluster node (the Ray actor's class).
 
@@ -146,6 +196,7 @@ class _RayWorker(TuningWorker):
 @dataclasses.dataclass
 class _Worker:
     handle: Any
+    ready: Any = None  # the reference of its identity, answered once it is up
     name: str | None = None  # host:pid (node), once it has answered
 
 
@@ -159,8 +210,9 @@ class RayTuningPool:
       modules: module names every worker imports (the user's kernels).
       platform: ``"gpu"``, ``"cpu"``, or ``"auto"``: GPUs when the cluster has any.
       accelerator_type: Ray's accelerator type to tune on (``"H100"``), GPU only.
-      workers: how many workers at most (default: one per free GPU or ``cpus_per_worker`` CPUs).
-      calls: how many calls there are to tune (no more workers are started).
+      workers: how many workers (default: one per GPU, or per ``cpus_per_worker`` CPUs, and no
+        more than ``calls``).
+      calls: how many calls there are to tune (by default no more workers are started).
       cpus_per_worker: CPUs each worker reserves.
       runtime_env: extra Ray runtime environment for the workers (``pip``, ``env_vars``...).
     """
@@ -217,38 +269,12 @@ class RayTuningPool:
         runtime_env: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
         """Start the workers; the identity of the first one up."""
-        ray = self._ray
-        if self.platform == "auto":  # decided by the cluster, never by starting this process's GPU
-            has_gpus = any(n["Resources"].get("GPU", 0) > 0 for n in ray.nodes() if n.get("Alive"))
-            self.platform = "gpu" if has_gpus or accelerator_type is not None else "cpu"
-        slots = self._slots(accelerator_type, cpus_per_worker)
-        count = slots if workers is None else workers
-        count = max(1, count if calls is None else min(count, calls))
-        options: dict[str, Any] = {"num_cpus": cpus_per_worker, "max_restarts": 0, "max_task_retries": 0}
-        if self.platform == "gpu":
-            options["num_gpus"] = 1
-            if accelerator_type is not None:
-                options["accelerator_type"] = accelerator_type
+        self.platform, count, options = worker_request(self._ray.nodes(), self.platform, accelerator_type, workers, calls, cpus_per_worker)
         options["runtime_env"] = self._runtime_env(runtime_env)
-        self._actor = ray.remote(_RayWorker).options(**options)
-        self._replacements_left = 2 * count
+        self._actor = self._ray.remote(_RayWorker).options(**options)
+        self._replacements_left = 3 * count  # bounded: workers that keep dying must not be replaced forever
         self._workers = [self._start() for _ in range(count)]
         return self._first_identity()
-
-    def _slots(self, accelerator_type: str | None, cpus_per_worker: float) -> int:
-        nodes = [n for n in self._ray.nodes() if n.get("Alive")]
-        if self.platform == "cpu":
-            slots = sum(int(n["Resources"].get("CPU", 0) // cpus_per_worker) for n in nodes)
-            if slots < 1:
-                raise ValueError(f"the Ray cluster has no node with {cpus_per_worker} free CPUs for a tuning worker")
-            return slots
-        wanted = None if accelerator_type is None else f"accelerator_type:{accelerator_type}"
-        slots = sum(int(n["Resources"].get("GPU", 0)) for n in nodes if wanted is None or wanted in n["Resources"])
-        if slots < 1:
-            kinds = sorted({k.partition(":")[2] for n in nodes for k in n["Resources"] if k.startswith("accelerator_type:")})
-            where = f" of type {accelerator_type} (the cluster has: {', '.join(kinds) or 'no typed accelerators'})" if wanted else ""
-            raise ValueError(f"GPU tuning asked for, but the Ray cluster has no GPU{where}; start GPU workers or tune with platform='cpu'")
-        return slots
 
     def _runtime_env(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
         env = dict(extra or {})
@@ -258,12 +284,13 @@ class RayTuningPool:
         return env
 
     def _start(self) -> _Worker:
-        return _Worker(self._actor.remote(self.modules))
+        handle = self._actor.remote(self.modules)
+        return _Worker(handle, handle.identity.remote())
 
     def _first_identity(self) -> dict[str, Any]:
         """The identity of the first worker up; the others keep starting meanwhile."""
         ray = self._ray
-        pending = {w.handle.identity.remote(): w for w in self._workers}
+        pending = {w.ready: w for w in self._workers}
         [ref], _ = ray.wait(list(pending), num_returns=1)
         try:
             identity = ray.get(ref)
@@ -275,36 +302,84 @@ class RayTuningPool:
         pending[ref].name = identity["name"]
         return identity
 
+    def _came_up(self, worker: _Worker) -> bool:
+        """Whether ``worker`` ever answered its identity (it was up before it died)."""
+        if worker.name is not None:
+            return True
+        ray = self._ray
+        done, _ = ray.wait([worker.ready], num_returns=1, timeout=0)
+        if not done:
+            return False
+        try:
+            ray.get(worker.ready)
+        except ray.exceptions.RayError:
+            return False
+        return True
+
     @property
     def size(self) -> int:
         return len(self._workers)
 
+    def plans(self, requests: Mapping[Key, dict[str, Any]]) -> dict[Key, Plan | None]:
+        """Each call's plan (None where none came), the calls shared out between the workers up
+        already: one still starting would hold up every other's first call."""
+        ray, keys = self._ray, list(requests)
+        up = [w for w in self._workers if w.name is not None or ray.wait([w.ready], num_returns=1, timeout=0)[0]]
+        up = up or self._workers[:1]
+        chunks = [keys[n :: len(up)] for n in range(len(up))]
+        asked = {
+            worker.handle.plan.remote([requests[key] for key in chunk]): (chunk, worker)
+            for worker, chunk in zip(up, chunks) if chunk
+        }
+        plans: dict[Key, Plan | None] = {}
+        for ref, (chunk, worker) in asked.items():
+            try:
+                answers = ray.get(ref)
+            except ray.exceptions.RayTaskError:
+                continue  # those calls go whole; their tuning says what is wrong
+            except ray.exceptions.RayError:
+                self._replace(worker, collections.deque())
+                continue
+            for key, answer in zip(chunk, answers if isinstance(answers, list) else []):
+                plans[key] = _plan_from_answer(answer)
+        return plans
+
     def tune(self, requests: Mapping[Key, dict[str, Any]], calls_per_task: int = 1) -> Iterator[tuple[Key, dict[str, Any]]]:
         """Send every request; yield ``(key, answer)`` as each call finishes, retried or not.
 
-        ``answer`` is a worker's answer (:meth:`TuningWorker.tune`) with ``"attempts"`` added, or
+        ``answer`` is a worker's answer (:meth:`TuningWorker.tune`) with ``"attempts"`` added
+        (for a split call, the merge of its parts' answers, ``worker`` naming each worker), or
         ``{"status": "error", "error": ..., "worker": ..., "attempts": ...}`` for a call that
         failed twice (its task raised, or its worker died). With ``calls_per_task`` > 1 a worker
         tunes that many calls together (one compile pool, as a local run), and their answers
         arrive together; the calls of a task that fails are each retried alone, twice at most.
+        Calls are planned, ordered and split (:mod:`.ray_schedule`) only with one call per task
+        and more than one worker.
         """
         if not isinstance(calls_per_task, int) or calls_per_task < 1:
             raise ValueError(f"calls_per_task: expected an int >= 1, got {calls_per_task!r}")
         ray = self._ray
-        queue = _Queue(requests)
-        attempts: collections.Counter[Key] = collections.Counter()  # tries of a call on its own
+        plans = self.plans(requests) if calls_per_task == 1 and self.size > 1 else {}
+        schedule = Schedule(list(requests), plans, self.size)
+        attempts: collections.Counter[Task] = collections.Counter()  # tries of a task on its own
+        gathered: dict[Key, list[tuple[Task, dict[str, Any]]]] = collections.defaultdict(list)  # parts answered
+        done: set[Key] = set()
         idle = collections.deque(self._workers)
-        running: dict[Any, tuple[list[Key], _Worker]] = {}
+        running: dict[Any, tuple[list[Task], _Worker]] = {}
         warned = False
-        while queue or running:
-            while queue and idle:
-                batch, worker = queue.pop_batch(calls_per_task), idle.popleft()
-                if len(batch) == 1:
-                    attempts[batch[0]] += 1
-                running[worker.handle.tune_many.remote([requests[key] for key in batch])] = (batch, worker)
+        while schedule or running:
+            while schedule and idle:
+                batches = [schedule.pop_batch(calls_per_task)] if calls_per_task > 1 else [[t] for t in schedule.next_tasks(len(idle))]
+                for batch in batches:
+                    worker = idle.popleft()
+                    if len(batch) == 1:
+                        attempts[batch[0]] += 1
+                    sent = [self._request(requests[task.key], plans.get(task.key), task) for task in batch]
+                    running[worker.handle.tune_many.remote(sent)] = (batch, worker)
             if not running:  # calls left, but no worker could be (re)started
-                for key in queue:
-                    yield key, {"status": "error", "error": "no tuning worker left: every worker died", "worker": None, "attempts": attempts[key]}
+                for key in dict.fromkeys(task.key for task in schedule):
+                    if key not in done:
+                        yield key, {"status": "error", "error": "no tuning worker left: every worker died", "worker": None, "attempts": 0}
                 return
             [ref], _ = ray.wait(list(running), num_returns=1)
             batch, worker = running.pop(ref)
@@ -317,15 +392,16 @@ class RayTuningPool:
                 failure = _reason(err)
             except ray.exceptions.RayError as err:  # the worker died (or its node): replace it
                 failure = f"the tuning worker {worker.name or ''} died: {_reason(err)}".replace("  ", " ")
+                if len(batch) == 1 and not self._came_up(worker):
+                    attempts[batch[0]] -= 1  # it never ran: its worker could not start
                 self._replace(worker, idle)
             except ValueError as err:
                 idle.append(worker)
                 failure = str(err)
             else:
                 idle.append(worker)
-                for key, answer in zip(batch, answers):
+                for task, answer in zip(batch, answers):
                     worker.name = answer.get("worker") or worker.name
-                    queue.took(key[0], answer)
                     if answer.get("device", self.device) != self.device and not warned:
                         warned = True
                         warnings.warn(
@@ -333,14 +409,58 @@ class RayTuningPool:
                             "stored under its own device: pass accelerator_type to tune for one kind",
                             stacklevel=2,
                         )
-                    yield key, {**answer, "attempts": max(attempts[key], 1)}
+                    if task.key in done:
+                        continue
+                    if task.part is not None:
+                        gathered[task.key].append((task, answer))
+                        answer = self._merged(task.key, plans[task.key], gathered[task.key])  # type: ignore[arg-type]
+                        if answer is None:
+                            continue  # parts still out
+                        answer["attempts"] = max(attempts[t] for t, _ in gathered.pop(task.key))
+                    done.add(task.key)
+                    yield task.key, {"attempts": max(attempts[task], 1), **answer}
                 continue
-            for key in reversed(batch):
-                if attempts[key] < _ATTEMPTS:
+            for task in reversed(batch):
+                if attempts[task] < _ATTEMPTS:
                     # Retried alone and first; by another worker when one is idle (this one went to the back).
-                    queue.retry(key)
-                else:
-                    yield key, {"status": "error", "error": failure, "worker": worker.name, "attempts": attempts[key]}
+                    schedule.retry(task)
+                elif task.key not in done:
+                    done.add(task.key)
+                    schedule.drop(task.key)
+                    yield task.key, {"status": "error", "error": failure, "worker": worker.name, "attempts": attempts[task]}
+
+    @staticmethod
+    def _request(request: dict[str, Any], plan: Plan | None, task: Task) -> dict[str, Any]:
+        if task.part is None or plan is None:
+            return request
+        return {**request, "configs": [plan.candidates[i] for i in task.part]}
+
+    @staticmethod
+    def _merged(key: Key, plan: Plan, parts: list[tuple[Task, dict[str, Any]]]) -> dict[str, Any] | None:
+        """The call's answer once every part of it answered (None before): its parts' candidates
+        merged, the winner picked as one worker would (:func:`merge_parts`)."""
+        if sum(len(task.part or ()) for task, _ in parts) < len(plan.candidates):
+            return None
+        workers = ", ".join(dict.fromkeys(str(answer.get("worker") or "?") for _, answer in parts))
+        try:
+            for _, answer in parts:
+                if answer.get("status") != "part":
+                    raise ValueError(f"expected a part's answer, got status {answer.get('status')!r}")
+            order = [from_json(text) for text in plan.candidates]
+            merged = merge_parts(
+                key[0], key[1], order, [candidates_from_data(answer) for _, answer in parts],
+                max(float(answer.get("wall_s") or 0.0) for _, answer in parts),
+                max(float(answer.get("measure_s") or 0.0) for _, answer in parts),
+            )
+        except (ValueError, TypeError) as err:  # DecodeError is a ValueError
+            return {"status": "error", "error": f"the parts of this call could not be merged: {err}", "worker": workers}
+        if isinstance(merged, AutotuneError):
+            return {"status": "failed", "error": str(merged), "worker": workers}
+        first = parts[0][1]
+        return {
+            "status": "tuned", "result": result_to_data(merged), "device": first.get("device"),
+            "kernel_version": first.get("kernel_version"), "worker": workers,
+        }
 
     def _replace(self, dead: _Worker, idle: collections.deque[_Worker]) -> None:
         self._workers.remove(dead)
@@ -368,48 +488,17 @@ class RayTuningPool:
         self.close()
 
 
-class _Queue:
-    """The calls waiting for a worker, longest expected first, so that no long call starts last.
-
-    Nothing says in advance how long a call takes to tune (mostly compiling: it depends on the
-    kernel far more than on the shapes), so the queue starts round-robin over the kernels (op
-    ids), which samples every kernel in the first wave, and then orders the rest by the mean time
-    the calls of their kernel took so far, kernels not seen yet first. Retries go to the front.
-    """
-
-    def __init__(self, keys: Iterable[Key]) -> None:
-        by_op: dict[str, list[Key]] = collections.defaultdict(list)
-        for key in keys:
-            by_op[key[0]].append(key)
-        waves = itertools.zip_longest(*by_op.values())
-        self._waiting = [key for wave in waves for key in wave if key is not None]
-        self._retries: collections.deque[Key] = collections.deque()
-        self._took: dict[str, list[float]] = collections.defaultdict(list)
-
-    def __bool__(self) -> bool:
-        return bool(self._waiting or self._retries)
-
-    def __iter__(self) -> Iterator[Key]:
-        return iter([*self._retries, *self._waiting])
-
-    def pop_batch(self, size: int) -> list[Key]:
-        """The next retry alone, else the next ``size`` waiting calls."""
-        if self._retries:
-            return [self._retries.popleft()]
-        batch, self._waiting = self._waiting[:size], self._waiting[size:]
-        return batch
-
-    def retry(self, key: Key) -> None:
-        self._retries.appendleft(key)
-
-    def took(self, op_id: str, answer: dict[str, Any]) -> None:
-        """Learn from a finished call how long its kernel's calls take; reorder the rest."""
-        wall = (answer.get("result") or {}).get("wall_s")
-        if not isinstance(wall, (int, float)):
-            return
-        self._took[op_id].append(float(wall))
-        expected = {op: statistics.fmean(times) for op, times in self._took.items()}
-        self._waiting.sort(key=lambda key: -expected.get(key[0], math.inf))  # stable: ties keep their order
+def _plan_from_answer(answer: Any) -> Plan | None:
+    """A worker's plan of one call, or None when it gave none (that call then goes whole)."""
+    if not isinstance(answer, dict) or answer.get("status") != "planned":
+        return None
+    try:
+        candidates, costs = answer["candidates"], answer["costs"]
+        if not all(isinstance(c, str) for c in candidates) or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in costs):
+            return None
+        return Plan(tuple(candidates), tuple(float(c) for c in costs), bool(answer.get("checked_by_reference")))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _reason(err: BaseException) -> str:

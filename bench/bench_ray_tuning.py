@@ -1,6 +1,12 @@
 """Tuning a program's unseen calls on Ray workers: scaling with workers, and overhead on one GPU.
 
-python bench/bench_ray_tuning.py [--scaling] [--overhead] [options]   (both when neither is given)
+python bench/bench_ray_tuning.py [--scaling] [--overhead] [--gpus 1,2,4] [options]
+    (--scaling and --overhead when no part is named)
+
+On a host of four GPUs, the GPU figures (c) and (b) in one run (a reduced policy, so that the
+whole run takes a few minutes; (b) takes its Ray row from (c)'s one-worker run):
+
+    python bench/bench_ray_tuning.py --gpus 1,2,4 --overhead --max-configs 4 --iters 3
 
 (a) ``--scaling``: the unseen calls of the TINY example model's training step, lowered at
     several sequence lengths (``--seq-lens``, batch 2: one program per length, each with its own
@@ -16,11 +22,19 @@ python bench/bench_ray_tuning.py [--scaling] [--overhead] [options]   (both when
     least as many candidates per call, which the full spaces have too: a worker compiles one call's
     candidates at a time, the local tuner all calls' in one pool), each in a fresh process
     (the local tuner and the Ray driver would otherwise share one GPU's memory); the driver of
-    the Ray run never touches the GPU (``JAX_PLATFORMS=cpu``), its one worker does.
+    the Ray run never touches the GPU (``JAX_PLATFORMS=cpu``), its one worker does. With
+    ``--gpus``, the Ray row of one call per task is (c)'s one-worker run (same program, same
+    policy, a fresh worker process) instead of another run.
+
+(c) ``--gpus 1,2,4``: the same program's unseen calls (``--model``: the GPU_125M training step,
+    lowered for the GPU) tuned on 1, 2 and 4 GPU workers (one per GPU: ``ray.init(num_gpus=n)``, each run
+    from a fresh cache; the driver never touches a GPU), with the reduced policy
+    (``--max-configs``, ``--iters``); speed-up and efficiency against 1 worker, and whether the
+    picks agree with the 1-worker run's. Rows go to ``bench_ray_tuning.gpus.json``.
 
 Prints a markdown table per part and writes each part's rows, one per tuner run, to
-``bench/results/bench_ray_tuning.scaling.json`` and ``bench_ray_tuning.overhead.json``
-(``bench/_results.py``), the scaling part after each run, so a run cut short keeps its finished
+``bench/results/bench_ray_tuning.scaling.json``, ``bench_ray_tuning.gpus.json`` and
+``bench_ray_tuning.overhead.json`` (``bench/_results.py``), (a) and (c) after each run, so a run cut short keeps its finished
 parts.
 """
 
@@ -184,12 +198,22 @@ def _child(args: argparse.Namespace, *extra: str, env: dict[str, str] | None = N
     return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
 
 
-def overhead(args: argparse.Namespace, root: str) -> None:
-    programs = Path(root) / "program"
-    programs.mkdir()
+def _lowered_program(args: argparse.Namespace, root: str, model: str) -> Path:
+    """The directory of ``model``'s training step lowered for (b)'s platform, lowered once."""
+    programs = Path(root) / f"program_{model}"
+    if not programs.exists():
+        programs.mkdir()
+        lower_env = {"JAX_PLATFORMS": "cpu" if args.platform == "cpu" else ""}  # "": JAX picks the GPU
+        _child(args, "--phase", "lower", "--model", model, "--programs", str(programs), env=lower_env)
+    return programs
+
+
+def overhead(args: argparse.Namespace, root: str, one_gpu: dict[str, Any] | None = None) -> None:
+    """(b); ``one_gpu``: (c)'s run on one GPU worker, the same calls and policy, which then
+    stands for the Ray run of one call per task instead of running it again."""
+    programs = _lowered_program(args, root, args.model)
     cpu_env = {"JAX_PLATFORMS": "cpu"}
-    lower_env = {"JAX_PLATFORMS": "cpu" if args.platform == "cpu" else ""}  # "": JAX picks the GPU
-    _child(args, "--phase", "lower", "--model", args.model, "--programs", str(programs), env=lower_env)
+    lower_env = {"JAX_PLATFORMS": "cpu" if args.platform == "cpu" else ""}
     local = _child(args, "--phase", "local", "--programs", str(programs), env=lower_env)
     if local["errors"] or not local["calls"]:
         raise RuntimeError(f"(b) the local tuner could not tune every call: {local}")
@@ -201,7 +225,10 @@ def overhead(args: argparse.Namespace, root: str) -> None:
     runs: dict[str, Any] = {}
     for per_task in args.calls_per_task:
         # The Ray driver reads the program on the CPU; its worker gets the GPU (platform="gpu").
-        remote = _child(args, "--phase", "ray", "--programs", str(programs), "--calls-per-task", str(per_task), env=cpu_env)
+        if per_task == 1 and one_gpu is not None:
+            remote = dict(one_gpu)
+        else:
+            remote = _child(args, "--phase", "ray", "--programs", str(programs), "--calls-per-task", str(per_task), env=cpu_env)
         if remote["errors"]:
             raise RuntimeError(f"(b) the Ray run could not tune every call: {remote}")
         remote["same_picks"] = sum(remote["picks"].get(k) == v for k, v in local["picks"].items())
@@ -220,10 +247,58 @@ def overhead(args: argparse.Namespace, root: str) -> None:
     _save("overhead", {"local": local, **runs}, args, f"the {args.model} training step's unseen calls on {device}, each tuner in a fresh process")
 
 
+# ---------------------------------------------------------------------------- (c) GPU workers
+
+
+def gpus(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """(c); its runs by name (``gpu_N``)."""
+    import ray
+    from ejlabel.analysis import read_program, tune_unseen
+
+    program = read_program(_lowered_program(args, root, args.model))
+    runs: dict[str, Any] = {}
+    for n in args.gpus:
+        start = time.perf_counter()
+        ray.init(num_gpus=n, include_dashboard=False, log_to_driver=False, logging_level="WARNING", object_store_memory=256 * 2**20)
+        init_s = time.perf_counter() - start
+        try:
+            report = tune_unseen(
+                program, _selector(root), _policy(args, 4), backend="ray", modules=["ejlabel.kernels"], platform="gpu",
+                workers=n, progress=args.progress,
+            )
+        finally:
+            ray.shutdown()
+        runs[f"gpu_{n}"] = _run_summary(report, workers=n, ray_init_s=round(init_s, 2), device=report.device)
+        print(f"ray, {n} GPU workers: {report.summary()}", file=sys.stderr, flush=True)
+        _save("gpus", runs, args, f"the {args.model} training step's unseen calls on GPU workers, one per GPU; ray.init apart")
+    one = runs.get(f"gpu_{args.gpus[0]}", {})
+    lines = [
+        f"The {args.model} training step's unseen calls ({one.get('calls', '?')} distinct calls, max_configs={args.max_configs}, "
+        f"num_iters={args.iters}) on {one.get('device', '?')}, one Ray worker per GPU",
+        "",
+        f"| GPU workers | wall s | speed-up vs {args.gpus[0]} | efficiency | same picks | ray.init s |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs.values():
+        n = run["workers"]
+        speedup = one["wall_s"] / run["wall_s"] * args.gpus[0] if one.get("wall_s") else None
+        same = sum(run["picks"].get(k) == v for k, v in one.get("picks", {}).items())
+        lines.append(
+            f"| {n} | {run['wall_s']:.1f} | {f'{speedup:.2f}x' if speedup else '-'} | {f'{speedup / n:.0%}' if speedup else '-'} "
+            f"| {same}/{len(one.get('picks', {}))} | {run['ray_init_s']} |"
+        )
+    print("\n".join(lines))
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scaling", action="store_true", help="run (a) only (with --overhead: both)")
     parser.add_argument("--overhead", action="store_true", help="run (b) only (with --scaling: both)")
+    parser.add_argument(
+        "--gpus", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+        help="(c) GPU worker counts, e.g. 1,2,4: one Ray worker per GPU (a multi-GPU host)",
+    )
     parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 2, 4, 8], help="(a) worker counts, e.g. 1,2 (empty: the local tuner only)")
     parser.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 48, 64], help="(a) one TINY program per sequence length")
     parser.add_argument("--no-local", action="store_true", help="(a) skip the local tuner")
@@ -249,13 +324,15 @@ def main() -> None:
     if args.phase:
         _phase(args)
         return
-    if not args.overhead:
-        os.environ["JAX_PLATFORMS"] = "cpu"  # (a) tunes on the CPU, even on a GPU machine
+    named = args.scaling or args.overhead or bool(args.gpus)
+    # The driver never needs a device: (a) tunes on the CPU, (b) and (c) on workers' GPUs.
+    os.environ["JAX_PLATFORMS"] = "cpu"
     with tempfile.TemporaryDirectory() as root:
-        if args.scaling or not args.overhead:
+        if args.scaling or not named:
             scaling(args, root)
-        if args.overhead or not args.scaling:
-            overhead(args, root)
+        by_gpus = gpus(args, root) if args.gpus else {}
+        if args.overhead or not named:
+            overhead(args, root, by_gpus.get("gpu_1"))  # (c) tuned the same program with the same policy
 
 
 if __name__ == "__main__":

@@ -120,11 +120,16 @@ def _program(sizes: tuple[int, ...], faults: dict[str, Path] | None = None) -> A
 @pytest.fixture(scope="module")
 def cluster() -> Any:
     # A driver that starts Ray itself ships the modules its workers import (as tune_unseen does
-    # when it connects on its own): this file, which defines the kernels.
-    ray.init(
-        num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
-        object_store_memory=100 * 2**20, runtime_env={"py_modules": [__file__]},
-    )
+    # when it connects on its own): this file, which defines the kernels. Ray's memory monitor is
+    # off in this cluster (its raylet reads the variable when it starts): on a machine loaded by
+    # other test processes it would kill a worker of these tests, whose kernels take a few MB, and
+    # a call would fail for a reason that is not its own.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_memory_monitor_refresh_ms", "0")
+        ray.init(
+            num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+            object_store_memory=100 * 2**20, runtime_env={"py_modules": [__file__]},
+        )
     yield
     ray.shutdown()
 
@@ -206,7 +211,9 @@ def test_calls_that_fail_twice_are_reported_and_the_others_stored(cluster: Any, 
     assert any("RuntimeError: broken on purpose" in r for r in reasons)
     assert any("died" in r for r in reasons)
     assert all("both attempts" in r for r in reasons)
-    assert len(raises.read_text().splitlines()) == 2 and len(dies.read_text().splitlines()) == 2
+    # Each lists its candidates three times: once planned (two workers share the calls), then
+    # tuned twice; the plan that raises or kills its worker leaves the call to be tuned whole.
+    assert len(raises.read_text().splitlines()) == 3 and len(dies.read_text().splitlines()) == 3
     [(key, result)] = report.results.items()
     assert key[0].startswith("raywork@") and result.best_cfg == WorkConfig(1)
     assert PersistentCache(tmp_path / "cache").get(report.device, *key) == WorkConfig(1)
@@ -263,3 +270,121 @@ def test_the_platform_comes_from_the_program_when_it_says() -> None:
     assert program_platform(None, ["d/module_0001.jit_step.sm_9.0_gpu_after_optimizations.txt"]) == "gpu"
     assert program_platform(None, ["d/module_0001.jit_step.cpu_after_optimizations.txt"]) == "cpu"
     assert program_platform(None, ["d/module_0001.jit_step.before_optimizations.txt", "x.hlo"]) is None
+
+
+def test_a_call_split_across_workers_picks_what_a_local_run_picks(cluster: Any, tmp_path: Path, worker_cache: Path) -> None:
+    # One call, two workers: its two candidates are tuned one on each, and the driver merges them.
+    program = _program((8,))
+    local = tune_unseen(program, ConfigSelectorChain(persistent=PersistentCache(tmp_path / "local")), POLICY, progress=False)
+    remote = _tune_on_ray(program, tmp_path / "ray", worker_cache)
+    assert not remote.errors and remote.tuned == local.tuned == dict.fromkeys(program.labels, WorkConfig(1))
+    [(key, result)] = remote.results.items()
+    assert [c.cfg for c in result.candidates] == [c.cfg for c in local.results[key].candidates]  # the call's order
+    assert len(remote.worker_of[key].split(", ")) == 2  # both workers tuned a part
+    entry = PersistentCache(tmp_path / "ray").get_entry(remote.device, *key)
+    assert entry is not None and entry.config == WorkConfig(1) and len(entry.stats["candidates"]) == 2
+    assert list(worker_cache.iterdir()) == []
+
+
+def _candidate(cfg: int, status: str, median: float | None, floor: bool = False) -> CandidateResult:
+    timing = Timing([median, median]) if median is not None else None
+    return CandidateResult(WorkConfig(cfg), status, None, 0.1, 0.0 if timing else None, timing, floor=floor)
+
+
+def test_merged_parts_pick_what_one_worker_picks_from_the_same_measurements() -> None:
+    from ejlabel.execution.tuning.remote import merge_parts, pick_best
+
+    # One worker's outcome: ranked candidates (ok), one pruned (timed, then dropped), one wrong.
+    whole = [
+        _candidate(1, "ok", 3.0, floor=True), _candidate(2, "pruned", 1.0), _candidate(3, "ok", 2.0),
+        _candidate(4, "wrong", None), _candidate(5, "ok", 2.5),
+    ]
+    assert pick_best(whole) == 2  # the fastest ranked median; a pruned candidate never wins
+    order = [c.cfg for c in whole]
+    for parts in ([[whole[0], whole[3]], [whole[4], whole[1], whole[2]]], [[c] for c in reversed(whole)]):
+        merged = merge_parts("raywork@v1", "k", order, parts, 1.0, 0.5)
+        assert isinstance(merged, TuneResult) and merged.best_cfg == WorkConfig(3)
+        assert merged.candidates == whole  # back in the call's order
+    failed = merge_parts("raywork@v1", "k", [order[3], order[1]], [[whole[3]], [_candidate(2, "compile_error", None)]], 1.0, 0.5)
+    assert "every candidate of raywork@v1 call k failed" in str(failed)
+    with pytest.raises(ValueError, match="expected 1"):
+        merge_parts("raywork@v1", "k", order, [whole[:2]], 1.0, 0.5)  # the parts must cover the call
+
+
+def test_tasks_go_longest_first_and_a_long_call_is_split_to_fit_a_worker() -> None:
+    from ejlabel.analysis.ray_schedule import Plan, Schedule
+
+    plans = {
+        ("matmul", "a"): Plan(("m0", "m1", "m2"), (1.0, 10.0, 10.0)),
+        ("attention", "b"): Plan(("a0", "a1", "a2", "a3"), (10.0, 50.0, 50.0, 40.0)),
+        ("norm", "c"): Plan(("n0", "n1"), (5.0, 6.0)),
+        ("user", "d"): None,  # its plan failed: at the largest known cost, never split
+    }
+    keys = list(plans)
+    one = Schedule(keys, plans, workers=1)
+    assert [(t.key[0], t.part) for t in one.next_tasks(4)] == [("attention", None), ("user", None), ("matmul", None), ("norm", None)]
+    # Three workers, a share of 260 / 3 each: the attention call (160) is split into the fewest
+    # parts balanced by cost that fit a share (two would not: 70 and 100); the call whose plan
+    # failed counts the largest known cost; then the rest, longest first.
+    three = Schedule(keys, plans, workers=3)
+    first, rest = three.next_tasks(3), three.next_tasks(3)
+    assert [t.key[0] for t in first + rest] == ["user", "attention", "attention", "attention", "matmul", "norm"]
+    assert sorted(t.part for t in first + rest if t.key[0] == "attention") == [(0, 3), (1,), (2,)]
+    assert [t.cost for t in first + rest] == [160.0, 60.0, 60.0, 60.0, 22.0, 16.0]
+    assert not three
+
+
+def test_when_workers_would_idle_the_waiting_calls_are_split_across_them() -> None:
+    from ejlabel.analysis.ray_schedule import Plan, Schedule
+
+    plans = {
+        ("a", "1"): Plan(("x0", "x1", "x2", "x3"), (1.0, 4.0, 4.0, 4.0)),
+        ("b", "2"): Plan(("y0", "y1"), (1.0, 2.0)),
+        ("c", "3"): Plan(("z0", "z1", "z2"), (1.0, 1.0, 1.0), splittable=False),  # no reference to check parts against
+    }
+    schedule = Schedule(list(plans), plans, workers=8)
+    tasks = schedule.next_tasks(8)
+    by_call: dict[str, list[tuple[int, ...]]] = {}
+    for task in tasks:
+        by_call.setdefault(task.key[0], []).append(task.part or tuple(range(len(plans[task.key].candidates))))
+    # Every candidate once; the costliest call split most; the unsplittable one whole.
+    assert {k: sorted(i for part in v for i in part) for k, v in by_call.items()} == {"a": [0, 1, 2, 3], "b": [0, 1], "c": [0, 1, 2]}
+    assert len(by_call["a"]) == 4 and len(by_call["b"]) == 2 and len(by_call["c"]) == 1
+    assert not schedule
+
+
+def test_one_worker_per_gpu_each_pinned_to_its_gpu() -> None:
+    from ejlabel.analysis.ray_tuning import worker_request
+
+    def node(cpus: int, gpus: int = 0, kind: str | None = None, alive: bool = True) -> dict[str, Any]:
+        resources = {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {}), **({f"accelerator_type:{kind}": 1.0} if kind else {})}
+        return {"Alive": alive, "Resources": resources}
+
+    host = [node(64, 4, "H100")]
+    assert worker_request(host, "auto", calls=30) == ("gpu", 4, {"num_cpus": 1, "max_restarts": 0, "max_task_retries": 0, "num_gpus": 1})
+    assert worker_request(host, "auto", calls=3)[1] == 3  # by default no more workers than calls
+    assert worker_request(host, "auto", workers=6, calls=3)[1] == 6  # as asked: parts of calls keep them busy
+    mixed = [*host, node(32, 2, "A100"), node(16, 8, "H100", alive=False)]
+    platform, count, options = worker_request(mixed, "gpu", accelerator_type="H100")
+    assert (platform, count, options["num_gpus"], options["accelerator_type"]) == ("gpu", 4, 1, "H100")
+    assert worker_request(mixed, "auto")[1] == 6
+    assert worker_request([node(16)], "auto", cpus_per_worker=2) == ("cpu", 8, {"num_cpus": 2, "max_restarts": 0, "max_task_retries": 0})
+    assert worker_request(host, "cpu")[:2] == ("cpu", 64)  # a CPU program on a GPU host: CPU workers, no GPU held
+    with pytest.raises(ValueError, match="no GPU of type H200"):
+        worker_request(host, "gpu", accelerator_type="H200")
+
+
+def test_a_worker_plans_a_call_as_its_tuner_lists_the_candidates(tmp_path: Path) -> None:
+    from ejlabel.execution.tuning.remote import TuningWorker, call_request
+    from ejlabel.utils.serialize import from_json
+
+    program = _program((8,), {"raise": tmp_path / "raises"})
+    [work_label] = [lab for lab in program.labels if "raywork" in lab]
+    [faulty_label] = [lab for lab in program.labels if "rayfaulty" in lab]
+    worker = TuningWorker([MODULE])
+    work_plan, faulty_plan = worker.plan([call_request(lab, program.descriptions[lab], POLICY) for lab in (work_label, faulty_label)])
+    assert work_plan["status"] == "planned" and [from_json(c) for c in work_plan["candidates"]] == [WorkConfig(400), WorkConfig(1)]
+    # The loop's body counts: each candidate's program is more than the few operations around it.
+    assert len(work_plan["costs"]) == 2 and all(cost > 10 for cost in work_plan["costs"])
+    assert work_plan["checked_by_reference"] is True
+    assert faulty_plan["status"] == "error" and "broken on purpose" in faulty_plan["error"]

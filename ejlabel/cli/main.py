@@ -368,7 +368,8 @@ def _add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore
     tune.add_argument(
         "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
         help="tune the unseen calls (in isolation, of any PATH) on a Ray cluster: ADDRESS as ray.init takes it ('auto', "
-        "'ray://host:10001'; none: RAY_ADDRESS or a new local cluster); workers import the --import modules "
+        "'ray://host:10001'; none: RAY_ADDRESS or a new local cluster); one worker per GPU (per CPU for a CPU "
+        "program), each importing the --import modules "
         '(needs pip install "ejlabel[ray]")',
     )
     tune.set_defaults(run=_cmd_tune)
