@@ -126,8 +126,9 @@ def tune_unseen(
     the cluster (None: ``ray.init()``'s default; an already connected driver keeps its
     connection); ``platform`` where to tune (``"auto"``: what the program was compiled for,
     else GPUs when the cluster has any, else CPUs); ``accelerator_type`` pins a Ray accelerator type
-    (``"H100"``); ``workers`` caps the workers (default: one per GPU, or per
-    ``cpus_per_worker`` CPUs); ``runtime_env`` adds to the workers' Ray runtime environment.
+    (``"H100"``); ``workers`` is how many workers start (default: one per GPU, or per
+    ``cpus_per_worker`` CPUs, at most one per call; more than the calls lets a call's candidates
+    split across idle workers, :mod:`ejlabel.analysis.ray_schedule`); ``runtime_env`` adds to the workers' Ray runtime environment.
     ``calls_per_task`` > 1 has a worker tune that many calls together, in one compile pool as a
     local run does (fewer idle compile threads when calls have fewer candidates than the policy
     has compile threads; answers then arrive, and are stored, a task at a time).
