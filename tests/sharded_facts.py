@@ -106,7 +106,7 @@ def kernels() -> dict[str, Any]:
 
 def model(mode: str) -> dict[str, Any]:
     """The TINY packed model, batch 4, data parallel (``dp``) or FSDP (``fsdp``) over 4 devices:
-    its kernels forced off XLA, on the XLA path (data parallel only) and plain."""
+    its kernels forced off XLA; data parallel also on the XLA path, plain, and unsharded."""
     cfg = dataclasses.replace(examples.TINY_PACKED, batch=4)
     params = examples.init_params(cfg, jax.random.key(0))
     batch = examples.example_batch(cfg, jax.random.key(1))
@@ -124,20 +124,20 @@ def model(mode: str) -> dict[str, Any]:
             facts["audit"] = sorted({(s.label, s.arguments) for s in report.summaries})
         else:
             facts["xla_instructions"] = [(i.opcode, i.shape) for i in parse_hlo(lowered.compile().as_text()).instructions()]
+    facts["losses"] = losses
+    if mode == "fsdp":  # the plain model and the unsharded one are the data-parallel facts'
+        return facts
     plain = jax.jit(examples.make_train_step(cfg, examples.PLAIN_OPS))
-    plain_lowered = plain.lower(sharded_params, sharded_batch)
-    if mode == "dp":
-        facts["plain_instructions"] = [(i.opcode, i.shape) for i in parse_hlo(plain_lowered.compile().as_text()).instructions()]
+    facts["plain_instructions"] = [(i.opcode, i.shape) for i in parse_hlo(plain.lower(sharded_params, sharded_batch).compile().as_text()).instructions()]
     losses["plain"] = float(plain(sharded_params, sharded_batch)[1])
     losses["unsharded"] = float(jax.jit(examples.make_train_step(cfg, examples.PLAIN_OPS))(params, batch)[1])
-    facts["losses"] = losses
-    if mode == "dp":  # the calls as one device runs them: the same model at batch 1, unsharded
-        one = dataclasses.replace(cfg, batch=1)
-        with ejlabel.use_implementation("pallas"):
-            local = jax.jit(examples.make_train_step(one, examples.KERNEL_OPS)).lower(
-                jax.eval_shape(lambda: params), jax.eval_shape(lambda: examples.example_batch(one, jax.random.key(1)))
-            )
-        facts["local_labels"] = sorted(set(ejlabel.find_labels_in_lowered(local)))
+    # The calls as one device runs them: the same model at batch 1, unsharded.
+    one = dataclasses.replace(cfg, batch=1)
+    with ejlabel.use_implementation("pallas"):
+        local = jax.jit(examples.make_train_step(one, examples.KERNEL_OPS)).lower(
+            jax.eval_shape(lambda: params), jax.eval_shape(lambda: examples.example_batch(one, jax.random.key(1)))
+        )
+    facts["local_labels"] = sorted(set(ejlabel.find_labels_in_lowered(local)))
     return facts
 
 
