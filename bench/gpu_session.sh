@@ -5,6 +5,7 @@
 # is copied to $OUT/results at the end (commit those files to replace the figures).
 #   OUT=DIR bash bench/gpu_session.sh gputests mosaicgpu
 #   OUT=DIR bash bench/gpu_session.sh attention_abc attention_d model
+#   OUT=DIR bash bench/gpu_session.sh modelsharded modelshardedpacked raygpus     (a 4-GPU host)
 set -uo pipefail
 started=$(mktemp)  # results written after this are this call's own
 export PYTHONUNBUFFERED=1 EJLABEL_CACHE_DIR=/tmp/ejlabel-cache
@@ -33,6 +34,10 @@ for name in "$@"; do
     modelpacked) step model_packed 585 python3 bench/bench_model.py --packed --samples 6 --tune-budget 280 ;;
     rayscaling) step ray_scaling 560 python3 bench/bench_ray_tuning.py --scaling --workers 1,2,4,8 --seq-lens 16,32,48 --no-local ;;
     rayoverhead) step ray_overhead 580 python3 bench/bench_ray_tuning.py --overhead ;;
+    # On a host of 2 or 4 GPUs (nvidia-h100-x2 / -x4): the sharded model, data parallel, over them all.
+    modelsharded) step model_sharded 300 python3 bench/bench_model.py --devices "$(nvidia-smi -L | wc -l)" --train-only --samples 6 --tune-budget 0 --skip-second-call ;;
+    modelshardedpacked) step model_sharded_packed 300 python3 bench/bench_model.py --devices "$(nvidia-smi -L | wc -l)" --packed --train-only --samples 6 --tune-budget 0 --skip-second-call ;;
+    raygpus) step ray_gpus 400 python3 bench/bench_ray_tuning.py --gpus 1,2,4 --overhead --max-configs 4 --iters 3 ;;
     *) echo "unknown step: $name" >&2; exit 2 ;;
   esac
 done
