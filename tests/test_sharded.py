@@ -125,3 +125,19 @@ def test_unsharded_arguments_plan_no_split() -> None:
     import jax.numpy as jnp
 
     assert plan_split(ShardRule(args=("b _",), out="b _"), (jnp.ones((8, 4)),), {}) is None
+
+
+def test_a_mesh_axis_splits_one_name_and_the_others_stay_whole() -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("data",))  # one device: the plan alone is under test
+    a = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, PartitionSpec("data")))
+    b = jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, PartitionSpec(None, "data")))
+    split = plan_split(ShardRule(args=("m _", "_ n"), out="m n"), (a, b), {})
+    assert split is not None and split.axes == {"m": ("data",)}
+    assert split.arg_specs == (PartitionSpec("data", None), PartitionSpec(None, None))
+    assert split.out_specs == PartitionSpec("data", None)
+    assert [s.shape for s in split.local_args] == [(4, 8), (8, 6)]
+    assert split.shardings == ("data=1: P('data', None)", "data=1: P(None, None)")

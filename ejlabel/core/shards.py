@@ -166,7 +166,9 @@ def plan_split(rule: ShardRule, args: tuple[Any, ...], kwargs: Mapping[str, Any]
         elif found[0] != mesh:
             return None  # arrays of different meshes: leave the call to XLA
         for name, entry in zip(dims, found[1]):
-            if name != WHOLE and entry is not None and name not in axes:
+            taken = {a for ax in axes.values() for a in ax}
+            # A mesh axis splits one name: the first found keeps it, the other stays whole.
+            if name != WHOLE and entry is not None and name not in axes and not taken & set(_axes_of(entry)):
                 axes[name] = _axes_of(entry)
     if mesh is None:
         return None
@@ -176,7 +178,7 @@ def plan_split(rule: ShardRule, args: tuple[Any, ...], kwargs: Mapping[str, Any]
             if name in axes and size % math.prod(sizes[a] for a in axes[name]):
                 axes.pop(name)
     used = [a for ax in axes.values() for a in ax]
-    if not axes or len(used) != len(set(used)):
+    if not axes:
         return None
 
     def spec(dims: tuple[str, ...]) -> PartitionSpec:
