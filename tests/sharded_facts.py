@@ -101,6 +101,13 @@ def kernels() -> dict[str, Any]:
             lambda h, w, y: linear_cross_entropy(h, w, y, reduction="sum", cfg=lce),  # each shard sums its tokens
         ),
     }
+
+    def layers(x: jax.Array, ws: jax.Array) -> jax.Array:  # scanned, rematerialised layers
+        def layer(h: jax.Array, w: jax.Array) -> tuple[jax.Array, None]:
+            return jnp.tanh(matmul(rms_norm(h, jnp.ones(h.shape[-1]), cfg=norm), w, cfg=mm)), None
+        return jax.lax.scan(jax.checkpoint(layer), x, ws)[0]
+
+    cases["scan"] = (layers, (normal(11, (32, 16)), 0.3 * normal(12, (3, 16, 16))), (rows, P()), 2)
     return {name: kernel_case(*case) for name, case in cases.items()}
 
 

@@ -69,6 +69,14 @@ def test_a_split_call_is_labelled_keyed_and_described_as_one_shard(kernel_facts:
     assert described["shardings"][0] == "data=4: " + ("P('data', None, None, None)" if op == "flash_attention" else "P('data', None)")
 
 
+def test_split_calls_in_scanned_rematerialised_layers(kernel_facts: dict[str, Any]) -> None:
+    facts = kernel_facts["scan"]  # lax.scan over layers, jax.checkpoint, differentiated
+    assert facts["all_gathers"] == []
+    assert facts["value_error"] < 1e-5 and facts["grad_error"] < 1e-5
+    assert facts["labels"] == facts["local_labels"]
+    assert {label.split("#")[1].split("@")[0] for label in facts["labels"]} == {"matmul", "matmul.bwd", "rms_norm", "rms_norm.bwd"}
+
+
 def test_dp_model_matches_unsharded_and_gathers_nothing(dp_facts: dict[str, Any]) -> None:
     losses = dp_facts["losses"]
     assert losses["pallas"] == pytest.approx(losses["unsharded"], rel=1e-5)
