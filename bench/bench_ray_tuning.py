@@ -107,8 +107,20 @@ def _save(part: str, runs: dict[str, Any], args: argparse.Namespace, what: str) 
 # ---------------------------------------------------------------------------- (a) scaling
 
 
-def scaling(args: argparse.Namespace, root: str) -> None:
+def _on_local_cluster(resources: dict[str, int], run: Any) -> tuple[Any, float]:
+    """``run()`` on a fresh local Ray cluster of ``resources``; its result and ``ray.init``'s seconds."""
     import ray
+
+    start = time.perf_counter()
+    ray.init(**resources, include_dashboard=False, log_to_driver=False, logging_level="WARNING", object_store_memory=256 * 2**20)
+    init_s = time.perf_counter() - start
+    try:
+        return run(), init_s
+    finally:
+        ray.shutdown()
+
+
+def scaling(args: argparse.Namespace, root: str) -> None:
     from ejlabel.analysis import read_program, tune_unseen
 
     programs = Path(root) / "programs"
@@ -118,15 +130,9 @@ def scaling(args: argparse.Namespace, root: str) -> None:
     runs: dict[str, Any] = {}
     what = f"the TINY training step's unseen calls on the CPU, seq_len {', '.join(map(str, args.seq_lens))}, batch 2; ray.init apart"
     for n in args.workers:
-        start = time.perf_counter()
-        ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False, logging_level="WARNING", object_store_memory=256 * 2**20)
-        init_s = time.perf_counter() - start
-        try:
-            report = tune_unseen(
-                program, _selector(root), _policy(args, 1), backend="ray", platform="cpu", workers=n, progress=args.progress
-            )
-        finally:
-            ray.shutdown()
+        report, init_s = _on_local_cluster(
+            {"num_cpus": n}, lambda: tune_unseen(program, _selector(root), _policy(args, 1), backend="ray", platform="cpu", workers=n, progress=args.progress)
+        )
         runs[f"ray_{n}"] = _run_summary(report, workers=n, ray_init_s=round(init_s, 2))
         print(f"ray, {n} workers: {report.summary()}", file=sys.stderr, flush=True)
         _save("scaling", runs, args, what)
@@ -252,22 +258,18 @@ def overhead(args: argparse.Namespace, root: str, one_gpu: dict[str, Any] | None
 
 def gpus(args: argparse.Namespace, root: str) -> dict[str, Any]:
     """(c); its runs by name (``gpu_N``)."""
-    import ray
     from ejlabel.analysis import read_program, tune_unseen
 
     program = read_program(_lowered_program(args, root, args.model))
     runs: dict[str, Any] = {}
     for n in args.gpus:
-        start = time.perf_counter()
-        ray.init(num_gpus=n, include_dashboard=False, log_to_driver=False, logging_level="WARNING", object_store_memory=256 * 2**20)
-        init_s = time.perf_counter() - start
-        try:
-            report = tune_unseen(
+        report, init_s = _on_local_cluster(
+            {"num_gpus": n},
+            lambda: tune_unseen(
                 program, _selector(root), _policy(args, 4), backend="ray", modules=["ejlabel.kernels"], platform="gpu",
                 workers=n, progress=args.progress,
-            )
-        finally:
-            ray.shutdown()
+            ),
+        )
         runs[f"gpu_{n}"] = _run_summary(report, workers=n, ray_init_s=round(init_s, 2), device=report.device)
         print(f"ray, {n} GPU workers: {report.summary()}", file=sys.stderr, flush=True)
         _save("gpus", runs, args, f"the {args.model} training step's unseen calls on GPU workers, one per GPU; ray.init apart")
