@@ -104,8 +104,7 @@ class Executor(Generic[Cfg, Out]):
 
     def __call__(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
         inv = self._invocation(kernel, args, cfg, kwargs)
-        rule = kernel.shard_rule(inv) if inv.batch_axes is None else None
-        split = None if rule is None else plan_split(rule, inv.args, inv.kwargs)
+        split = _split_of(inv)
         return self.run_invocation(inv) if split is None else self.run_split(inv, split)
 
     def run_invocation(self, inv: Invocation[Any, Any]) -> Any:
@@ -117,7 +116,7 @@ class Executor(Generic[Cfg, Out]):
     def run_split(self, inv: Invocation[Any, Any], split: Split) -> Any:
         """Run ``inv`` as ``split`` says: each device its shard, keyed and labelled as the
         per-shard call; a path XLA partitions itself runs whole (the program stays the plain one)."""
-        local = Invocation(inv.kernel, split.local_args, split.local_kwargs, override_cfg=inv.override_cfg, metadata={"shardings": split.shardings})
+        local = per_shard_invocation(inv, split)
         cfg = self.selector.select(local).cfg
         maybe_record(local)
         if inv.kernel.partitioned_by_xla(cfg):
@@ -146,8 +145,11 @@ class Executor(Generic[Cfg, Out]):
         return out if split.finish is None else split.finish(out)
 
     def choose_config(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
-        """The config a call with these arguments gets, without running it (ejkernel's name)."""
-        return self.selector.select(self._invocation(kernel, args, cfg, kwargs)).cfg
+        """The config a call with these arguments gets, without running it (ejkernel's name);
+        for a split call, the per-shard call's, as running it would choose."""
+        inv = self._invocation(kernel, args, cfg, kwargs)
+        split = _split_of(inv)
+        return self.selector.select(inv if split is None else per_shard_invocation(inv, split)).cfg
 
     def compile(self, kernel: Kernel[Any, Any], *example_args: Any, cfg: Any = None, **example_kwargs: Any) -> Any:
         """A jitted function running ``kernel`` with the config chosen for the example call.
@@ -162,6 +164,17 @@ class Executor(Generic[Cfg, Out]):
             return run_labelled(Invocation(kernel, args, kwargs), chosen)
 
         return jax.jit(run)
+
+
+def _split_of(inv: Invocation[Any, Any]) -> Split | None:
+    """How ``inv`` splits over devices (its kernel's rule, its arguments' shardings), or None."""
+    rule = inv.kernel.shard_rule(inv) if inv.batch_axes is None else None
+    return None if rule is None else plan_split(rule, inv.args, inv.kwargs)
+
+
+def per_shard_invocation(inv: Invocation[Any, Any], split: Split) -> Invocation[Any, Any]:
+    """The call one device runs under ``split``: keyed, described and tuned as such."""
+    return Invocation(inv.kernel, split.local_args, split.local_kwargs, override_cfg=inv.override_cfg, metadata={"shardings": split.shardings})
 
 
 _takes_cache: dict[tuple[type, str], bool] = {}
