@@ -28,7 +28,7 @@ from ejlabel.core.label_format import CALL_ATTRIBUTE, LABEL_ATTRIBUTE  # noqa: E
 from ejlabel.kernels.attention import AttentionConfig, flash_attention  # noqa: E402
 from ejlabel.kernels.cross_entropy import CrossEntropyConfig, softmax_cross_entropy  # noqa: E402
 from ejlabel.kernels.linear_cross_entropy import LinearCrossEntropyConfig, linear_cross_entropy  # noqa: E402
-from ejlabel.kernels.matmul import MatmulConfig, matmul  # noqa: E402
+from ejlabel.kernels.matmul import MatmulConfig, MatmulKernel, matmul  # noqa: E402
 from ejlabel.kernels.norms import NormConfig, rms_norm  # noqa: E402
 
 MESH = jax.make_mesh((4,), ("data",))
@@ -108,7 +108,22 @@ def kernels() -> dict[str, Any]:
         return jax.lax.scan(jax.checkpoint(layer), x, ws)[0]
 
     cases["scan"] = (layers, (normal(11, (32, 16)), 0.3 * normal(12, (3, 16, 16))), (rows, P()), 2)
-    return {name: kernel_case(*case) for name, case in cases.items()}
+    facts = {name: kernel_case(*case) for name, case in cases.items()}
+    facts["autotune"] = autotune_facts()
+    return facts
+
+
+def autotune_facts() -> dict[str, Any]:
+    """``ejlabel.autotune`` and ``choose_config`` on split arguments: the keys they use."""
+    selector = ejlabel.ConfigSelectorChain()
+    kernel, a, b = MatmulKernel(), put(normal(13, (32, 16)), P("data")), normal(14, (16, 24))
+    best = ejlabel.autotune(kernel, a, b, configs=[MatmulConfig("pallas", 8, 8, 8), MatmulConfig("xla")], selector=selector)
+    shard = ejlabel.Invocation(kernel, (jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 24), jnp.float32)))
+    return {
+        "stored": sorted(key[2] for key in selector.cache.keys()),
+        "per_shard_key": shard.call_key,
+        "chosen_is_best": ejlabel.Executor(selector).choose_config(kernel, a, b) == best,
+    }
 
 
 def model(mode: str) -> dict[str, Any]:

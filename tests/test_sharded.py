@@ -77,6 +77,12 @@ def test_split_calls_in_scanned_rematerialised_layers(kernel_facts: dict[str, An
     assert {label.split("#")[1].split("@")[0] for label in facts["labels"]} == {"matmul", "matmul.bwd", "rms_norm", "rms_norm.bwd"}
 
 
+def test_autotune_on_split_arguments_tunes_the_call_one_device_runs(kernel_facts: dict[str, Any]) -> None:
+    facts = kernel_facts["autotune"]
+    assert facts["stored"] == [facts["per_shard_key"]]
+    assert facts["chosen_is_best"]
+
+
 def test_dp_model_matches_unsharded_and_gathers_nothing(dp_facts: dict[str, Any]) -> None:
     losses = dp_facts["losses"]
     assert losses["pallas"] == pytest.approx(losses["unsharded"], rel=1e-5)

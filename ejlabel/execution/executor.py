@@ -32,7 +32,7 @@ from ejlabel.core.vmapped import traced_batch_axes
 from ejlabel.execution.recording import maybe_record
 from ejlabel.utils.fingerprint import get_device_platform
 
-__all__ = ["Executor", "get_default_executor", "set_default_executor"]
+__all__ = ["Executor", "get_default_executor", "per_shard_invocation", "set_default_executor", "split_of"]
 
 
 # ejkernel's executor keywords that ejlabel cannot honour: its shard_map dispatch.
@@ -104,7 +104,7 @@ class Executor(Generic[Cfg, Out]):
 
     def __call__(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
         inv = self._invocation(kernel, args, cfg, kwargs)
-        split = _split_of(inv)
+        split = split_of(inv)
         return self.run_invocation(inv) if split is None else self.run_split(inv, split)
 
     def run_invocation(self, inv: Invocation[Any, Any]) -> Any:
@@ -148,7 +148,7 @@ class Executor(Generic[Cfg, Out]):
         """The config a call with these arguments gets, without running it (ejkernel's name);
         for a split call, the per-shard call's, as running it would choose."""
         inv = self._invocation(kernel, args, cfg, kwargs)
-        split = _split_of(inv)
+        split = split_of(inv)
         return self.selector.select(inv if split is None else per_shard_invocation(inv, split)).cfg
 
     def compile(self, kernel: Kernel[Any, Any], *example_args: Any, cfg: Any = None, **example_kwargs: Any) -> Any:
@@ -166,7 +166,7 @@ class Executor(Generic[Cfg, Out]):
         return jax.jit(run)
 
 
-def _split_of(inv: Invocation[Any, Any]) -> Split | None:
+def split_of(inv: Invocation[Any, Any]) -> Split | None:
     """How ``inv`` splits over devices (its kernel's rule, its arguments' shardings), or None."""
     rule = inv.kernel.shard_rule(inv) if inv.batch_axes is None else None
     return None if rule is None else plan_split(rule, inv.args, inv.kwargs)

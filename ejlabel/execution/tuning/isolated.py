@@ -72,7 +72,7 @@ from ejlabel.config.cache import AutotunePolicy, ConfigCache
 from ejlabel.config.selection import ConfigSelectorChain, set_default_tuner
 from ejlabel.core.kernel import Invocation, Kernel, abstract_invocation, random_inputs
 from ejlabel.core.vmapped import batched_function
-from ejlabel.execution.executor import get_default_executor
+from ejlabel.execution.executor import get_default_executor, per_shard_invocation, split_of
 from ejlabel.execution.recording import get_invocations
 from ejlabel.execution.tuning.candidates import (
     DEADLINE_COMPILE,
@@ -525,7 +525,8 @@ def autotune(
     """Tune ``kernel`` on these arguments and return the fastest correct config.
 
     The winner is stored in ``selector``'s caches (the default executor's when None), so later
-    calls with the same signature use it.
+    calls with the same signature use it. Arguments split over explicit mesh axes tune the call
+    one device runs (``Kernel.shard_rule``), the one a split call looks up.
     """
     if not isinstance(kernel, Kernel):
         raise TypeError(
@@ -536,6 +537,8 @@ def autotune(
     selector = selector if selector is not None else _default_selector()
     policy = dataclasses.replace(selector.policy, num_warmup=num_warmup, num_iters=num_iters)
     inv = Invocation(kernel, args, kwargs)
+    split = split_of(inv)  # arguments split over devices: tune the call each device runs
+    inv = inv if split is None else per_shard_invocation(inv, split)
     return tune_invocation(inv, policy=policy, cache=selector.cache, persistent=selector.persistent, configs=configs).best_cfg
 
 
