@@ -115,7 +115,7 @@ def _explicit_sharding(x: Any) -> tuple[Any, tuple[Any, ...]] | None:
     if mesh is None or spec is None or not getattr(mesh, "axis_names", ()):
         return None
     entries = tuple(spec) + (None,) * (len(x.shape) - len(spec))
-    explicit = [ax for entry in entries if entry is not None for ax in (entry if isinstance(entry, tuple) else (entry,))]
+    explicit = [ax for entry in entries for ax in _axes_of(entry)]
     types = dict(zip(mesh.axis_names, mesh.axis_types))
     if not explicit or any(types[ax] != AxisType.Explicit for ax in explicit):
         return None

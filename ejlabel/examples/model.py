@@ -207,11 +207,17 @@ def _random_documents(key: jax.Array, rows: int, seq_len: int, documents: int) -
     return jax.vmap(one_row)(jax.random.split(key, rows))
 
 
+def _split_sharding(x: Array) -> NamedSharding | None:
+    """``x``'s sharding when the trace sees it split over mesh axes (explicit ones), else None."""
+    sharding = jax.typeof(x).sharding
+    return sharding if any(entry is not None for entry in getattr(sharding, "spec", ())) else None
+
+
 def _reshape_rows(x: Array, shape: tuple[int, ...]) -> Array:
     """``x.reshape(shape)`` between ``[batch * seq, ...]`` and ``[batch, seq, ...]``; a batch
     split over explicit mesh axes stays split over the first dimension (JAX asks to be told)."""
-    sharding = jax.typeof(x).sharding
-    if not any(entry is not None for entry in getattr(sharding, "spec", ())):
+    sharding = _split_sharding(x)
+    if sharding is None:
         return x.reshape(shape)
     rows = PartitionSpec(sharding.spec[0], *([None] * (len(shape) - 1)))
     return jax.lax.reshape(x, shape, out_sharding=NamedSharding(sharding.mesh, rows))
@@ -235,10 +241,8 @@ def gathered(params: Any) -> Any:
     per-layer gather of FSDP for parameters sharded over explicit mesh axes."""
 
     def whole(p: Array) -> Array:
-        sharding = jax.typeof(p).sharding
-        if not any(entry is not None for entry in getattr(sharding, "spec", ())):
-            return p
-        return jax.sharding.reshard(p, NamedSharding(sharding.mesh, PartitionSpec()))
+        sharding = _split_sharding(p)
+        return p if sharding is None else jax.sharding.reshard(p, NamedSharding(sharding.mesh, PartitionSpec()))
 
     return jax.tree_util.tree_map(whole, params)
 
@@ -271,8 +275,8 @@ def place_on_mesh(mesh: jax.sharding.Mesh, params: Params, batch: dict[str, Arra
 
 def _embed(table: Float[Array, "vocab d"], ids: Int[Array, " tokens"]) -> Float[Array, "tokens d"]:
     # With explicit shardings the rows of the result follow the ids' (JAX asks to be told).
-    sharding = jax.typeof(ids).sharding
-    if not any(entry is not None for entry in getattr(sharding, "spec", ())):
+    sharding = _split_sharding(ids)
+    if sharding is None:
         return table[ids]
     return table.at[ids].get(out_sharding=NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0], None)))
 

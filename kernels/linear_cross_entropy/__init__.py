@@ -178,16 +178,10 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
         reduction = inv.kwargs.get("reduction", "none")
         if reduction == "none":
             return ShardRule(args=args, kwargs=kwargs, out="n")
-        loss = Loss(inv.kwargs.get("ignore_index", -100), 0.0, None, "mean")
-        labels, tokens = inv.kwargs["labels"], inv.args[0].shape[0]
-
-        def mean(total: jax.Array) -> jax.Array:
-            count = tokens if loss.ignore_index is None else jnp.maximum(jnp.sum(loss.counts(labels)), 1)
-            return total / count
-
+        loss, labels = Loss(inv.kwargs.get("ignore_index", -100), 0.0, None, "mean"), inv.kwargs["labels"]
         return ShardRule(
             args=args, kwargs=kwargs, out="", out_summed=True, local_kwargs={"reduction": "sum"},
-            finish=mean if reduction == "mean" else None,
+            finish=(lambda total: loss.mean_of_sum(total, labels)) if reduction == "mean" else None,
         )
 
     def reference(

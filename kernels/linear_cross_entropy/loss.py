@@ -87,7 +87,13 @@ class Loss:
         if self.ignore_index is None:  # every token counts: the expression a JAX user writes
             return jnp.mean(per_token) if self.reduction == "mean" else jnp.sum(per_token)
         total = jnp.sum(per_token)
-        return total if self.reduction == "sum" else total / jnp.maximum(jnp.sum(self.counts(labels)), 1)
+        return total if self.reduction == "sum" else self.mean_of_sum(total, labels)
+
+    def mean_of_sum(self, total: jax.Array, labels: jax.Array) -> jax.Array:
+        """The mean loss from the summed one: divided by the tokens that count (at least 1)."""
+        if self.ignore_index is None:
+            return total / labels.shape[0]
+        return total / jnp.maximum(jnp.sum(self.counts(labels)), 1)
 
     def token_cotangent(self, g: jax.Array | float, labels: jax.Array) -> Float[Array, "tokens"]:
         """The cotangent of each token's loss, given the output's cotangent ``g``: the pullback
