@@ -2,10 +2,11 @@
 # One device call on a GPU machine: install, then the steps named in $@, in order: the GPU test
 # grid and the benchmarks whose figures bench/RESULTS.md shows, each with the options of its
 # current figures. Logs go under $OUT; the benchmarks write their rows to bench/results/, which
-# is copied to $OUT/results at the end (commit those files to replace the figures).
+# is copied to $OUT/results after each step (commit those files to replace the figures).
 #   OUT=DIR bash bench/gpu_session.sh gputests mosaicgpu
 #   OUT=DIR bash bench/gpu_session.sh attention_abc attention_d model
-#   OUT=DIR bash bench/gpu_session.sh modelsharded modelshardedpacked raygpus     (a 4-GPU host)
+#   OUT=DIR bash bench/gpu_session.sh modelsharded modelshardedpacked     (a host of 2 or 4 GPUs)
+#   OUT=DIR bash bench/gpu_session.sh raygpus rayscaling                  (a 4-GPU host, Ray installed)
 set -uo pipefail
 started=$(mktemp)  # results written after this are this call's own
 export PYTHONUNBUFFERED=1 EJLABEL_CACHE_DIR=/tmp/ejlabel-cache
@@ -17,6 +18,8 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log to $OUT
   local name=$1 limit=$2
   shift 2
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "^W1\|Delay kernel" | tail -n 60
+  # After each step, so that a call cut short still brings back the steps it finished.
+  mkdir -p "$OUT/results" && find bench/results -name "*.json" -newer "$started" -exec cp {} "$OUT/results/" \;
 }
 
 for name in "$@"; do
@@ -37,9 +40,8 @@ for name in "$@"; do
     # On a host of 2 or 4 GPUs (nvidia-h100-x2 / -x4): the sharded model, data parallel, over them all.
     modelsharded) step model_sharded 300 python3 bench/bench_model.py --devices "$(nvidia-smi -L | wc -l)" --train-only --samples 6 --tune-budget 0 --skip-second-call ;;
     modelshardedpacked) step model_sharded_packed 300 python3 bench/bench_model.py --devices "$(nvidia-smi -L | wc -l)" --packed --train-only --samples 6 --tune-budget 0 --skip-second-call ;;
-    raygpus) step ray_gpus 400 python3 bench/bench_ray_tuning.py --gpus 1,2,4 --overhead --max-configs 4 --iters 3 ;;
+    raygpus) step ray_gpus 560 env JAX_PLATFORMS=cpu python3 bench/bench_ray_tuning.py --gpus 1,2,4 --overhead --max-configs 4 --iters 3 ;;
     *) echo "unknown step: $name" >&2; exit 2 ;;
   esac
 done
-mkdir -p "$OUT/results" && find bench/results -name "*.json" -newer "$started" -exec cp {} "$OUT/results/" \;
 exit 0
