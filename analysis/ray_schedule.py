@@ -38,9 +38,20 @@ import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
-__all__ = ["Plan", "Schedule", "Task", "split_candidates"]
+__all__ = ["Plan", "Schedule", "Task", "calls_per_task_for", "split_candidates"]
 
 Key = tuple[str, str]
+
+
+def calls_per_task_for(setting: int | str, calls: int, workers: int) -> int:
+    """How many calls each task holds: ``setting`` when an int, else (``"auto"``) every call
+    for a lone worker (one compile pool, as a local run: nothing to balance) and one call per
+    task for several (scheduled longest first, split, streamed). ValueError names the setting."""
+    if setting == "auto":
+        return max(1, calls) if workers == 1 else 1
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"calls_per_task: expected 'auto' or an int >= 1, got {setting!r}")
+    return setting
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,10 +26,13 @@ Design choices:
   reported with the reason. A worker that died before it ever came up (its process could not
   start, as on a loaded machine) costs the task no attempt: the task never ran. A call whose
   candidates all fail is a tuning outcome (as in a local run), not retried.
-* Granularity: one call per task by default, so answers stream in and a lost worker costs one
-  call. A worker compiles one task's candidates at a time, so calls with fewer candidates than
-  the policy's compile threads leave threads idle that a local run (one pool for every call)
-  keeps busy; ``calls_per_task`` > 1 tunes several calls in one pool (one GPU, few candidates).
+* Granularity: a worker compiles one task's candidates at a time, so a task of one call with
+  fewer candidates than the policy's compile threads leaves threads idle that a local run (one
+  pool for every call) keeps busy. ``calls_per_task="auto"`` (the default) sends a lone worker
+  every call in one task, one pool as a local run (nothing to balance, and the GPU times one
+  call's candidates while the others compile); with several workers, one call per task, so
+  answers stream in, the schedule below balances the workers, and a lost worker costs one call.
+  An int sets the calls per task whatever the workers.
 * Order and splitting (:mod:`.ray_schedule`): with more than one worker, the workers first plan
   the calls between them (each call's candidates as the workers' device lists them, each with
   an estimated cost), then the calls go out longest first; a call that costs more than a
@@ -63,13 +66,13 @@ import sysconfig
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from ejlabel.execution.tuning.candidates import AutotuneError
 from ejlabel.execution.tuning.remote import TuningWorker, candidates_from_data, merge_parts, result_to_data
 from ejlabel.utils.serialize import from_json
 
-from .ray_schedule import Plan, Schedule, Task
+from .ray_schedule import Plan, Schedule, Task, calls_per_task_for
 
 __all__ = ["RayTuningPool", "import_ray", "program_platform", "worker_request"]
 
@@ -344,7 +347,7 @@ class RayTuningPool:
                 plans[key] = _plan_from_answer(answer)
         return plans
 
-    def tune(self, requests: Mapping[Key, dict[str, Any]], calls_per_task: int = 1) -> Iterator[tuple[Key, dict[str, Any]]]:
+    def tune(self, requests: Mapping[Key, dict[str, Any]], calls_per_task: int | Literal["auto"] = "auto") -> Iterator[tuple[Key, dict[str, Any]]]:
         """Send every request; yield ``(key, answer)`` as each call finishes, retried or not.
 
         ``answer`` is a worker's answer (:meth:`TuningWorker.tune`) with ``"attempts"`` added
@@ -353,11 +356,11 @@ class RayTuningPool:
         failed twice (its task raised, or its worker died). With ``calls_per_task`` > 1 a worker
         tunes that many calls together (one compile pool, as a local run), and their answers
         arrive together; the calls of a task that fails are each retried alone, twice at most.
-        Calls are planned, ordered and split (:mod:`.ray_schedule`) only with one call per task
-        and more than one worker.
+        ``"auto"``: every call in one task for a lone worker, else one. Calls are planned,
+        ordered and split (:mod:`.ray_schedule`) only with one call per task and more than one
+        worker.
         """
-        if not isinstance(calls_per_task, int) or calls_per_task < 1:
-            raise ValueError(f"calls_per_task: expected an int >= 1, got {calls_per_task!r}")
+        calls_per_task = calls_per_task_for(calls_per_task, len(requests), self.size)
         ray = self._ray
         plans = self.plans(requests) if calls_per_task == 1 and self.size > 1 else {}
         schedule = Schedule(list(requests), plans, self.size)

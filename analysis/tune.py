@@ -113,7 +113,7 @@ def tune_unseen(
     workers: int | None = None,
     cpus_per_worker: float = 1,
     runtime_env: dict[str, Any] | None = None,
-    calls_per_task: int = 1,
+    calls_per_task: int | Literal["auto"] = "auto",
 ) -> TuneReport:
     """Tune every call in ``x`` that has no tuned config; store winners persistently.
 
@@ -129,9 +129,10 @@ def tune_unseen(
     (``"H100"``); ``workers`` is how many workers start (default: one per GPU, or per
     ``cpus_per_worker`` CPUs, at most one per call; more than the calls lets a call's candidates
     split across idle workers, :mod:`ejlabel.analysis.ray_schedule`); ``runtime_env`` adds to the workers' Ray runtime environment.
-    ``calls_per_task`` > 1 has a worker tune that many calls together, in one compile pool as a
-    local run does (fewer idle compile threads when calls have fewer candidates than the policy
-    has compile threads; answers then arrive, and are stored, a task at a time).
+    ``calls_per_task`` is how many calls a worker tunes together, in one compile pool as a local
+    run does (fewer idle compile threads when calls have fewer candidates than the policy has
+    compile threads; answers then arrive, and are stored, a task at a time); ``"auto"``: every
+    call at once for a lone worker, one at a time (scheduled and split) for several.
     ``progress`` prints one line per finished call (None: when stderr is a terminal). Only this
     process writes the cache, each winner as it arrives; a call whose worker dies or whose task
     raises is retried once, on another worker when one is free, then reported in ``errors``;
@@ -143,7 +144,7 @@ def tune_unseen(
         raise ValueError(f"platform: expected 'auto', 'cpu' or 'gpu', got {platform!r}")
     if isinstance(modules, str):
         modules = [modules]
-    ray_only = (address, platform != "auto", accelerator_type, workers, runtime_env, calls_per_task != 1)
+    ray_only = (address, platform != "auto", accelerator_type, workers, runtime_env, calls_per_task != "auto")
     if backend == "local" and any(option not in (None, False) for option in ray_only):
         raise ValueError('address, platform, accelerator_type, workers, runtime_env, calls_per_task: only apply to backend="ray"')
     start = time.perf_counter()
@@ -223,11 +224,13 @@ def _tune_on_ray(
     workers: int | None,
     cpus_per_worker: float,
     runtime_env: dict[str, Any] | None,
-    calls_per_task: int,
+    calls_per_task: int | Literal["auto"],
 ) -> TuneReport:
     """The driver of a Ray run: the workers tune, this process checks, stores and reports."""
+    from .ray_schedule import calls_per_task_for
     from .ray_tuning import RayTuningPool, import_ray, program_platform
 
+    calls_per_task_for(calls_per_task, 1, 1)  # a bad setting is named before any worker starts
     import_ray()  # before anything else: a clear error when Ray is not installed
     if platform == "auto":  # what the program was compiled for, else the cluster decides
         platform = program_platform(x, [pm.source for pm in program.modules]) or "auto"

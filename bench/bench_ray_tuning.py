@@ -6,7 +6,7 @@ python bench/bench_ray_tuning.py [--scaling] [--overhead] [--gpus 1,2,4] [option
 On a host of four GPUs, the GPU figures (c) and (b) in one run (a reduced policy, so that the
 whole run takes a few minutes; (b) takes its Ray row from (c)'s one-worker run):
 
-    python bench/bench_ray_tuning.py --gpus 1,2,4 --overhead --max-configs 4 --iters 3
+    python bench/bench_ray_tuning.py --gpus 1,2,4 --overhead --calls-per-task auto,1 --max-configs 4 --iters 3
 
 (a) ``--scaling``: the unseen calls of the TINY example model's training step, lowered at
     several sequence lengths (``--seq-lens``, batch 2: one program per length, each with its own
@@ -19,12 +19,13 @@ whole run takes a few minutes; (b) takes its Ray row from (c)'s one-worker run):
 (b) ``--overhead``: one program's unseen calls (``--model 125m``: the GPU_125M training step;
     ``tiny`` for a CPU check) through Ray on this machine's GPU against the local tuner, the same
     calls and the same reduced policy (``--max-configs``, ``--iters``; 4 compile threads, and at
-    least as many candidates per call, which the full spaces have too: a worker compiles one call's
-    candidates at a time, the local tuner all calls' in one pool), each in a fresh process
+    least as many candidates per call, which the full spaces have too: a task's calls share one
+    compile pool, as the local tuner's do), each in a fresh process
     (the local tuner and the Ray driver would otherwise share one GPU's memory); the driver of
     the Ray run never touches the GPU (``JAX_PLATFORMS=cpu``), its one worker does. With
-    ``--gpus``, the Ray row of one call per task is (c)'s one-worker run (same program, same
-    policy, a fresh worker process) instead of another run.
+    ``--gpus``, the Ray row of ``--calls-per-task auto`` (the default: one worker tunes every
+    call in one task) is (c)'s one-worker run (same program, same policy, a fresh worker
+    process) instead of another run; ``--calls-per-task auto,1`` adds a run of one call per task.
 
 (c) ``--gpus 1,2,4``: the same program's unseen calls (``--model``: the GPU_125M training step,
     lowered for the GPU) tuned on 1, 2 and 4 GPU workers (one per GPU: ``ray.init(num_gpus=n)``, each run
@@ -87,6 +88,9 @@ def _write_programs(model: str, seq_lens: list[int], where: Path) -> None:
 
 def _run_summary(report: Any, **extra: Any) -> dict[str, Any]:
     per_call = {f"{op}:{key}": round(r.wall_s, 2) for (op, key), r in report.results.items()}
+    # Where a call's time goes: its timed part, and each candidate's compile (in a pool of threads).
+    measure = {f"{op}:{key}": round(r.measure_s, 2) for (op, key), r in report.results.items()}
+    compiles = {f"{op}:{key}": [round(c.compile_s or 0.0, 2) for c in r.candidates] for (op, key), r in report.results.items()}
     return {
         "wall_s": round(report.wall_s, 2),
         "calls": len(report.results),
@@ -94,6 +98,8 @@ def _run_summary(report: Any, **extra: Any) -> dict[str, Any]:
         "workers_used": len(set(report.worker_of.values())),
         "picks": {f"{op}:{key}": repr(r.best_cfg) for (op, key), r in report.results.items()},
         "per_call_s": per_call,
+        "per_call_measure_s": measure,
+        "per_call_compile_s": compiles,
         **extra,
     }
 
@@ -197,7 +203,7 @@ def _phase(args: argparse.Namespace) -> None:
 def _child(args: argparse.Namespace, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     command = [sys.executable, __file__, *extra, "--iters", str(args.iters), "--max-configs", str(args.max_configs), "--platform", args.platform]
     if "--calls-per-task" not in extra:
-        command += ["--calls-per-task", "1"]
+        command += ["--calls-per-task", "auto"]
     proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=560, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(extra)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -214,9 +220,15 @@ def _lowered_program(args: argparse.Namespace, root: str, model: str) -> Path:
     return programs
 
 
+def _per_task_words(per_task: int | str, calls: int) -> str:
+    if per_task == "auto":
+        return f"auto ({calls} calls in one task)"
+    return f"{per_task} call{'s' if per_task != 1 else ''} per task"
+
+
 def overhead(args: argparse.Namespace, root: str, one_gpu: dict[str, Any] | None = None) -> None:
     """(b); ``one_gpu``: (c)'s run on one GPU worker, the same calls and policy, which then
-    stands for the Ray run of one call per task instead of running it again."""
+    stands for the Ray run of ``calls_per_task="auto"`` instead of running it again."""
     programs = _lowered_program(args, root, args.model)
     cpu_env = {"JAX_PLATFORMS": "cpu"}
     lower_env = {"JAX_PLATFORMS": "cpu" if args.platform == "cpu" else ""}
@@ -231,7 +243,7 @@ def overhead(args: argparse.Namespace, root: str, one_gpu: dict[str, Any] | None
     runs: dict[str, Any] = {}
     for per_task in args.calls_per_task:
         # The Ray driver reads the program on the CPU; its worker gets the GPU (platform="gpu").
-        if per_task == 1 and one_gpu is not None:
+        if per_task == "auto" and one_gpu is not None:
             remote = dict(one_gpu)
         else:
             remote = _child(args, "--phase", "ray", "--programs", str(programs), "--calls-per-task", str(per_task), env=cpu_env)
@@ -241,7 +253,7 @@ def overhead(args: argparse.Namespace, root: str, one_gpu: dict[str, Any] | None
         remote["overhead_pct"] = 100 * (remote["wall_s"] / local["wall_s"] - 1)
         runs[f"ray_{per_task}_per_task"] = remote
         lines.append(
-            f"| ray, 1 worker, {per_task} call{'s' if per_task > 1 else ''} per task | {remote['wall_s']:.1f} "
+            f"| ray, 1 worker, {_per_task_words(per_task, local['calls'])} | {remote['wall_s']:.1f} "
             f"| {remote['overhead_pct']:+.1f}% | {remote['same_picks']}/{len(local['picks'])} | {remote['ray_init_s']} |"
         )
     device = next(iter(runs.values())).get("device", "?") if runs else "?"
@@ -313,8 +325,8 @@ def main() -> None:
         "a Ray worker compiles one call's candidates at a time, the local tuner every call's in one pool",
     )
     parser.add_argument(
-        "--calls-per-task", type=lambda s: [int(x) for x in s.split(",")], default=[1],
-        help="(b) one Ray run per value, e.g. 1,8: calls a worker tunes together (8: the whole program in one compile pool)",
+        "--calls-per-task", type=lambda s: [x if x == "auto" else int(x) for x in s.split(",")], default=["auto"],
+        help="(b) one Ray run per value, e.g. auto,1: calls a worker tunes together (auto, one worker: the whole program in one compile pool)",
     )
     parser.add_argument("--progress", action="store_true", help="print each call as it finishes")
     parser.add_argument("--phase", choices=("lower", "local", "ray"), help=argparse.SUPPRESS)

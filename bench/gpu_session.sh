@@ -40,7 +40,7 @@ for name in "$@"; do
     # On a host of 2 or 4 GPUs (nvidia-h100-x2 / -x4): the sharded model, data parallel, over them all.
     modelsharded) step model_sharded 300 python3 bench/bench_model.py --devices "$(nvidia-smi -L | wc -l)" --train-only --samples 6 --tune-budget 0 --skip-second-call ;;
     modelshardedpacked) step model_sharded_packed 300 python3 bench/bench_model.py --devices "$(nvidia-smi -L | wc -l)" --packed --train-only --samples 6 --tune-budget 0 --skip-second-call ;;
-    raygpus) step ray_gpus 560 env JAX_PLATFORMS=cpu python3 bench/bench_ray_tuning.py --gpus 1,2,4 --overhead --max-configs 4 --iters 3 ;;
+    raygpus) step ray_gpus 560 env JAX_PLATFORMS=cpu python3 bench/bench_ray_tuning.py --gpus 1,2,4 --overhead --calls-per-task auto,1 --max-configs 4 --iters 3 ;;
     *) echo "unknown step: $name" >&2; exit 2 ;;
   esac
 done

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from ejlabel.analysis import read_program, tune_unseen
+from ejlabel.analysis.ray_schedule import calls_per_task_for
 from jax import lax
 from jaxtyping import Array, Float
 
@@ -241,6 +242,21 @@ def test_bad_backend_arguments_are_named() -> None:
         tune_unseen(program, address="auto")
     with pytest.raises(ValueError, match="platform"):
         tune_unseen(program, backend="ray", platform="tpu")  # type: ignore[arg-type]
+
+
+def test_a_lone_worker_gets_every_call_in_one_task_several_get_one_each() -> None:
+    assert calls_per_task_for("auto", 7, 1) == 7
+    assert calls_per_task_for("auto", 7, 4) == 1
+    assert calls_per_task_for("auto", 0, 1) == 1
+    assert calls_per_task_for(3, 7, 4) == 3
+    for bad in (0, -1, True, 1.5, "all"):
+        with pytest.raises(ValueError, match="calls_per_task"):
+            calls_per_task_for(bad, 7, 1)  # type: ignore[arg-type]
+    # Named before any worker starts, and refused for the local tuner.
+    with pytest.raises(ValueError, match="calls_per_task"):
+        tune_unseen(_program((8,)), backend="ray", calls_per_task=0)
+    with pytest.raises(ValueError, match="calls_per_task"):
+        tune_unseen(_program((8,)), calls_per_task=2)
 
 
 def test_a_tuning_result_travels_as_plain_data_and_comes_back_the_same() -> None:
