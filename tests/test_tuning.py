@@ -91,6 +91,30 @@ def test_reference_that_fails_falls_back_to_first_working_candidate():
     assert not result.best_cfg.wrong
 
 
+def test_reference_runs_as_one_compiled_program_or_falls_back_when_it_cannot_trace():
+    traced = []
+
+    class CountedReference(LoopSumKernel):
+        def reference(self, x):
+            traced.append(isinstance(x, jax.core.Tracer))  # called once, while jit traces it
+            return super().reference(x)
+
+    result = Autotuner(FAST).tune(Invocation(CountedReference(), (X,)), configs=[LoopConfig(256), LoopConfig(512, wrong=True)])
+    assert traced == [True]
+    assert {c.cfg: c.status for c in result.candidates}[LoopConfig(512, wrong=True)] == "wrong"
+
+    class BranchingReference(LoopSumKernel):
+        def reference(self, x):
+            if float(x.sum()) > 1e9:  # a Python branch on a value: cannot be traced
+                return x
+            return super().reference(x)
+
+    with pytest.warns(UserWarning, match="reference failed"):
+        result = Autotuner(FAST).tune(Invocation(BranchingReference(), (X,)), configs=[LoopConfig(256), LoopConfig(512, wrong=True)])
+    assert {c.cfg: c.status for c in result.candidates}[LoopConfig(512, wrong=True)] == "wrong"
+    assert not result.best_cfg.wrong
+
+
 def test_all_candidates_failing_lists_reasons():
     with pytest.raises(AutotuneError, match="compile_error"):
         Autotuner(FAST).tune(Invocation(loopsum, (X,)), configs=[LoopConfig(3), LoopConfig(5)])

@@ -7,7 +7,9 @@ For one call (an :class:`~ejlabel.core.kernel.Invocation`) the :class:`Autotuner
    never timed;
 2. builds concrete inputs once (``kernel.make_inputs``), outside any trace;
 3. checks each candidate's output against the reference (``kernel.reference`` if defined, else
-   the heuristic config's output) by relative error with a dtype-appropriate tolerance;
+   the heuristic config's output) by relative error with a dtype-appropriate tolerance; the
+   reference (with its gradients for a differentiated call) runs as one compiled program, not
+   op by op: eager dispatch compiles every operation on its own, seconds per call on a GPU;
 4. times the compiled executables with successive halving (:mod:`.halving`).
 
 Candidates that fail to compile, run out of memory, give NaN or a wrong result are recorded with
@@ -361,7 +363,8 @@ class Autotuner:
         )
 
     def _reference(self, job: Job, operands: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The kernel's reference output (and gradients), else the first working candidate's."""
+        """The kernel's reference output (and gradients), else the first working candidate's
+        (also when the reference cannot be traced and compiled)."""
         reference = getattr(job.inv.kernel, "reference", None)
         if callable(reference):
             inv = job.inv
@@ -369,12 +372,17 @@ class Autotuner:
             # Batched like the candidates when the call runs under jax.vmap.
             call = batched_function(lambda a, k: reference(*a, **k, **static), inv.args, inv.array_kwargs, inv.batch_axes)
             args, array_kwargs = operands[0], operands[1]
-            try:
-                if job.cotangent is None:
-                    return jax.block_until_ready(call(args, array_kwargs))
+
+            def value_and_pullback(args: Any, array_kwargs: Any, cotangent: Any) -> Any:
+                if cotangent is None:
+                    return call(args, array_kwargs)
                 out, pullback = jax.vjp(lambda *a: call(a, array_kwargs), *args)
-                return jax.block_until_ready((out, pullback(operands[2])))
-            except Exception as err:  # a plain reference can need memory a tiled kernel does not
+                return out, pullback(cotangent)
+
+            try:
+                cotangent = None if job.cotangent is None else operands[2]
+                return jax.block_until_ready(jax.jit(value_and_pullback)(args, array_kwargs, cotangent))
+            except Exception as err:  # a plain reference can need memory a tiled kernel does not, or not trace
                 warnings.warn(
                     f"{job.inv.op_id} call {job.inv.call_key}: the reference failed ({describe_error(err)[1]}); "
                     "checking candidates against the first one that runs instead",
