@@ -29,8 +29,8 @@ Design choices:
 * Granularity: a worker compiles one task's candidates at a time, so a task of one call with
   fewer candidates than the policy's compile threads leaves threads idle that a local run (one
   pool for every call) keeps busy. ``calls_per_task="auto"`` (the default) sends a lone worker
-  every call in one task, one pool as a local run (nothing to balance, and the GPU times one
-  call's candidates while the others compile); with several workers, one call per task, so
+  every call in one task, one pool as a local run (nothing to balance, and no compile thread
+  idles while another call's candidates wait); with several workers, one call per task, so
   answers stream in, the schedule below balances the workers, and a lost worker costs one call.
   An int sets the calls per task whatever the workers.
 * Order and splitting (:mod:`.ray_schedule`): with more than one worker, the workers first plan
