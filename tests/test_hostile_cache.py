@@ -43,17 +43,22 @@ from hostile import (  # noqa: F401  (cache is a fixture)
 # ---------------------------------------------------------------- 3. a fresh cache opened by many processes
 
 
-# Runs in a fresh interpreter that has imported the cache but run no JAX computation, so it has no
-# busy threads and may fork safely; a pytest worker that has run JAX may not (a forked child can
-# inherit a lock some thread held and hang). Forked workers start in milliseconds on a small
-# machine and really race; before the fix, 16 workers failed in ~20% of trials.
+# Runs in a fresh interpreter that has imported the cache but run no JAX computation, with
+# OpenBLAS held to the calling thread: a process with no other thread may fork safely, where a
+# forked child can inherit a lock some other thread held and hang (a pytest worker that has run
+# JAX; numpy's thread pool). The script checks that it is alone before forking. Forked workers
+# start in milliseconds on a small machine and really race; before the fix, 16 workers failed in
+# ~20% of trials. A worker that neither reports nor exits within the deadline is named (and
+# stopped), as is one that exits without a word: the test then fails saying which.
 _RACE = textwrap.dedent(
     """
-    import json, multiprocessing, os, sys
+    import json, multiprocessing, os, queue, sys, time
     from ejlabel.config.persistent import PersistentCache
 
     DEV, KERNEL = sys.argv[1], "race@v1"
     root, n_proc, trials = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    threads = os.listdir("/proc/self/task")
+    assert len(threads) == 1, f"the racing parent must have no other thread before it forks: {len(threads)}"
 
     def open_together(path, barrier, results):
         try:
@@ -64,6 +69,21 @@ _RACE = textwrap.dedent(
         except BaseException as err:  # reported to the parent, which asserts on it
             results.put(f"{type(err).__name__}: {err}")
 
+    def gather(procs, results, deadline):
+        outcomes = []
+        while len(outcomes) < len(procs):
+            try:
+                outcomes.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                for p in procs:
+                    if p.is_alive():
+                        outcomes.append(f"worker {p.pid} neither reported nor exited in time")
+                        p.kill()
+                    elif p.exitcode != 0:
+                        outcomes.append(f"worker {p.pid} exited with {p.exitcode} without reporting")
+                break
+        return outcomes
+
     ctx = multiprocessing.get_context("fork")
     report = []
     for trial in range(trials):
@@ -72,7 +92,7 @@ _RACE = textwrap.dedent(
         procs = [ctx.Process(target=open_together, args=(path, barrier, results)) for _ in range(n_proc)]
         for p in procs:
             p.start()
-        outcomes = [results.get(timeout=120) for _ in procs]
+        outcomes = gather(procs, results, time.monotonic() + 180)
         for p in procs:
             p.join(30)
         with PersistentCache(path) as c:
@@ -86,14 +106,34 @@ _RACE = textwrap.dedent(
 @pytest.mark.skipif(sys.platform != "linux", reason="forks workers (fast start); Linux only")
 def test_32_processes_open_a_fresh_cache_at_once(tmp_path: pathlib.Path) -> None:
     n_proc, trials = 32, 8
+    single_threaded = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-P", "-c", _RACE, DEV, str(tmp_path), str(n_proc), str(trials)],
-        capture_output=True, text=True, env=subprocess_env(), timeout=600,
+        capture_output=True, text=True, env=subprocess_env(**single_threaded), timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [r["errors"] for r in report] == [[]] * trials
     assert [r["entries"] for r in report] == [n_proc] * trials
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads SQLite's descriptor through /proc/self/fd")
+def test_reading_the_log_index_opens_and_closes_no_descriptor_of_it(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Closing a descriptor of the index would drop SQLite's locks on it (the SIGBUS above).
+    from ejlabel.config.persistent import wal
+
+    path = tmp_path / "c.sqlite"
+    with PersistentCache(path) as c:
+        c.put(DEV, "race@v1", "0123456789abcdef", {"pid": 1})
+        shm = path.with_name(path.name + "-shm")
+        opened: list[str] = []
+        real_open, real_os_open = open, os.open
+        monkeypatch.setattr("builtins.open", lambda f, *a, **k: opened.append(str(f)) or real_open(f, *a, **k))
+        monkeypatch.setattr(os, "open", lambda f, *a, **k: opened.append(str(f)) or real_os_open(f, *a, **k))
+        frames = wal._recovered_frames(shm)
+        monkeypatch.undo()
+        assert isinstance(frames, int) and frames >= 1  # the index says the log holds the put
+        assert str(shm) not in opened
 
 
 # ---------------------------------------------------------------- 5. deep nesting
