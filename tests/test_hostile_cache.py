@@ -117,23 +117,26 @@ def test_32_processes_open_a_fresh_cache_at_once(tmp_path: pathlib.Path) -> None
     assert [r["entries"] for r in report] == [n_proc] * trials
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads SQLite's descriptor through /proc/self/fd")
-def test_reading_the_log_index_opens_and_closes_no_descriptor_of_it(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Closing a descriptor of the index would drop SQLite's locks on it (the SIGBUS above).
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads SQLite's descriptors through /proc/self/fd")
+def test_files_sqlite_holds_are_never_opened_and_closed_beside_it(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Closing a descriptor of a file drops SQLite's locks on it: the log index (the SIGBUS
+    # above), and the database when a second cache of this process opens it.
     from ejlabel.config.persistent import wal
 
     path = tmp_path / "c.sqlite"
-    with PersistentCache(path) as c:
-        c.put(DEV, "race@v1", "0123456789abcdef", {"pid": 1})
-        shm = path.with_name(path.name + "-shm")
-        opened: list[str] = []
-        real_open, real_os_open = open, os.open
+    shm = path.with_name(path.name + "-shm")
+    opened: list[str] = []
+    real_open, real_os_open = open, os.open
+    with PersistentCache(path) as first:
+        first.put(DEV, "race@v1", "0123456789abcdef", {"pid": 1})
         monkeypatch.setattr("builtins.open", lambda f, *a, **k: opened.append(str(f)) or real_open(f, *a, **k))
         monkeypatch.setattr(os, "open", lambda f, *a, **k: opened.append(str(f)) or real_os_open(f, *a, **k))
         frames = wal._recovered_frames(shm)
+        with PersistentCache(path) as second:
+            assert second.get(DEV, "race@v1", "0123456789abcdef") == {"pid": 1}
         monkeypatch.undo()
-        assert isinstance(frames, int) and frames >= 1  # the index says the log holds the put
-        assert str(shm) not in opened
+    assert isinstance(frames, int) and frames >= 1  # the index says the log holds the put
+    assert str(shm) not in opened and str(path) not in opened
 
 
 # ---------------------------------------------------------------- 5. deep nesting

@@ -26,7 +26,7 @@ item  defect                              tests
                                           test_hlo_grammar.py::test_every_pattern_is_linear_on_hostile_input,
                                           test_hlo_grammar.py::test_parse_is_fast_on_hostile_input
 3     race on a new cache                 C::test_32_processes_open_a_fresh_cache_at_once,
-                                          C::test_reading_the_log_index_opens_and_closes_no_descriptor_of_it
+                                          C::test_files_sqlite_holds_are_never_opened_and_closed_beside_it
 4     unbounded reads                     C::test_import_refuses_special_files,
                                           C::test_import_of_dev_zero_is_refused_at_once,
                                           C::test_import_caps_file_size,

@@ -34,7 +34,7 @@ import struct
 import sys
 import time
 
-__all__ = ["log_damage"]
+__all__ = ["held_descriptor", "log_damage"]
 
 _WAL_MAGIC = (0x377F0682, 0x377F0683)  # checksums of little- / big-endian words
 _WAL_VERSION = 3007000
@@ -88,7 +88,7 @@ def _recovered_frames(shm_path: pathlib.Path) -> int | None:
     mapping of it (SIGBUS; seen with 32 processes opening a fresh cache at once). None where
     that descriptor cannot be found (no ``/proc/self/fd``): the check is then left out.
     """
-    fd = _descriptor_of(shm_path)
+    fd = held_descriptor(shm_path)
     if fd is None:
         return None
     try:
@@ -102,8 +102,11 @@ def _recovered_frames(shm_path: pathlib.Path) -> int | None:
     return max_frame if is_init else None
 
 
-def _descriptor_of(path: pathlib.Path) -> int | None:
-    """A descriptor this process already holds on ``path`` (Linux: ``/proc/self/fd``), else None."""
+def held_descriptor(path: pathlib.Path) -> int | None:
+    """A descriptor this process already holds on ``path`` (Linux: ``/proc/self/fd``), else None.
+
+    Read a file SQLite may hold through it (``os.pread``), never through a descriptor opened and
+    closed beside it: the close would drop this process's POSIX locks on the file."""
     try:
         target = os.stat(path)
         names = os.listdir("/proc/self/fd")
