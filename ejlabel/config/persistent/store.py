@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ejlabel.config.persistent.entry import CacheError
-from ejlabel.config.persistent.wal import held_descriptor, log_damage
+from ejlabel.config.persistent.wal import log_damage, read_start
 
 __all__ = [
     "BUSY_TIMEOUT_S", "COLUMNS", "DEFAULT_FILENAME", "FILE_SUFFIXES", "INSERT_NEW", "KEY_WHERE", "SCHEMA_VERSION", "SELECT",
@@ -235,15 +235,10 @@ def _check_header(path: pathlib.Path) -> None:
     """Refuse a non-empty file that does not start with the SQLite header, without touching it.
 
     Where another connection of this process has the file open, its header is read through that
-    connection's descriptor (:func:`.wal.held_descriptor`): closing one of our own would drop
-    that connection's locks."""
+    connection's descriptor (:func:`.wal.read_start`): closing one of our own would drop that
+    connection's locks."""
     try:
-        held = held_descriptor(path) if path.is_file() else None
-        if held is not None:
-            head = os.pread(held, len(_SQLITE_HEADER), 0)
-        else:
-            with open(path, "rb") as f:
-                head = f.read(len(_SQLITE_HEADER))
+        head = read_start(path, len(_SQLITE_HEADER), held_only=False)
     except FileNotFoundError:
         return
     except IsADirectoryError:

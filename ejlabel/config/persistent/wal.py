@@ -34,7 +34,7 @@ import struct
 import sys
 import time
 
-__all__ = ["held_descriptor", "log_damage"]
+__all__ = ["log_damage", "read_start"]
 
 _WAL_MAGIC = (0x377F0682, 0x377F0683)  # checksums of little- / big-endian words
 _WAL_VERSION = 3007000
@@ -88,11 +88,8 @@ def _recovered_frames(shm_path: pathlib.Path) -> int | None:
     mapping of it (SIGBUS; seen with 32 processes opening a fresh cache at once). None where
     that descriptor cannot be found (no ``/proc/self/fd``): the check is then left out.
     """
-    fd = held_descriptor(shm_path)
-    if fd is None:
-        return None
     try:
-        header = os.pread(fd, _SHM_HEADER, 0)
+        header = read_start(shm_path, _SHM_HEADER, held_only=True)
     except OSError:
         return None
     if len(header) < _SHM_HEADER:
@@ -102,11 +99,22 @@ def _recovered_frames(shm_path: pathlib.Path) -> int | None:
     return max_frame if is_init else None
 
 
-def held_descriptor(path: pathlib.Path) -> int | None:
-    """A descriptor this process already holds on ``path`` (Linux: ``/proc/self/fd``), else None.
+def read_start(path: pathlib.Path, size: int, *, held_only: bool) -> bytes:
+    """The first ``size`` bytes of ``path``, a file SQLite may hold: read (``os.pread``) through a
+    descriptor this process already holds on it, never one opened and closed beside it, whose
+    close would drop this process's POSIX locks on the file. With none found, the file is opened
+    and closed anew, or with ``held_only`` nothing is read (``b""``). OSError as ``open`` raises."""
+    held = _held_descriptor(path)
+    if held is not None:
+        return os.pread(held, size, 0)
+    if held_only:
+        return b""
+    with open(path, "rb") as f:
+        return f.read(size)
 
-    Read a file SQLite may hold through it (``os.pread``), never through a descriptor opened and
-    closed beside it: the close would drop this process's POSIX locks on the file."""
+
+def _held_descriptor(path: pathlib.Path) -> int | None:
+    """A descriptor this process already holds on ``path`` (Linux: ``/proc/self/fd``), else None."""
     try:
         target = os.stat(path)
         names = os.listdir("/proc/self/fd")
