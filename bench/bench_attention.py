@@ -16,11 +16,14 @@ Sections:
   gets at that length; the segment rows' note gives their rate against it. The Mosaic kernels
   run with both forward tiles of their tuning space (128-key blocks, the default, and
   ``mosaic kv64``: 64-key blocks in 3 stages).
-- ``c``: packed documents at the example model's shape, B8 S2048, 12 query heads, 4 key/value
-  heads, head dim 64, 4 equal documents per row: what plain JAX offers (cuDNN and XLA with the
-  dense block-diagonal causal mask, cuDNN with the document mask beside ``is_causal`` as the
-  untuned ``flash_attention`` runs it, plain causal cuDNN over the whole row as a yardstick
-  that ignores the documents) against ours.
+- ``c``: packed documents as the example model calls attention, B8 S2048, 12 query heads, 4
+  key/value heads, head dim 64, 4 documents of random lengths per row, the segment ids an
+  argument of the timed call (so plans, masks and layouts are computed inside it, as in a
+  training step): what plain JAX offers (cuDNN's packed layout, the strongest and the anchor;
+  cuDNN and XLA with the dense block-diagonal causal mask; plain causal cuDNN over the whole
+  row as a yardstick that ignores the documents) against ``flash_attention`` untuned and ours;
+  and ours with the ids a constant of the program (its plans folded while compiling), which
+  shows what computing the plans costs a call.
 - ``d``: causal B2 S4096 H8 D256 bf16 (head dim 256, where the Mosaic backward walks the
   key/value tiles twice, the dv walk with two stages and the others with one): cuDNN (where it
   takes the shape), the XLA path, ours on Triton and on Mosaic GPU, and Mosaic with one stage
@@ -63,6 +66,7 @@ from _results import write_results
 from _timing import time_interleaved
 
 from ejlabel import BwdParams, FwdParams, Invocation
+from ejlabel.examples import PLAIN_CUDNN_PACKED_OPS, PLAIN_OPS, random_documents
 from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
 
@@ -163,6 +167,22 @@ def kernel_variant(module: Any, name: str, value: Any) -> Iterator[None]:
 
 def kernel_attend(cfg: AttentionConfig | None, **kwargs: Any) -> Callable[..., jax.Array]:
     return lambda q, k, v: flash_attention(q, k, v, cfg=cfg, **kwargs)
+
+
+def ids_attend(cfg: AttentionConfig | None, documents: int) -> Callable[..., jax.Array]:
+    return lambda q, k, v, ids: flash_attention(q, k, v, cfg=cfg, causal=True, segment_ids=ids, max_documents=documents)
+
+
+def variants_with_ids(case: str, impl: str, attend: Callable[..., jax.Array], sets: Sequence[tuple[Any, ...]], flops: float) -> list[Variant]:
+    """:func:`variants_of` for ``attend(q, k, v, ids)`` over sets ``(q, k, v, probe, ids)``: the
+    segment ids are an argument of the timed call, not a constant folded into it."""
+    forward = jax.jit(lambda q, k, v, probe, ids: attend(q, k, v, ids))
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array, probe: jax.Array, ids: jax.Array) -> jax.Array:
+        return jnp.sum(attend(q, k, v, ids).astype(jnp.float32) * probe.astype(jnp.float32))
+
+    both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    return [Variant(case, impl, "fwd", forward, sets, flops), Variant(case, impl, "fwd+bwd", both, sets, flops * (1 + BWD_FLOP_FACTOR))]
 
 
 def variants_of(case: str, impl: str, attend: Callable[..., jax.Array], sets: Sequence[tuple[Any, ...]], flops: float) -> list[Variant]:
@@ -277,24 +297,34 @@ def section_b(args: argparse.Namespace) -> list[Row]:
 
 
 def section_c(args: argparse.Namespace) -> list[Row]:
+    """Packed documents as the example model calls attention: the ids are an argument of the
+    timed call (each input set its own 4 documents of random lengths per row), so every plan,
+    mask and layout is computed inside it, as in a training step."""
     b, s, h, kv, d, documents = (1, 256, 3, 1, 64, 4) if args.tiny else (8, 2048, 12, 4, 64, 4)
-    sets = input_sets(b, s, h, kv, d)
-    segments = equal_documents(b, s, documents)
-    doc = s // documents
-    flops = 4.0 * b * h * d * documents * doc * doc / 2
-    case = f"packed B{b} S{s} H{h}/{kv} D{d} x{documents} docs"
-    mask = dense_mask(segments, causal=True)
-    variants = []
-    for impl in ("cudnn", "xla"):
-        attend = lambda q, k, v, impl=impl: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
-        variants += variants_of(case, f"{impl}, dense causal mask", attend, sets, flops)
-    variants += variants_of(case, "flash_attention untuned", kernel_attend(None, causal=True, segment_ids=segments), sets, flops)
-    row_attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    variants += variants_of(case, "cudnn causal over the row (ignores documents)", row_attend, sets, flops)
+    keys = jax.random.split(jax.random.key(2026), 3)
+    sets = [(*one, random_documents(key, b, s, documents)) for one, key in zip(input_sets(b, s, h, kv, d), keys)]
+    pairs = [float(jnp.sum(jnp.sum(ids[:, :, None] == jnp.arange(1, documents + 1), axis=1) ** 2 / 2)) for *_, ids in sets]
+    flops = 4.0 * h * d * sum(pairs) / len(pairs)  # visible work, averaged over the input sets
+    case = f"packed B{b} S{s} H{h}/{kv} D{d} x{documents} random docs"
+    plain = lambda ops: lambda q, k, v, ids: ops.attention(q, k, v, ids, documents)  # noqa: E731
+    variants = variants_with_ids(case, "cudnn, dense causal mask", plain(PLAIN_OPS), sets, flops)
+    variants += variants_with_ids(case, "cudnn packed layout", plain(PLAIN_CUDNN_PACKED_OPS), sets, flops)
+    dense = lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, mask=dense_mask(ids, causal=True), implementation="xla")  # noqa: E731
+    variants += variants_with_ids(case, "xla, dense causal mask", dense, sets, flops)
+    row_attend = lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa: E731
+    variants += variants_with_ids(case, "cudnn causal over the row (ignores documents)", row_attend, sets, flops)
+    variants += variants_with_ids(case, "flash_attention untuned", ids_attend(None, documents), sets, flops)
     for impl in ["pallas", *extra_impls()]:
-        variants += variants_of(case, impl, kernel_attend(AttentionConfig(impl), causal=True, segment_ids=segments), sets, flops)
+        variants += variants_with_ids(case, impl, ids_attend(AttentionConfig(impl), documents), sets, flops)
+    for impl in extra_impls():  # the plans' share: the first set's ids as a constant, its plans folded
+        folded = kernel_attend(AttentionConfig(impl), causal=True, segment_ids=sets[0][4], max_documents=documents)
+        variants += variants_of(case, f"{impl}, plans folded (constant ids)", folded, [one[:4] for one in sets[:1]], 4.0 * h * d * pairs[0])
     rows = run_section("c", variants, args.samples, args.per_sample)
-    set_ratios(rows, lambda r: find(rows, case, "cudnn, dense causal mask", r.pass_), "cuDNN dense mask")
+    set_ratios(rows, lambda r: find(rows, case, "cudnn packed layout", r.pass_), "cuDNN packed layout")
+    for row in rows:
+        dense_row = find(rows, case, "cudnn, dense causal mask", row.pass_)
+        if row.tflops and dense_row is not None and dense_row.tflops:
+            row.note = f"{row.tflops / dense_row.tflops:.2f}x cuDNN dense mask. {row.note}".strip()
     return rows
 
 

@@ -29,10 +29,13 @@ for name in "$@"; do
     mosaicgpu) step pytest_mosaic_gpu 540 python3 -m pytest -q -m gpu tests/test_attention_mosaic.py -p no:cacheprovider ;;
     kernels_matmul|kernels_attention|kernels_norms|kernels_cross_entropy) step "$name" 570 python3 bench/bench_kernels.py --only "${name#kernels_}" ;;
     attention_abc) step attention_abc 240 python3 bench/bench_attention.py --only a,b,c --samples 7 ;;
+    attention_c) step attention_c 240 python3 bench/bench_attention.py --only c --samples 7 ;;
     attention_d) step attention_d 240 python3 bench/bench_attention.py --only d --samples 7 ;;
     attention_e) step attention_e 420 python3 bench/bench_attention.py --only e --samples 7 ;;
     attention_check) step attention_check 300 python3 bench/bench_attention.py --only check --quick ;;
     lce) step lce 300 python3 bench/bench_linear_cross_entropy.py --samples 9 --chunks 8192 ;;
+    # The larger vocabularies of Llama 3 (128k) and Gemma (256k).
+    lce128k|lce256k) step "$name" 400 python3 bench/bench_linear_cross_entropy.py --samples 7 --vocab "$((${name//[!0-9]/} * 1024))" --chunks 8192 --token-chunks 1024,4096 ;;
     model) step model 560 python3 bench/bench_model.py --samples 6 --max-configs 4 --tune-budget 400 ;;
     modelpacked) step model_packed 585 python3 bench/bench_model.py --packed --samples 6 --tune-budget 280 ;;
     rayscaling) step ray_scaling 560 python3 bench/bench_ray_tuning.py --scaling --workers 1,2,4,8 --seq-lens 16,32,48 --no-local ;;

@@ -62,6 +62,7 @@ def test_errors_exit_1_and_debug_shows_traceback(tmp_path):
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+@pytest.mark.slow
 def test_audit_tune_audit_and_cache_commands(program, tmp_path):
     cache = tmp_path / "cache"
     before = json.loads(cli("audit", str(program), "--json", cache=cache).stdout)

@@ -80,6 +80,7 @@ def test_values_and_gradients_match_float32(impl: str, options: dict):
         assert np.all(np.asarray(jax.grad(loss(lambda h, w: linear_cross_entropy(h, w, labels, cfg=CONFIGS[impl], **options)))(hidden, weight))[:3] == 0)
 
 
+@pytest.mark.slow
 def test_bf16_inputs_and_odd_sizes():
     hidden, weight, labels = inputs(37, 40, 301, jnp.bfloat16)
     for cfg in CONFIGS.values():

@@ -17,6 +17,7 @@ def test_notebooks_are_present():
     assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "audit", "aot_tuning"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path, isolated_cache_dir: Path):
     book = nbformat.read(path, as_version=4)

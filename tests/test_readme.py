@@ -69,6 +69,7 @@ def _readme_outputs():
     return module
 
 
+@pytest.mark.slow
 def test_readme_shows_what_the_code_prints():
     # The synopsis, the example model's site counts, a first demo run and a second one (which
     # must tune nothing), made again and compared with README, timings and temporary folders aside.

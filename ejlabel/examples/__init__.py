@@ -32,6 +32,7 @@ from .model import (
     make_serve_step,
     make_train_step,
     place_on_mesh,
+    random_documents,
 )
 
 __all__ = [
@@ -55,4 +56,5 @@ __all__ = [
     "make_serve_step",
     "make_train_step",
     "place_on_mesh",
+    "random_documents",
 ]

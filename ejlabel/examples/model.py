@@ -44,7 +44,7 @@ from ejlabel.kernels.norms import rms_norm
 
 __all__ = [
     "ModelConfig", "TINY", "TINY_PACKED", "GPU_125M", "GPU_125M_PACKED", "Ops", "KERNEL_OPS", "PLAIN_OPS", "PLAIN_CUDNN_PACKED_OPS", "Params",
-    "init_params", "example_batch", "fsdp_specs", "gathered", "place_on_mesh", "hidden_fn", "logits_fn", "loss_fn", "make_train_step", "make_serve_step",
+    "init_params", "example_batch", "random_documents", "fsdp_specs", "gathered", "place_on_mesh", "hidden_fn", "logits_fn", "loss_fn", "make_train_step", "make_serve_step",
 ]
 
 Params = dict[str, Any]
@@ -194,11 +194,11 @@ def example_batch(cfg: ModelConfig, key: jax.Array) -> dict[str, Array]:
     tokens = jax.random.randint(k_tokens, (cfg.batch, cfg.seq_len + 1), 0, cfg.vocab, dtype=jnp.int32)
     batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
     if cfg.documents > 1:
-        batch["segment_ids"] = _random_documents(k_cuts, cfg.batch, cfg.seq_len, cfg.documents)
+        batch["segment_ids"] = random_documents(k_cuts, cfg.batch, cfg.seq_len, cfg.documents)
     return batch
 
 
-def _random_documents(key: jax.Array, rows: int, seq_len: int, documents: int) -> Int[Array, "rows seq"]:
+def random_documents(key: jax.Array, rows: int, seq_len: int, documents: int) -> Int[Array, "rows seq"]:
     """Segment ids of ``documents`` non-empty documents per row, cut at random positions."""
     def one_row(key: jax.Array) -> Int[Array, " seq"]:
         cuts = jnp.sort(jax.random.permutation(key, jnp.arange(1, seq_len))[: documents - 1])
