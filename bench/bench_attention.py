@@ -21,9 +21,10 @@ Sections:
   argument of the timed call (so plans, masks and layouts are computed inside it, as in a
   training step): what plain JAX offers (cuDNN's packed layout, the strongest and the anchor;
   cuDNN and XLA with the dense block-diagonal causal mask; plain causal cuDNN over the whole
-  row as a yardstick that ignores the documents) against ``flash_attention`` untuned and ours;
-  and ours with the ids a constant of the program (its plans folded while compiling), which
-  shows what computing the plans costs a call.
+  row as a yardstick that ignores the documents) against ``flash_attention`` untuned and ours,
+  with the Mosaic tiles of its tuning space (each forward tile's forward, each backward tile's
+  forward+backward); and ours with the ids a constant of the program (its plans folded while
+  compiling), which shows what computing the plans costs a call.
 - ``d``: causal B2 S4096 H8 D256 bf16 (head dim 256, where the Mosaic backward walks the
   key/value tiles twice, the dv walk with two stages and the others with one): cuDNN (where it
   takes the shape), the XLA path, ours on Triton and on Mosaic GPU, and Mosaic with one stage
@@ -316,6 +317,17 @@ def section_c(args: argparse.Namespace) -> list[Row]:
     variants += variants_with_ids(case, "flash_attention untuned", ids_attend(None, documents), sets, flops)
     for impl in ["pallas", *extra_impls()]:
         variants += variants_with_ids(case, impl, ids_attend(AttentionConfig(impl), documents), sets, flops)
+    # The Mosaic configs tuning may pick here: their forward tiles (the forward of each distinct
+    # one) and backward tiles (forward+backward with the default forward), beside the defaults.
+    kwargs = {"causal": True, "segment_ids": sets[0][4], "max_documents": documents}
+    space = [cfg for cfg in AttentionKernel().config_space(Invocation(AttentionKernel(), sets[0][:3], kwargs)) if cfg.impl == "mosaic"]
+    for fwd in dict.fromkeys(cfg.fwd for cfg in space):
+        cfg = AttentionConfig("mosaic", fwd)
+        variants += variants_with_ids(case, f"mosaic fwd kv{fwd.kv_blocksize} stages {fwd.num_stages}", ids_attend(cfg, documents), sets, flops)[:1]
+    for bwd in dict.fromkeys(cfg.bwd for cfg in space):
+        cfg = AttentionConfig("mosaic", bwd=bwd)
+        name = f"mosaic bwd q{bwd.q_blocksize} kv{bwd.kv_blocksize} stages {bwd.num_stages}"
+        variants += variants_with_ids(case, name, ids_attend(cfg, documents), sets, flops)[1:]
     for impl in extra_impls():  # the plans' share: the first set's ids as a constant, its plans folded
         folded = kernel_attend(AttentionConfig(impl), causal=True, segment_ids=sets[0][4], max_documents=documents)
         variants += variants_of(case, f"{impl}, plans folded (constant ids)", folded, [one[:4] for one in sets[:1]], 4.0 * h * d * pairs[0])
