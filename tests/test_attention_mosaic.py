@@ -55,6 +55,8 @@ pytestmark = pytest.mark.skipif(not am.mosaic_available(), reason="this JAX has 
         (128, 2, {"causal": True, "pingpong": True}, FwdParams()),
         (128, 2, {"causal": True, "segments": True}, FwdParams()),
         (256, 1, {"causal": False}, FwdParams()),
+        (128, 2, {"causal": True, "pipelined": True}, FwdParams()),
+        (64, 2, {"causal": True, "segments": True, "pipelined": True}, FwdParams(kv_blocksize=64)),
         (96, 4, {"window": (64, 16)}, FwdParams(kv_blocksize=64)),
     ],
 )
@@ -65,7 +67,9 @@ def test_forward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, options: dict[str
     bounds = window_bounds(options.get("causal", False), options.get("window"))
 
     def fwd(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        return am.mosaic_forward(q, k, v, seg, scale=0.1, bounds=bounds, params=params, pingpong=options.get("pingpong", False))
+        return am.mosaic_forward(
+            q, k, v, seg, scale=0.1, bounds=bounds, params=params, pingpong=options.get("pingpong", False), pipelined=options.get("pipelined", False),
+        )
 
     text = lower_for_cuda(fwd, q, k, k, seg)
     assert "mosaic_gpu" in text
@@ -298,15 +302,41 @@ def test_interpreted_pingpong_forward(races: Callable[[], bool]) -> None:
     assert rel_error(out, reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=0.125)) < 1e-2
 
 
+@pytest.mark.slow
+def test_interpreted_pipelined_forward(races: Callable[[], bool]) -> None:
+    # Each consumer's softmax overlapped with its own products: the scores of the next block are
+    # issued before the last values are consumed, and each value slot is freed a step late (at
+    # the item's end for its last). Two heads of two tiles over three programs (one walks two
+    # items, the ring running on across them), two documents and padding, 64-key blocks in two
+    # slots: a slot freed too early, or read before it is ready, is what the race detector
+    # reports; every kind of mask runs.
+    seq = 256
+    q, k, v = qkv(1, seq, 2, 2, 64, jnp.bfloat16, seed=7)
+    ids = jnp.where(jnp.arange(seq) < seq - 7, 1 + (jnp.arange(seq) >= 3 * seq // 4), 0)[None].astype(jnp.int32)
+    params = FwdParams(kv_blocksize=64, num_stages=2)
+    out, lse = am.mosaic_forward(q, k, v, ids, scale=0.125, bounds=window_bounds(True, None), params=params, interpret=True, pingpong=False, pipelined=True)
+    assert not races()
+    assert rel_error(out, reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=0.125)) < 1e-2
+    plain_out, plain_lse = am.mosaic_forward(q, k, v, ids, scale=0.125, bounds=window_bounds(True, None), params=params, interpret=True, pingpong=False)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(plain_lse), rtol=1e-6, atol=1e-6)
+
+
+def test_pipelined_forward_takes_no_pingpong() -> None:
+    q, k, v = qkv(1, 128, 1, 1, 64, jnp.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="pipelined, pingpong"):
+        am.mosaic_forward(q, k, v, None, scale=0.125, bounds=(None, 0), params=FwdParams(), interpret=True, pingpong=True, pipelined=True)
+
+
 @gpu
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize("pingpong", [False, True])
+@pytest.mark.parametrize("schedule", ["plain", "pingpong", "pipelined"])
 @pytest.mark.parametrize("segments", [False, True])
-def test_gpu_forward_pingpong(pingpong: bool, segments: bool) -> None:
+def test_gpu_forward_schedules(schedule: str, segments: bool) -> None:
     q, k, v = qkv(2, 1100, 4, 2, 128, jnp.bfloat16, seed=8)
     ids = documents(2, 1100, 3, padding=60, seed=1) if segments else None
-    forward = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, ids, scale=0.09, bounds=(None, 0), params=FwdParams(), pingpong=pingpong))
+    options = {"pingpong": schedule == "pingpong", "pipelined": schedule == "pipelined"}
+    forward = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, ids, scale=0.09, bounds=(None, 0), params=FwdParams(), **options))
     out, lse = forward(q, k, v)
     assert rel_error(out, reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=0.09)) < 2e-2
     assert np.all(np.isfinite(np.asarray(lse)))

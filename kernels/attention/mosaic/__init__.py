@@ -174,10 +174,14 @@ def pad_operands(
     return Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim, rows, cols)
 
 
-def _forward_padded(p: Padded, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True) -> tuple[jax.Array, jax.Array]:
+def _forward_padded(
+    p: Padded, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True, pipelined: bool = False,
+) -> tuple[jax.Array, jax.Array]:
     batch, rows, cols = p.q.shape[0], p.rows, p.cols
     plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
-    return forward_call(p.q, p.k, p.v, plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
+    return forward_call(
+        p.q, p.k, p.v, plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent, pipelined=pipelined,
+    )
 
 
 def tile_blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int | None]:
@@ -246,7 +250,7 @@ def traced_once(fn: Any) -> Any:
 def mosaic_forward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, *, scale: float, bounds: Window, params: FwdParams, interpret: bool = False,
-    pingpong: bool = True, persistent: bool = True,
+    pingpong: bool = True, persistent: bool = True, pipelined: bool = False,
 ) -> tuple[Float[Array, "batch sq heads dim"], Float[Array, "batch heads sq"]]:
     """``(out, lse)``: the attention output and its base-2 log-sum-exp ``[batch, heads, sq]``.
 
@@ -255,11 +259,13 @@ def mosaic_forward(
     causal B4 S4096 H16 D128 forward 1.06x and the packed-documents forward 1.08x faster than
     the plain schedule, in one interleaved run. ``persistent``: at most one program per SM,
     each walking several tiles (see :class:`.work.Items`); False: one per tile.
+    ``pipelined``: each consumer overlaps its softmax with its own products instead
+    (:func:`.forward.pipelined_walk`; without ``pingpong``).
     """
     check_operands(q, k)
     _, block_k, stages = tile_blocks(params, q.shape[3])
     p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
-    out, lse = _forward_padded(p, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent)
+    out, lse = _forward_padded(p, block_k=block_k, stages=stages, pingpong=pingpong, persistent=persistent, pipelined=pipelined)
     return out[:, : p.seq_q, :, : p.dim], lse[:, :, : p.seq_q]
 
 

@@ -233,6 +233,7 @@ class Schedule:
     pingpong: bool
     persistent: bool
     fused_backward: bool
+    pipelined: bool = False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -245,7 +246,7 @@ def _attention_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
                    fwd: FwdParams, bwd: BwdParams, schedule: Schedule) -> tuple[jax.Array, tuple[Any, ...]]:
     out, lse = mosaic_forward(
         q, k, v, segment_ids, scale=scale, bounds=bounds, params=fwd, interpret=schedule.interpret, pingpong=schedule.pingpong,
-        persistent=schedule.persistent,
+        persistent=schedule.persistent, pipelined=schedule.pipelined,
     )
     return out, (q, k, v, segment_ids, out, lse)
 
@@ -267,7 +268,7 @@ def mosaic_attention(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     *, scale: float | None = None, causal: bool = False, window: tuple[int, int] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None, params: tuple[FwdParams, BwdParams] | None = None,
-    interpret: bool = False, pingpong: bool = True, persistent: bool = True, fused_backward: bool = False,
+    interpret: bool = False, pingpong: bool = True, persistent: bool = True, fused_backward: bool = False, pipelined: bool = False,
 ) -> Float[Array, "batch sq heads dim"]:
     """Attention on the Mosaic GPU kernels, differentiable (the forward's output and log-sum-exp
     are kept for the backward).
@@ -285,6 +286,8 @@ def mosaic_attention(
       pingpong: alternate the forward's two consumer warpgroups (see :func:`.mosaic_forward`).
       persistent: at most one program per SM, each walking several tiles (see :class:`.work.Items`).
       fused_backward: one backward kernel for dq, dk and dv (see :func:`fused_backward`).
+      pipelined: the forward's consumers overlap their softmax with their own products
+        (:func:`.forward.pipelined_walk`); takes ``pingpong=False``.
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with kv heads dividing heads, got {q.shape}, {k.shape}, {v.shape}")
@@ -295,4 +298,4 @@ def mosaic_attention(
         right = 0 if right is None else min(right, 0)
     fwd, bwd = params if params is not None else (FwdParams(), BwdParams())
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, Schedule(interpret, pingpong, persistent, fused_backward))
+    return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, Schedule(interpret, pingpong, persistent, fused_backward, pipelined))

@@ -4,7 +4,8 @@ base 2, and saving the log-sum-exp for the backward."""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ __all__ = ["forward_call"]
 
 def forward_call(
     q: jax.Array, k: jax.Array, v: jax.Array, plan: jax.Array, segment_ids: jax.Array | None,
-    shape: Shape, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True,
+    shape: Shape, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True, pipelined: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out [batch, seq_q, heads, dim], lse [batch, heads, seq_q])`` on padded operands.
 
@@ -32,8 +33,12 @@ def forward_call(
     meet at a two-arrival barrier twice per step (after issuing ``q k^T``, and after the
     softmax), offset by half a step, so one's softmax runs while the other's matrix products
     use the tensor cores. Both walk the same blocks, so their meetings pair up; per item,
-    consumer 1 meets once before its loop and consumer 0 once after.
+    consumer 1 meets once before its loop and consumer 0 once after. ``pipelined``: each
+    consumer overlaps its own softmax with its products (:func:`pipelined_walk`); it takes no
+    ``pingpong``.
     """
+    if pipelined and pingpong:
+        raise ValueError("pipelined, pingpong: the pipelined walk has no meetings; expected one of them")
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     segmented = segment_ids is not None
@@ -84,33 +89,19 @@ def forward_call(
                 my_q = q_smem.at[buf, wg]
                 q_seg = load_smem(shape, qseg_smem.at[buf, wg], row_layout()) if segmented else None
 
+                segments_of = functools.partial(key_segments, shape, (kseg_ready, kseg_ring) if segmented else None, q_seg=q_seg)
+                softmax = functools.partial(online_softmax, shape, row0=row0, block_k=block_k, dtype=dtype)
+
                 def step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
                     acc, m, l = carry
                     slot = lax.rem(t, stages)
-                    segments = None
-                    if segmented:
-                        plgpu.barrier_wait(kseg_ready.at[slot])
-                        if kind is Mask.SEGMENTS:
-                            segments = (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout()))
+                    segments = segments_of(slot, kind)
                     with jax.named_scope("k_wait"):
                         plgpu.barrier_wait(k_ready.at[slot])
-
                     s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
                     plgpu.barrier_arrive(k_used.at[slot])
-                    s = s * shape.scale
-                    masked = kind is not Mask.NONE
-                    mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False) if masked else None
-                    if mask is not None:
-                        s = jnp.where(mask, s, MASK_VALUE)
-                    m_new = jnp.maximum(m, s.max(axis=1))
-                    alpha = jnp.exp2(m - m_new)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    if mask is not None:
-                        # A row with nothing visible yet has m_new == MASK_VALUE and exp2(0) == 1.
-                        p = jnp.where(mask, p, 0.0)
-                    l = l * alpha + p.sum(axis=1)
+                    p16, alpha, m, l = softmax(s, m, l, j=j, kind=kind, segments=segments)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    p16 = p.astype(dtype)
                     if pingpong:
                         plgpu.barrier_arrive(turn)  # softmax done
                     plgpu.barrier_wait(v_ready.at[slot])
@@ -118,18 +109,22 @@ def forward_call(
                         plgpu.barrier_wait(turn)  # the other consumer's products are issued
                     acc = mma_into(shape, acc, p16, v_ring.at[slot])
                     plgpu.barrier_arrive(v_used.at[slot])
-                    return acc, m_new, l
+                    return acc, m, l
 
                 init = (
                     cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA),
                     cast(shape, jnp.full((WG_ROWS,), MASK_VALUE, jnp.float32), row_layout()),
                     cast(shape, jnp.zeros((WG_ROWS,), jnp.float32), row_layout()),
                 )
-                if pingpong:
-                    pl.when(wg == 1)(meet)
-                acc, m, l = walk(visit, step, init, offset=t0, masks=mask_loops(segmented, dim))
-                if pingpong:
-                    pl.when(wg == 0)(meet)
+                if pipelined:
+                    ring = Ring(k_ring, v_ring, k_ready, v_ready, k_used, v_used, stages)
+                    acc, m, l = pipelined_walk(shape, visit, my_q, ring, segments_of, softmax, init, t0, masks=mask_loops(segmented, dim))
+                else:
+                    if pingpong:
+                        pl.when(wg == 1)(meet)
+                    acc, m, l = walk(visit, step, init, offset=t0, masks=mask_loops(segmented, dim))
+                    if pingpong:
+                        pl.when(wg == 0)(meet)
                 seen = l > 0.0
                 safe_l = jnp.where(seen, l, 1.0)
                 inv = jnp.where(seen, 1.0 / safe_l, 0.0)
@@ -180,3 +175,173 @@ def forward_call(
     # The log-sum-exp rows over whole tiles: a TMA row stride must be a multiple of 16 bytes.
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, plan.shape[2] * TILE), jnp.float32))
     return launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
+
+
+def key_segments(shape: Shape, kseg: tuple[Any, Any] | None, slot: jax.Array, kind: Mask, q_seg: jax.Array | None) -> Any:
+    """The query and key segment ids a step's mask compares, or None: waits for the ring's key ids
+    (with segment ids, every step, so each barrier phase is observed) and reads them where
+    ``kind`` is the segment ids' mask. Their slot is freed with the key slot, so this comes
+    before the step arrives on it."""
+    if kseg is None:
+        return None
+    kseg_ready, kseg_ring = kseg
+    plgpu.barrier_wait(kseg_ready.at[slot])
+    return (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout())) if kind is Mask.SEGMENTS else None
+
+
+def online_softmax(
+    shape: Shape, s: jax.Array, m: jax.Array, l: jax.Array, *, j: jax.Array, kind: Mask, segments: Any, row0: jax.Array, block_k: int, dtype: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One key block's step of the online softmax, base 2: from the raw scores ``s [64, block_k]``
+    of key block ``j`` and the running row max ``m`` and sum ``l``, the probabilities in 16 bits
+    for ``P V``, the factor ``alpha`` that rescales the output rows, and the new ``m`` and
+    ``l``. ``segments``: from :func:`key_segments`."""
+    s = s * shape.scale
+    mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False) if kind is not Mask.NONE else None
+    if mask is not None:
+        s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    if mask is not None:
+        # A row with nothing visible yet has m_new == MASK_VALUE and exp2(0) == 1.
+        p = jnp.where(mask, p, 0.0)
+    return p.astype(dtype), alpha, m_new, l * alpha + p.sum(axis=1)
+
+
+class Ring(NamedTuple):
+    """A consumer's side of the forward's ring: the key and value slots, their ready barriers
+    (completed by TMA) and their consumed barriers (one arrival per consumer)."""
+
+    k: Any
+    v: Any
+    k_ready: Any
+    v_ready: Any
+    k_used: Any
+    v_used: Any
+    stages: int
+
+
+class _InFlight:
+    """The two products of :func:`pipelined_walk`, ``S = q k^T`` and ``O += P v``, in wgmma
+    accumulators that stay in flight across steps (``refs``: the scores' and the output's).
+    What the walk carries for them is ``()``: their registers belong to the tensor cores until
+    awaited. Products complete in the order issued, so at a step's start, with ``S_t`` issued
+    before ``P_{t-1} v_{t-1}``, waiting for all but the newest group gives ``S_t``."""
+
+    def __init__(self, q: Any, ring: Ring, s_acc: Any, o_acc: Any, zeros: jax.Array) -> None:
+        self.q, self.ring, self.s_acc, self.o_acc, self.zeros = q, ring, s_acc, o_acc, zeros
+
+    def issue_scores(self, t: jax.Array, when: jax.Array, pending: Any) -> Any:
+        def issue() -> None:
+            slot = lax.rem(t, self.ring.stages)
+            plgpu.barrier_wait(self.ring.k_ready.at[slot])
+            self.s_acc[...] = self.zeros
+            plgpu.wgmma(self.s_acc, self.q, self.ring.k.at[slot].transpose((1, 0)))
+
+        pl.when(when)(issue)
+        return pending
+
+    def settle(self) -> None:
+        plgpu.wgmma_wait(0)
+
+    def scores(self, pending: Any) -> tuple[jax.Array, Any]:
+        return plgpu.wgmma_accumulator_load(self.s_acc, wait_n=1), pending  # the last P v may run on
+
+    def rescale(self, alpha: jax.Array, pending: Any) -> Any:
+        plgpu.wgmma_wait(0)
+        out = plgpu.wgmma_accumulator_load(self.o_acc, wait_n=None)
+        self.o_acc[...] = out * lax.broadcast_in_dim(alpha, out.shape, [0])
+        return pending
+
+    def issue_values(self, p16: jax.Array, slot: jax.Array, pending: Any) -> Any:
+        plgpu.wgmma(self.o_acc, p16, self.ring.v.at[slot])
+        return pending
+
+    def out(self, pending: Any) -> jax.Array:
+        plgpu.wgmma_wait(0)
+        return plgpu.wgmma_accumulator_load(self.o_acc, wait_n=None)
+
+
+class _AtOnce:
+    """:class:`_InFlight` for the interpreter, which runs a product when it is issued: the walk
+    carries ``(out, next scores)`` as values. The barriers are waited and arrived on in the same
+    order, which is what the interpreter's race detector checks."""
+
+    def __init__(self, shape: Shape, q: Any, ring: Ring, zeros: jax.Array) -> None:
+        self.shape, self.q, self.ring, self.zeros = shape, q, ring, zeros
+
+    def issue_scores(self, t: jax.Array, when: jax.Array, pending: Any) -> Any:
+        def issue() -> jax.Array:
+            slot = lax.rem(t, self.ring.stages)
+            plgpu.barrier_wait(self.ring.k_ready.at[slot])
+            return mma_new(self.shape, self.q, self.ring.k.at[slot], transpose_b=True)
+
+        return pending[0], lax.cond(when, issue, lambda: self.zeros)
+
+    def settle(self) -> None:
+        pass
+
+    def scores(self, pending: Any) -> tuple[jax.Array, Any]:
+        return pending[1], pending
+
+    def rescale(self, alpha: jax.Array, pending: Any) -> Any:
+        out, scores = pending
+        return out * lax.broadcast_in_dim(alpha, out.shape, [0]), scores
+
+    def issue_values(self, p16: jax.Array, slot: jax.Array, pending: Any) -> Any:
+        out, scores = pending
+        return mma_into(self.shape, out, p16, self.ring.v.at[slot]), scores
+
+    def out(self, pending: Any) -> jax.Array:
+        return pending[0]
+
+
+def pipelined_walk(
+    shape: Shape, visit: Visit, q: Any, ring: Ring, segments_of: Any, softmax: Any, init: tuple[jax.Array, jax.Array, jax.Array],
+    t0: jax.Array, *, masks: tuple[Mask, ...],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One item's walk with a consumer's softmax overlapped with its own products
+    (FlashAttention-3's intra-warpgroup pipelining), returning ``(out, m, l)`` as the plain
+    walk does. Step ``t`` finds ``S_t = q k_t^T`` issued by the step before and ``P_{t-1}
+    v_{t-1}`` issued after it; it waits for ``S_t`` alone and runs the softmax while that
+    product is on the tensor cores, then waits for it, rescales the output, frees the value
+    slot of step ``t - 1`` and issues ``S_{t+1}`` and ``P_t v_t`` back to back.
+    ``segments_of``, ``softmax``: :func:`key_segments` and :func:`online_softmax` bound to the item."""
+    out0, m0, l0 = init
+    end = t0 + visit.steps
+    block_k = ring.k.shape[-2]
+    zeros = cast(shape, jnp.zeros((WG_ROWS, block_k), jnp.float32), plgpu.Layout.WGMMA)
+
+    def run(products: Any, pending: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        # The first scores are awaited at once: nothing runs beside them (so every step waits
+        # for all products but the newest).
+        pending = products.issue_scores(t0, t0 < end, pending)
+        products.settle()
+
+        def step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
+            m, l, pending = carry
+            slot, first = lax.rem(t, ring.stages), t == t0
+            s, pending = products.scores(pending)
+            segments = segments_of(slot, kind)
+            plgpu.barrier_arrive(ring.k_used.at[slot])
+            p16, alpha, m, l = softmax(s, m, l, j=j, kind=kind, segments=segments)
+            pending = products.rescale(alpha, pending)
+            pl.when(~first)(lambda: plgpu.barrier_arrive(ring.v_used.at[lax.rem(t - 1, ring.stages)]))
+            pending = products.issue_scores(t + 1, t + 1 < end, pending)
+            plgpu.barrier_wait(ring.v_ready.at[slot])
+            return m, l, products.issue_values(p16, slot, pending)
+
+        m, l, pending = walk(visit, step, (m0, l0, pending), offset=t0, masks=masks)
+        out = products.out(pending)
+        pl.when(t0 < end)(lambda: plgpu.barrier_arrive(ring.v_used.at[lax.rem(end - 1, ring.stages)]))
+        return out, m, l
+
+    if shape.interpret:
+        return run(_AtOnce(shape, q, ring, zeros), (out0, zeros))
+
+    def scoped(s_acc: Any, o_acc: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        o_acc[...] = out0
+        return run(_InFlight(q, ring, s_acc, o_acc, zeros), ())
+
+    return pl.run_scoped(scoped, plgpu.ACC((WG_ROWS, block_k), jnp.float32), plgpu.ACC(out0.shape, jnp.float32))
