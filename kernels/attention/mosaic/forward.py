@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from ...pallas_common import MASK_VALUE
 from .kernel import (
     CONSUMER_REGISTERS, LN2, PRODUCER_REGISTERS, cast, col_layout, consume_items, fits_exactly, key_value_items,
-    key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
+    key_value_streams, launch, load_smem, mma_beside, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
     smem_tile, tile_buffers, tile_ready, visibility,
 )
 from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
@@ -222,126 +222,44 @@ class Ring(NamedTuple):
     stages: int
 
 
-class _InFlight:
-    """The two products of :func:`pipelined_walk`, ``S = q k^T`` and ``O += P v``, in wgmma
-    accumulators that stay in flight across steps (``refs``: the scores' and the output's).
-    What the walk carries for them is ``()``: their registers belong to the tensor cores until
-    awaited. Products complete in the order issued, so at a step's start, with ``S_t`` issued
-    before ``P_{t-1} v_{t-1}``, waiting for all but the newest group gives ``S_t``."""
-
-    def __init__(self, q: Any, ring: Ring, s_acc: Any, o_acc: Any, zeros: jax.Array) -> None:
-        self.q, self.ring, self.s_acc, self.o_acc, self.zeros = q, ring, s_acc, o_acc, zeros
-
-    def issue_scores(self, t: jax.Array, when: jax.Array, pending: Any) -> Any:
-        def issue() -> None:
-            slot = lax.rem(t, self.ring.stages)
-            plgpu.barrier_wait(self.ring.k_ready.at[slot])
-            self.s_acc[...] = self.zeros
-            plgpu.wgmma(self.s_acc, self.q, self.ring.k.at[slot].transpose((1, 0)))
-
-        pl.when(when)(issue)
-        return pending
-
-    def settle(self) -> None:
-        plgpu.wgmma_wait(0)
-
-    def scores(self, pending: Any) -> tuple[jax.Array, Any]:
-        return plgpu.wgmma_accumulator_load(self.s_acc, wait_n=1), pending  # the last P v may run on
-
-    def rescale(self, alpha: jax.Array, pending: Any) -> Any:
-        plgpu.wgmma_wait(0)
-        out = plgpu.wgmma_accumulator_load(self.o_acc, wait_n=None)
-        self.o_acc[...] = out * lax.broadcast_in_dim(alpha, out.shape, [0])
-        return pending
-
-    def issue_values(self, p16: jax.Array, slot: jax.Array, pending: Any) -> Any:
-        plgpu.wgmma(self.o_acc, p16, self.ring.v.at[slot])
-        return pending
-
-    def out(self, pending: Any) -> jax.Array:
-        plgpu.wgmma_wait(0)
-        return plgpu.wgmma_accumulator_load(self.o_acc, wait_n=None)
-
-
-class _AtOnce:
-    """:class:`_InFlight` for the interpreter, which runs a product when it is issued: the walk
-    carries ``(out, next scores)`` as values. The barriers are waited and arrived on in the same
-    order, which is what the interpreter's race detector checks."""
-
-    def __init__(self, shape: Shape, q: Any, ring: Ring, zeros: jax.Array) -> None:
-        self.shape, self.q, self.ring, self.zeros = shape, q, ring, zeros
-
-    def issue_scores(self, t: jax.Array, when: jax.Array, pending: Any) -> Any:
-        def issue() -> jax.Array:
-            slot = lax.rem(t, self.ring.stages)
-            plgpu.barrier_wait(self.ring.k_ready.at[slot])
-            return mma_new(self.shape, self.q, self.ring.k.at[slot], transpose_b=True)
-
-        return pending[0], lax.cond(when, issue, lambda: self.zeros)
-
-    def settle(self) -> None:
-        pass
-
-    def scores(self, pending: Any) -> tuple[jax.Array, Any]:
-        return pending[1], pending
-
-    def rescale(self, alpha: jax.Array, pending: Any) -> Any:
-        out, scores = pending
-        return out * lax.broadcast_in_dim(alpha, out.shape, [0]), scores
-
-    def issue_values(self, p16: jax.Array, slot: jax.Array, pending: Any) -> Any:
-        out, scores = pending
-        return mma_into(self.shape, out, p16, self.ring.v.at[slot]), scores
-
-    def out(self, pending: Any) -> jax.Array:
-        return pending[0]
-
-
 def pipelined_walk(
     shape: Shape, visit: Visit, q: Any, ring: Ring, segments_of: Any, softmax: Any, init: tuple[jax.Array, jax.Array, jax.Array],
     t0: jax.Array, *, masks: tuple[Mask, ...],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One item's walk with a consumer's softmax overlapped with its own products
     (FlashAttention-3's intra-warpgroup pipelining), returning ``(out, m, l)`` as the plain
-    walk does. Step ``t`` finds ``S_t = q k_t^T`` issued by the step before and ``P_{t-1}
-    v_{t-1}`` issued after it; it waits for ``S_t`` alone and runs the softmax while that
-    product is on the tensor cores, then waits for it, rescales the output, frees the value
-    slot of step ``t - 1`` and issues ``S_{t+1}`` and ``P_t v_t`` back to back.
-    ``segments_of``, ``softmax``: :func:`key_segments` and :func:`online_softmax` bound to the item."""
+    walk does. Step ``t`` issues ``S_t = q k_t^T`` and then the previous step's ``P_{t-1}
+    v_{t-1}`` (:func:`.kernel.mma_beside`), waits for ``S_t`` alone and runs the softmax
+    while ``P_{t-1} v_{t-1}`` is on the tensor cores; the last step's product follows the
+    walk. Every product is awaited within its step: the loop carries registers only, the
+    probabilities included. ``segments_of``, ``softmax``: :func:`key_segments` and
+    :func:`online_softmax` bound to the item."""
     out0, m0, l0 = init
     end = t0 + visit.steps
-    block_k = ring.k.shape[-2]
-    zeros = cast(shape, jnp.zeros((WG_ROWS, block_k), jnp.float32), plgpu.Layout.WGMMA)
+    p0 = cast(shape, jnp.zeros((WG_ROWS, ring.k.shape[-2]), q.dtype), plgpu.Layout.WGMMA)
 
-    def run(products: Any, pending: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-        # The first scores are awaited at once: nothing runs beside them (so every step waits
-        # for all products but the newest).
-        pending = products.issue_scores(t0, t0 < end, pending)
-        products.settle()
+    def step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
+        out, p_prev, m, l = carry
+        slot, prev, first = lax.rem(t, ring.stages), lax.rem(t - 1, ring.stages), t == t0
+        plgpu.barrier_wait(ring.k_ready.at[slot])
+        pl.when(~first)(lambda: plgpu.barrier_wait(ring.v_ready.at[prev]))
 
-        def step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
-            m, l, pending = carry
-            slot, first = lax.rem(t, ring.stages), t == t0
-            s, pending = products.scores(pending)
+        def beside(s: jax.Array) -> tuple[jax.Array, ...]:
             segments = segments_of(slot, kind)
             plgpu.barrier_arrive(ring.k_used.at[slot])
-            p16, alpha, m, l = softmax(s, m, l, j=j, kind=kind, segments=segments)
-            pending = products.rescale(alpha, pending)
-            pl.when(~first)(lambda: plgpu.barrier_arrive(ring.v_used.at[lax.rem(t - 1, ring.stages)]))
-            pending = products.issue_scores(t + 1, t + 1 < end, pending)
-            plgpu.barrier_wait(ring.v_ready.at[slot])
-            return m, l, products.issue_values(p16, slot, pending)
+            return softmax(s, m, l, j=j, kind=kind, segments=segments)
 
-        m, l, pending = walk(visit, step, (m0, l0, pending), offset=t0, masks=masks)
-        out = products.out(pending)
-        pl.when(t0 < end)(lambda: plgpu.barrier_arrive(ring.v_used.at[lax.rem(end - 1, ring.stages)]))
-        return out, m, l
+        (p16, alpha, m, l), out = mma_beside(shape, q, ring.k.at[slot], out, p_prev, ring.v.at[prev], values=~first, between=beside)
+        pl.when(~first)(lambda: plgpu.barrier_arrive(ring.v_used.at[prev]))
+        return out * lax.broadcast_in_dim(alpha, out.shape, [0]), p16, m, l
 
-    if shape.interpret:
-        return run(_AtOnce(shape, q, ring, zeros), (out0, zeros))
+    out, p_last, m, l = walk(visit, step, (out0, p0, m0, l0), offset=t0, masks=masks)
 
-    def scoped(s_acc: Any, o_acc: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-        o_acc[...] = out0
-        return run(_InFlight(q, ring, s_acc, o_acc, zeros), ())
+    def last_values(out: jax.Array) -> jax.Array:
+        slot = lax.rem(end - 1, ring.stages)
+        plgpu.barrier_wait(ring.v_ready.at[slot])
+        out = mma_into(shape, out, p_last, ring.v.at[slot])
+        plgpu.barrier_arrive(ring.v_used.at[slot])
+        return out
 
-    return pl.run_scoped(scoped, plgpu.ACC((WG_ROWS, block_k), jnp.float32), plgpu.ACC(out0.shape, jnp.float32))
+    return lax.cond(t0 < end, last_values, lambda out: out, out), m, l

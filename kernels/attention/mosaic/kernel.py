@@ -25,7 +25,7 @@ from .work import Items, deal_items
 
 __all__ = [
     "CONSUMER_REGISTERS", "LN2", "LOG2E", "PRODUCER_REGISTERS", "SMEM_BYTES", "cast", "col_layout", "consume_items", "fits_exactly",
-    "interpret_params", "key_value_items", "key_value_streams", "launch", "load_smem", "mma_into", "mma_new", "mma_sum", "plgpu",
+    "interpret_params", "key_value_items", "key_value_streams", "launch", "load_smem", "mma_beside", "mma_into", "mma_new", "mma_sum", "plgpu",
     "produce_items", "ring_stages", "row_layout", "smem_tile", "tile_buffers", "tile_ready", "visibility",
 ]
 
@@ -322,6 +322,35 @@ def mma_into(shape: Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
         plgpu.wgmma(acc_ref, a, b)
 
     return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def mma_beside(
+    shape: Shape, q: Any, k: Any, acc: jax.Array, p: jax.Array, v: Any, *, values: jax.Array, between: Any,
+) -> tuple[Any, jax.Array]:
+    """``(between(q @ k^T), acc + p @ v)``, the second product only where ``values`` (else
+    ``acc`` as it is): both issued back to back, the first awaited alone, so ``between`` (CUDA-
+    core work on the scores) runs while the second is on the tensor cores. Operands as in
+    :func:`mma_new` (``p`` in registers, ``k`` and ``v`` in shared memory)."""
+    if shape.interpret:
+        extra = between(mma_new(shape, q, k, transpose_b=True))
+        return extra, lax.cond(values, lambda acc: mma_into(shape, acc, p, v), lambda acc: acc, acc)
+
+    def run(s_acc: Any, o_acc: Any) -> tuple[Any, jax.Array]:
+        o_acc[...] = acc
+        plgpu.wgmma(s_acc, q, k.transpose((1, 0)))
+
+        @pl.when(values)
+        def _values() -> None:
+            plgpu.wgmma(o_acc, p, v)
+
+        @pl.when(~values)
+        def _scores_alone() -> None:  # nothing else in flight: waiting for all but one would not wait
+            plgpu.wgmma_wait(0)
+
+        extra = between(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
+        return extra, plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
+
+    return pl.run_scoped(run, plgpu.ACC((q.shape[0], k.shape[0]), jnp.float32), plgpu.ACC(acc.shape, jnp.float32))
 
 
 def _compiler_params() -> Any:
