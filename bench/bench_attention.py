@@ -1,7 +1,7 @@
 """Attention on one GPU: every implementation side by side, plain causal, segments, packed documents.
 
     python bench/bench_attention.py                    # everything (about 4 minutes on an H100)
-    python bench/bench_attention.py --only a,c          # a subset: a, b, c, d, e, check
+    python bench/bench_attention.py --only a,c          # a subset: a, b, c, d, e, f, check
     python bench/bench_attention.py --samples 5 --quick # fewer samples, smaller correctness grid
 
 Sections:
@@ -32,6 +32,9 @@ Sections:
 - ``e``: our Mosaic GPU kernels against our Triton ones (and cuDNN where it takes the call), default
   tiles, at other shapes: model-sized causal and full attention, a sliding window, short rows,
   MQA, an odd length, packed documents at head dims 64 and 256.
+- ``f``: the Mosaic forward's schedules (ping-pong between the consumers, the default; plain;
+  pipelined, each consumer's softmax beside its own products), forward only, with both forward
+  tiles, at section a's shape and the example model's causal and packed shapes, cuDNN beside.
 - ``check``: values and gradients of each implementation against a float32 reference (highest
   matmul precision) over a grid of head dims, odd lengths, 1-4 segments and GQA ratios.
 
@@ -53,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import itertools
 import re
 import time
@@ -72,7 +76,7 @@ from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
 
 BWD_FLOP_FACTOR = 2.5
-SECTIONS = ("a", "b", "c", "d", "e", "check")
+SECTIONS = ("a", "b", "c", "d", "e", "f", "check")
 
 
 @dataclasses.dataclass
@@ -388,6 +392,44 @@ def section_e(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def section_f(args: argparse.Namespace) -> list[Row]:
+    """The Mosaic forward's schedules side by side (forward only, 128- and 64-key blocks):
+    ping-pong between the consumers (the default), the plain one, and the pipelined one (each
+    consumer's softmax beside its own products), at section a's shape, the example model's
+    causal shape and its packed one (ids an argument, as in section c); cuDNN beside each."""
+    if "mosaic" not in extra_impls():
+        return [Row("f", "-", "mosaic", "fwd", note="FAILED: no Mosaic GPU kernels here")]
+    from ejlabel.kernels.attention import mosaic as mosaic_module
+
+    shapes = {
+        "causal B4 S4096 H16 D128": (4, 4096, 16, 16, 128, 0),
+        "causal B8 S2048 H12/4 D64": (8, 2048, 12, 4, 64, 0),
+        "packed B8 S2048 H12/4 D64 x4 random docs": (8, 2048, 12, 4, 64, 4),
+    }
+    if args.tiny:
+        shapes = {name: (1, 256, 2, 1, 64, docs) for name, (*_, docs) in shapes.items()}
+    schedules = {"ping-pong": {"pingpong": True}, "plain": {"pingpong": False}, "pipelined": {"pingpong": False, "pipelined": True}}
+    variants = []
+    for case, (b, s, h, kv, d, documents) in shapes.items():
+        keys = jax.random.split(jax.random.key(2026), 3)
+        sets = [(*one[:3], random_documents(key, b, s, documents) if documents else None) for one, key in zip(input_sets(b, s, h, kv, d), keys)]
+        pairs = [float(jnp.sum(jnp.sum(ids[:, :, None] == jnp.arange(1, documents + 1), axis=1) ** 2 / 2)) for *_, ids in sets] if documents else [b * s * s / 2]
+        flops = 4.0 * h * d * sum(pairs) / len(pairs)
+        for tiles, params in (("", FwdParams()), (", kv64", FwdParams(kv_blocksize=64, num_stages=3))):
+            for name, schedule in schedules.items():
+                attend = functools.partial(mosaic_module.mosaic_forward, scale=d**-0.5, bounds=(None, 0), params=params, **schedule)
+                fn = jax.jit(lambda q, k, v, ids, attend=attend: attend(q, k, v, ids)[0])
+                variants.append(Variant(case, f"mosaic {name}{tiles}", "fwd", fn, sets, flops))
+        if documents:
+            base = jax.jit(lambda q, k, v, ids, documents=documents: PLAIN_CUDNN_PACKED_OPS.attention(q, k, v, ids, documents))
+        else:
+            base = jax.jit(lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+        variants.append(Variant(case, "cudnn" + (" packed layout" if documents else ""), "fwd", base, sets, flops))
+    rows = run_section("f", variants, args.samples, args.per_sample)
+    set_ratios(rows, lambda r: find(rows, r.case, "mosaic ping-pong", r.pass_), "Mosaic ping-pong")
+    return rows
+
+
 # --------------------------------------------------------------------------------------------
 # Correctness
 
@@ -530,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     checks: list[Check] = []
     start = time.perf_counter()
-    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e}
+    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e, "f": section_f}
     for name in only:  # in the order given: a run cut short keeps the sections that came first
         if name == "check":
             impls = ["pallas", *extra_impls(), "cudnn", "xla"]
