@@ -233,7 +233,14 @@ def pipelined_walk(
     while ``P_{t-1} v_{t-1}`` is on the tensor cores; the last step's product follows the
     walk. Every product is awaited within its step: the loop carries registers only, the
     probabilities included. ``segments_of``, ``softmax``: :func:`key_segments` and
-    :func:`online_softmax` bound to the item."""
+    :func:`online_softmax` bound to the item.
+
+    Not the default: on the H100 it ran slower than the plain walk it extends at every shape
+    measured, and the ping-pong schedule is faster still (``bench/bench_attention.py`` section
+    f); the values are the same bit for bit. Kept as the place to continue from: what costs
+    the overlap (the compiler waiting on ``P``, a wgmma operand in registers, is the first
+    suspect) is not known yet. A form that kept both accumulators in flight across steps was
+    slower still."""
     out0, m0, l0 = init
     end = t0 + visit.steps
     p0 = cast(shape, jnp.zeros((WG_ROWS, ring.k.shape[-2]), q.dtype), plgpu.Layout.WGMMA)
