@@ -164,6 +164,10 @@ def model(mode: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    part = sys.argv[1]
-    facts = kernels() if part == "kernels" else model(part)
+    # Several parts in one process (one JAX start): {part: facts}, each from a fresh executor.
+    facts = {}
+    for part in sys.argv[1:]:
+        ejlabel.set_default_executor(None)
+        ejlabel.clear_invocations()
+        facts[part] = kernels() if part == "kernels" else model(part)
     print(json.dumps(facts))

@@ -27,25 +27,33 @@ from ejlabel.core.shards import ShardRule, plan_split
 FACTS = Path(__file__).with_name("sharded_facts.py")
 
 
-def _facts(part: str) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-P", str(FACTS), part], capture_output=True, text=True, env=subprocess_env(), timeout=600)
+# The facts take a minute of child process: every test here on one pytest-xdist worker (the
+# README's command deals by these groups), early among the slow ones, one child for all three.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharded")]
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict[str, dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, "-P", str(FACTS), "kernels", "dp", "fsdp"], capture_output=True, text=True, env=subprocess_env(), timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def kernel_facts() -> dict[str, Any]:
-    return _facts("kernels")
+def kernel_facts(facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return facts["kernels"]
 
 
 @pytest.fixture(scope="module")
-def dp_facts() -> dict[str, Any]:
-    return _facts("dp")
+def dp_facts(facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return facts["dp"]
 
 
 @pytest.fixture(scope="module")
-def fsdp_facts() -> dict[str, Any]:
-    return _facts("fsdp")
+def fsdp_facts(facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return facts["fsdp"]
 
 
 KERNELS = ["matmul", "rms_norm", "flash_attention", "cross_entropy", "linear_cross_entropy"]
