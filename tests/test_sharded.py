@@ -12,6 +12,7 @@ the XLA path the labelled sharded step compiles to the plain sharded program.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
 import subprocess
@@ -27,18 +28,23 @@ from ejlabel.core.shards import ShardRule, plan_split
 FACTS = Path(__file__).with_name("sharded_facts.py")
 
 
-# The facts take a minute of child process: every test here on one pytest-xdist worker (the
-# README's command deals by these groups), early among the slow ones, one child for all three.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharded")]
-
-
 @pytest.fixture(scope="module")
-def facts() -> dict[str, dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, "-P", str(FACTS), "kernels", "dp", "fsdp"], capture_output=True, text=True, env=subprocess_env(), timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def facts(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict[str, dict[str, Any]]:
+    """All three parts from one child process (a minute of work), once per test run: pytest-xdist
+    may deal this module's tests to several workers, so the first to get here writes the facts
+    where the run's workers share a folder, under a lock the others wait on."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if worker_id != "master" else base  # the run's folder under xdist
+    path = shared / "sharded_facts.json"
+    with open(shared / "sharded_facts.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            proc = subprocess.run(
+                [sys.executable, "-P", str(FACTS), "kernels", "dp", "fsdp"], capture_output=True, text=True, env=subprocess_env(), timeout=600,
+            )
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            path.write_text(proc.stdout.strip().splitlines()[-1])
+    return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="module")
