@@ -10,13 +10,6 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests marked ``slow`` first, the rest in their order: pytest-xdist deals tests to its
-    workers in collection order, so a long test dealt last keeps one worker busy while the
-    others have finished (longest first keeps the workers' ends close together)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(autouse=True)
 def isolated_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path_factory.mktemp("ejlabel-cache")
