@@ -1,6 +1,7 @@
 """Test isolation: every test gets its own persistent-cache directory and default executor."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -8,6 +9,35 @@ import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
+SHARDED_PARTS = ("kernels", "dp", "fsdp")
+_background: list[subprocess.Popen] = []  # kept referenced while they run
+
+
+def run_folder(config: pytest.Config) -> Path:
+    """A folder of this test run, the same for all its pytest-xdist workers: the run's own under
+    pytest's temporary root (which pytest rotates), the parent of each worker's."""
+    base = config._tmp_path_factory.getbasetemp()  # the tmp_path_factory fixture's, before any fixture runs
+    return base.parent if hasattr(config, "workerinput") else base
+
+
+def sharded_facts_path(config: pytest.Config) -> Path:
+    return run_folder(config) / "sharded_facts.json"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start the sharded facts (tests/sharded_facts.py, a minute of child process on 2 cores) as
+    soon as the run is known to need them, in the background and once per run (by the first
+    worker, or the only process): a test that needs them waits for them, so no worker sits idle
+    for the whole minute, and two workers never compute them twice. Never stopped from here: a
+    worker may finish while another still waits for them."""
+    worker = getattr(config, "workerinput", {}).get("workerid", "master")
+    if worker not in ("master", "gw0") or not any(item.path.name == "test_sharded.py" for item in items):
+        return
+    path = sharded_facts_path(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".err"), "w") as err:
+        command = [sys.executable, "-P", str(TESTS_DIR / "sharded_facts.py"), "--out", str(path), *SHARDED_PARTS]
+        _background.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=subprocess_env()))
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -164,10 +165,25 @@ def model(mode: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    # Several parts in one process (one JAX start): {part: facts}, each from a fresh executor.
+    # Several parts in one process (one JAX start): {part: facts}, each from a fresh executor,
+    # to --out (written whole, then renamed: a reader never sees half of it) or standard output.
+    args = sys.argv[1:]
+    out = args[args.index("--out") + 1] if "--out" in args else None
+    parts = [a for a in args if a != "--out" and a != out]
     facts = {}
-    for part in sys.argv[1:]:
-        ejlabel.set_default_executor(None)
-        ejlabel.clear_invocations()
-        facts[part] = kernels() if part == "kernels" else model(part)
-    print(json.dumps(facts))
+    try:
+        for part in parts:
+            ejlabel.set_default_executor(None)
+            ejlabel.clear_invocations()
+            facts[part] = kernels() if part == "kernels" else model(part)
+    except BaseException:
+        if out is not None:  # what a reader waiting for --out reports
+            with open(out + ".failed", "w") as f:
+                f.write(traceback.format_exc())
+        raise
+    if out is None:
+        print(json.dumps(facts))
+    else:
+        with open(out + ".part", "w") as f:
+            json.dump(facts, f)
+        os.replace(out + ".part", out)

@@ -12,38 +12,30 @@ the XLA path the labelled sharded step compiles to the plain sharded program.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import re
-import subprocess
-import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import sharded_facts_path
 from ejlabel.core.shards import ShardRule, plan_split
-
-FACTS = Path(__file__).with_name("sharded_facts.py")
 
 
 @pytest.fixture(scope="module")
-def facts(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict[str, dict[str, Any]]:
-    """All three parts from one child process (a minute of work), once per test run: pytest-xdist
-    may deal this module's tests to several workers, so the first to get here writes the facts
-    where the run's workers share a folder, under a lock the others wait on."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if worker_id != "master" else base  # the run's folder under xdist
-    path = shared / "sharded_facts.json"
-    with open(shared / "sharded_facts.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            proc = subprocess.run(
-                [sys.executable, "-P", str(FACTS), "kernels", "dp", "fsdp"], capture_output=True, text=True, env=subprocess_env(), timeout=600,
-            )
-            assert proc.returncode == 0, proc.stderr[-4000:]
-            path.write_text(proc.stdout.strip().splitlines()[-1])
+def facts(pytestconfig: pytest.Config) -> dict[str, dict[str, Any]]:
+    """All three parts from one child process, started in the background by conftest.py as soon
+    as the run was collected (once per run, whichever workers get these tests): wait for it."""
+    path = sharded_facts_path(pytestconfig)
+    failed = Path(f"{path}.failed")
+    deadline = time.monotonic() + 600
+    while not path.exists():
+        if failed.exists():
+            pytest.fail(f"tests/sharded_facts.py failed:\n{failed.read_text()[-4000:]}")
+        assert time.monotonic() < deadline, "the sharded facts did not come within 10 minutes"
+        time.sleep(0.5)
     return json.loads(path.read_text())
 
 
