@@ -135,6 +135,17 @@ def equal_documents(batch: int, seq: int, documents: int) -> jax.Array:
     return jnp.broadcast_to(1 + jnp.arange(seq) * documents // seq, (batch, seq)).astype(jnp.int32)
 
 
+def document_sets(batch: int, seq: int, heads: int, kv_heads: int, dim: int, documents: int) -> tuple[list[tuple[Any, ...]], list[float]]:
+    """:func:`input_sets` with each set's own segment ids appended, ``documents`` documents of
+    random lengths per row (None with 0 documents), and each set's visible (query, key) pairs
+    of a causal call, per head."""
+    keys = jax.random.split(jax.random.key(2026), 3)
+    sets = [(*one, random_documents(key, batch, seq, documents) if documents else None) for one, key in zip(input_sets(batch, seq, heads, kv_heads, dim), keys)]
+    if not documents:
+        return sets, [batch * seq * seq / 2] * len(sets)
+    return sets, [float(jnp.sum(jnp.sum(ids[:, :, None] == jnp.arange(1, documents + 1), axis=1) ** 2 / 2)) for *_, ids in sets]
+
+
 def dense_mask(segment_ids: jax.Array, causal: bool) -> jax.Array:
     """``[batch, 1, seq, seq]`` bool: the block-diagonal (and causal) mask a JAX user builds."""
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0)
@@ -145,11 +156,13 @@ def dense_mask(segment_ids: jax.Array, causal: bool) -> jax.Array:
 
 
 def both_passes(attend: Callable[..., jax.Array]) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """Jitted forward ``(q, k, v, probe) -> out`` and forward+backward (value and q/k/v grads)."""
-    forward = jax.jit(lambda q, k, v, probe: attend(q, k, v))
+    """Jitted forward ``(q, k, v, probe, *rest) -> out`` and forward+backward (value and q/k/v
+    grads) of ``attend(q, k, v, *rest)``: ``rest`` (segment ids, say) are arguments of the timed
+    call, not constants folded into it."""
+    forward = jax.jit(lambda q, k, v, probe, *rest: attend(q, k, v, *rest))
 
-    def loss(q: jax.Array, k: jax.Array, v: jax.Array, probe: jax.Array) -> jax.Array:
-        return jnp.sum(attend(q, k, v).astype(jnp.float32) * probe.astype(jnp.float32))
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array, probe: jax.Array, *rest: Any) -> jax.Array:
+        return jnp.sum(attend(q, k, v, *rest).astype(jnp.float32) * probe.astype(jnp.float32))
 
     return forward, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
@@ -176,18 +189,6 @@ def kernel_attend(cfg: AttentionConfig | None, **kwargs: Any) -> Callable[..., j
 
 def ids_attend(cfg: AttentionConfig | None, documents: int) -> Callable[..., jax.Array]:
     return lambda q, k, v, ids: flash_attention(q, k, v, cfg=cfg, causal=True, segment_ids=ids, max_documents=documents)
-
-
-def variants_with_ids(case: str, impl: str, attend: Callable[..., jax.Array], sets: Sequence[tuple[Any, ...]], flops: float) -> list[Variant]:
-    """:func:`variants_of` for ``attend(q, k, v, ids)`` over sets ``(q, k, v, probe, ids)``: the
-    segment ids are an argument of the timed call, not a constant folded into it."""
-    forward = jax.jit(lambda q, k, v, probe, ids: attend(q, k, v, ids))
-
-    def loss(q: jax.Array, k: jax.Array, v: jax.Array, probe: jax.Array, ids: jax.Array) -> jax.Array:
-        return jnp.sum(attend(q, k, v, ids).astype(jnp.float32) * probe.astype(jnp.float32))
-
-    both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    return [Variant(case, impl, "fwd", forward, sets, flops), Variant(case, impl, "fwd+bwd", both, sets, flops * (1 + BWD_FLOP_FACTOR))]
 
 
 def variants_of(case: str, impl: str, attend: Callable[..., jax.Array], sets: Sequence[tuple[Any, ...]], flops: float) -> list[Variant]:
@@ -306,35 +307,33 @@ def section_c(args: argparse.Namespace) -> list[Row]:
     timed call (each input set its own 4 documents of random lengths per row), so every plan,
     mask and layout is computed inside it, as in a training step."""
     b, s, h, kv, d, documents = (1, 256, 3, 1, 64, 4) if args.tiny else (8, 2048, 12, 4, 64, 4)
-    keys = jax.random.split(jax.random.key(2026), 3)
-    sets = [(*one, random_documents(key, b, s, documents)) for one, key in zip(input_sets(b, s, h, kv, d), keys)]
-    pairs = [float(jnp.sum(jnp.sum(ids[:, :, None] == jnp.arange(1, documents + 1), axis=1) ** 2 / 2)) for *_, ids in sets]
+    sets, pairs = document_sets(b, s, h, kv, d, documents)
     flops = 4.0 * h * d * sum(pairs) / len(pairs)  # visible work, averaged over the input sets
     case = f"packed B{b} S{s} H{h}/{kv} D{d} x{documents} random docs"
     plain = lambda ops: lambda q, k, v, ids: ops.attention(q, k, v, ids, documents)  # noqa: E731
-    variants = variants_with_ids(case, "cudnn, dense causal mask", plain(PLAIN_OPS), sets, flops)
-    variants += variants_with_ids(case, "cudnn packed layout", plain(PLAIN_CUDNN_PACKED_OPS), sets, flops)
+    variants = variants_of(case, "cudnn, dense causal mask", plain(PLAIN_OPS), sets, flops)
+    variants += variants_of(case, "cudnn packed layout", plain(PLAIN_CUDNN_PACKED_OPS), sets, flops)
     dense = lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, mask=dense_mask(ids, causal=True), implementation="xla")  # noqa: E731
-    variants += variants_with_ids(case, "xla, dense causal mask", dense, sets, flops)
+    variants += variants_of(case, "xla, dense causal mask", dense, sets, flops)
     row_attend = lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa: E731
-    variants += variants_with_ids(case, "cudnn causal over the row (ignores documents)", row_attend, sets, flops)
-    variants += variants_with_ids(case, "flash_attention untuned", ids_attend(None, documents), sets, flops)
+    variants += variants_of(case, "cudnn causal over the row (ignores documents)", row_attend, sets, flops)
+    variants += variants_of(case, "flash_attention untuned", ids_attend(None, documents), sets, flops)
     for impl in ["pallas", *extra_impls()]:
-        variants += variants_with_ids(case, impl, ids_attend(AttentionConfig(impl), documents), sets, flops)
+        variants += variants_of(case, impl, ids_attend(AttentionConfig(impl), documents), sets, flops)
     # The Mosaic configs tuning may pick here: their forward tiles (the forward of each distinct
     # one) and backward tiles (forward+backward with the default forward), beside the defaults.
     kwargs = {"causal": True, "segment_ids": sets[0][4], "max_documents": documents}
     space = [cfg for cfg in AttentionKernel().config_space(Invocation(AttentionKernel(), sets[0][:3], kwargs)) if cfg.impl == "mosaic"]
     for fwd in dict.fromkeys(cfg.fwd for cfg in space):
         cfg = AttentionConfig("mosaic", fwd)
-        variants += variants_with_ids(case, f"mosaic fwd kv{fwd.kv_blocksize} stages {fwd.num_stages}", ids_attend(cfg, documents), sets, flops)[:1]
+        variants += variants_of(case, f"mosaic fwd kv{fwd.kv_blocksize} stages {fwd.num_stages}", ids_attend(cfg, documents), sets, flops)[:1]
     for bwd in dict.fromkeys(cfg.bwd for cfg in space):
         cfg = AttentionConfig("mosaic", bwd=bwd)
         name = f"mosaic bwd q{bwd.q_blocksize} kv{bwd.kv_blocksize} stages {bwd.num_stages}"
-        variants += variants_with_ids(case, name, ids_attend(cfg, documents), sets, flops)[1:]
+        variants += variants_of(case, name, ids_attend(cfg, documents), sets, flops)[1:]
     for impl in extra_impls():  # the plans' share: the first set's ids as a constant, its plans folded
         folded = kernel_attend(AttentionConfig(impl), causal=True, segment_ids=sets[0][4], max_documents=documents)
-        variants += variants_of(case, f"{impl}, plans folded (constant ids)", folded, [one[:4] for one in sets[:1]], 4.0 * h * d * pairs[0])
+        variants += variants_of(case, f"{impl}, plans folded (constant ids)", folded, [sets[0][:4]], 4.0 * h * d * pairs[0])
     rows = run_section("c", variants, args.samples, args.per_sample)
     set_ratios(rows, lambda r: find(rows, case, "cudnn packed layout", r.pass_), "cuDNN packed layout")
     for row in rows:
@@ -414,20 +413,17 @@ def section_f(args: argparse.Namespace) -> list[Row]:
     # 1.2x slower (cuDNN's up to 2x) than in a run of their own.
     for case, (b, s, h, kv, d, documents) in shapes.items():
         variants = []
-        keys = jax.random.split(jax.random.key(2026), 3)
-        sets = [(*one[:3], random_documents(key, b, s, documents) if documents else None) for one, key in zip(input_sets(b, s, h, kv, d), keys)]
-        pairs = [float(jnp.sum(jnp.sum(ids[:, :, None] == jnp.arange(1, documents + 1), axis=1) ** 2 / 2)) for *_, ids in sets] if documents else [b * s * s / 2]
+        sets, pairs = document_sets(b, s, h, kv, d, documents)
         flops = 4.0 * h * d * sum(pairs) / len(pairs)
         for tiles, params in (("", FwdParams()), (", kv64", FwdParams(kv_blocksize=64, num_stages=3))):
             for name, schedule in schedules.items():
                 attend = functools.partial(mosaic_module.mosaic_forward, scale=d**-0.5, bounds=(None, 0), params=params, **schedule)
-                fn = jax.jit(lambda q, k, v, ids, attend=attend: attend(q, k, v, ids)[0])
-                variants.append(Variant(case, f"mosaic {name}{tiles}", "fwd", fn, sets, flops))
+                variants += variants_of(case, f"mosaic {name}{tiles}", lambda q, k, v, ids, attend=attend: attend(q, k, v, ids)[0], sets, flops)[:1]
         if documents:
-            base = jax.jit(lambda q, k, v, ids, documents=documents: PLAIN_CUDNN_PACKED_OPS.attention(q, k, v, ids, documents))
+            base = lambda q, k, v, ids, documents=documents: PLAIN_CUDNN_PACKED_OPS.attention(q, k, v, ids, documents)  # noqa: E731
         else:
-            base = jax.jit(lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
-        variants.append(Variant(case, "cudnn" + (" packed layout" if documents else ""), "fwd", base, sets, flops))
+            base = lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa: E731
+        variants += variants_of(case, "cudnn" + (" packed layout" if documents else ""), base, sets, flops)[:1]
         rows += run_section("f", variants, args.samples, args.per_sample)
     set_ratios(rows, lambda r: find(rows, r.case, "mosaic ping-pong", r.pass_), "Mosaic ping-pong")
     return rows
