@@ -11,9 +11,9 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
+import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -167,12 +167,14 @@ def model(mode: str) -> dict[str, Any]:
 if __name__ == "__main__":
     # Several parts in one process (one JAX start): {part: facts}, each from a fresh executor,
     # to --out (written whole, then renamed: a reader never sees half of it) or standard output.
-    args = sys.argv[1:]
-    out = args[args.index("--out") + 1] if "--out" in args else None
-    parts = [a for a in args if a != "--out" and a != out]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("parts", nargs="+", choices=("kernels", "dp", "fsdp"))
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    out = args.out
     facts = {}
     try:
-        for part in parts:
+        for part in args.parts:
             ejlabel.set_default_executor(None)
             ejlabel.clear_invocations()
             facts[part] = kernels() if part == "kernels" else model(part)

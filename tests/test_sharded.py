@@ -34,7 +34,9 @@ def facts(pytestconfig: pytest.Config) -> dict[str, dict[str, Any]]:
     while not path.exists():
         if failed.exists():
             pytest.fail(f"tests/sharded_facts.py failed:\n{failed.read_text()[-4000:]}")
-        assert time.monotonic() < deadline, "the sharded facts did not come within 10 minutes"
+        if time.monotonic() > deadline:
+            err = path.with_suffix(".err")  # the child's standard error (conftest.py)
+            pytest.fail(f"the sharded facts did not come within 10 minutes:\n{err.read_text()[-4000:] if err.exists() else ''}")
         time.sleep(0.5)
     return json.loads(path.read_text())
 
