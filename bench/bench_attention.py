@@ -33,7 +33,7 @@ Sections:
   tiles, at other shapes: model-sized causal and full attention, a sliding window, short rows,
   MQA, an odd length, packed documents at head dims 64 and 256.
 - ``f``: the Mosaic forward's schedules (ping-pong between the consumers, the default; plain;
-  pipelined, each consumer's softmax beside its own products), forward only, with both forward
+  pipelined, each consumer's softmax beside its own products; pipelined with ping-pong), forward only, with both forward
   tiles, at section a's shape and the example model's causal and packed shapes, cuDNN beside.
 - ``check``: values and gradients of each implementation against a float32 reference (highest
   matmul precision) over a grid of head dims, odd lengths, 1-4 segments and GQA ratios.
@@ -324,9 +324,10 @@ def section_c(args: argparse.Namespace) -> list[Row]:
     # one) and backward tiles (forward+backward with the default forward), beside the defaults.
     kwargs = {"causal": True, "segment_ids": sets[0][4], "max_documents": documents}
     space = [cfg for cfg in AttentionKernel().config_space(Invocation(AttentionKernel(), sets[0][:3], kwargs)) if cfg.impl == "mosaic"]
-    for fwd in dict.fromkeys(cfg.fwd for cfg in space):
-        cfg = AttentionConfig("mosaic", fwd)
-        variants += variants_of(case, f"mosaic fwd kv{fwd.kv_blocksize} stages {fwd.num_stages}", ids_attend(cfg, documents), sets, flops)[:1]
+    for fwd, schedule in dict.fromkeys((cfg.fwd, cfg.fwd_schedule) for cfg in space):
+        cfg = AttentionConfig("mosaic", fwd, fwd_schedule=schedule)
+        name = f"mosaic fwd kv{fwd.kv_blocksize} stages {fwd.num_stages} {schedule}"
+        variants += variants_of(case, name, ids_attend(cfg, documents), sets, flops)[:1]
     for bwd in dict.fromkeys(cfg.bwd for cfg in space):
         cfg = AttentionConfig("mosaic", bwd=bwd)
         name = f"mosaic bwd q{bwd.q_blocksize} kv{bwd.kv_blocksize} stages {bwd.num_stages}"
@@ -393,8 +394,8 @@ def section_e(args: argparse.Namespace) -> list[Row]:
 
 def section_f(args: argparse.Namespace) -> list[Row]:
     """The Mosaic forward's schedules side by side (forward only, 128- and 64-key blocks):
-    ping-pong between the consumers (the default), the plain one, and the pipelined one (each
-    consumer's softmax beside its own products), at section a's shape, the example model's
+    ping-pong between the consumers (the default), the plain one, the pipelined one (each
+    consumer's softmax beside its own products), and both together, at section a's shape, the example model's
     causal shape and its packed one (ids an argument, as in section c); cuDNN beside each."""
     if "mosaic" not in extra_impls():
         return [Row("f", "-", "mosaic", "fwd", note="FAILED: no Mosaic GPU kernels here")]
@@ -407,7 +408,12 @@ def section_f(args: argparse.Namespace) -> list[Row]:
     }
     if args.tiny:
         shapes = {name: (1, 256, 2, 1, 64, docs) for name, (*_, docs) in shapes.items()}
-    schedules = {"ping-pong": {"pingpong": True}, "plain": {"pingpong": False}, "pipelined": {"pingpong": False, "pipelined": True}}
+    schedules = {
+        "ping-pong": {"pingpong": True},
+        "plain": {"pingpong": False},
+        "pipelined": {"pingpong": False, "pipelined": True},
+        "pipelined ping-pong": {"pingpong": True, "pipelined": True},
+    }
     rows = []
     # One interleaved run per shape: beside a heavier shape's calls, the packed calls ran up to
     # 1.2x slower (cuDNN's up to 2x) than in a run of their own.

@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -56,6 +60,7 @@ pytestmark = pytest.mark.skipif(not am.mosaic_available(), reason="this JAX has 
         (128, 2, {"causal": True, "segments": True}, FwdParams()),
         (256, 1, {"causal": False}, FwdParams()),
         (128, 2, {"causal": True, "pipelined": True}, FwdParams()),
+        (128, 2, {"causal": True, "pipelined": True, "pingpong": True}, FwdParams()),
         (64, 2, {"causal": True, "segments": True, "pipelined": True}, FwdParams(kv_blocksize=64)),
         (96, 4, {"window": (64, 16)}, FwdParams(kv_blocksize=64)),
     ],
@@ -208,6 +213,47 @@ def test_tuning_space_offers_triton_only_where_mosaic_does_not_run(monkeypatch: 
         assert kernel.candidate_is_valid(inv, AttentionConfig("pallas"))  # still selectable
 
 
+def test_tuning_space_offers_the_plain_forward_schedule_with_segments_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_module, "on_gpu", lambda: True)
+    monkeypatch.setattr(attention_module, "on_hopper", lambda: True)
+    kernel = AttentionKernel()
+    q, k, v = qkv(1, 64, 2, 1, 64, jnp.bfloat16)
+    ids = jnp.ones((1, 64), jnp.int32)
+    for kwargs, schedules in (({"causal": True}, {"pingpong"}), ({"causal": True, "segment_ids": ids}, {"pingpong", "plain"})):
+        mosaic = [c for c in kernel.config_space(Invocation(kernel, (q, k, v), kwargs)) if c.impl == "mosaic"]
+        assert {c.fwd_schedule for c in mosaic} == schedules
+        plain = [c for c in mosaic if c.fwd_schedule == "plain"]
+        assert all(c.fwd.kv_blocksize == 64 for c in plain)
+        assert len(plain) == (len({c.bwd for c in mosaic}) if "plain" in schedules else 0)  # paired with every backward tile
+
+
+def test_attention_config_checks_its_schedule() -> None:
+    assert AttentionConfig("mosaic").fwd_schedule == "pingpong"
+    assert set(am.MOSAIC_SCHEDULES) == {"pingpong", "plain", "pipelined", "pipelined_pingpong"}
+    with pytest.raises(ValueError, match="fwd_schedule: expected one of"):
+        AttentionConfig("mosaic", fwd_schedule="fast")
+    with pytest.raises(ValueError, match="fwd_schedule: only the mosaic implementation"):
+        AttentionConfig("pallas", fwd_schedule="plain")
+
+
+def test_a_config_stored_before_schedules_runs_ping_pong() -> None:
+    # Entries written before AttentionConfig had a schedule decode to the one they ran.
+    from ejlabel.utils.serialize import from_jsonable, to_jsonable
+
+    data = to_jsonable(AttentionConfig("mosaic", FwdParams(kv_blocksize=64, num_stages=3), fwd_schedule="plain"))
+    del data["fields"]["fwd_schedule"]
+    assert from_jsonable(data) == AttentionConfig("mosaic", FwdParams(kv_blocksize=64, num_stages=3))
+
+
+@pytest.mark.parametrize("schedule", ["plain", "pipelined_pingpong"])
+def test_flash_attention_runs_the_configured_schedule(monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(attention_module, "mosaic_forward", lambda *args, **kwargs: seen.append(kwargs) or (args[0], None))
+    q, k, v = qkv(1, 64, 2, 1, 64, jnp.bfloat16)
+    AttentionKernel().fwd_with_residuals(q, k, v, cfg=AttentionConfig("mosaic", fwd_schedule=schedule), causal=True)
+    assert {name: seen[0][name] for name in ("pingpong", "pipelined")} == am.MOSAIC_SCHEDULES[schedule]
+
+
 def test_flash_attention_offers_mosaic_only_where_it_runs() -> None:
     q, k, v = qkv(1, 64, 2, 1, 64, jnp.bfloat16)
     kernel = AttentionKernel()
@@ -304,38 +350,61 @@ def test_interpreted_pingpong_forward(races: Callable[[], bool]) -> None:
 
 @pytest.mark.slow
 def test_interpreted_pipelined_forward(races: Callable[[], bool]) -> None:
-    # Each consumer's softmax overlapped with its own products: the scores of the next block are
-    # issued before the last values are consumed, and each value slot is freed a step late (at
-    # the item's end for its last). Two heads of two tiles over three programs (one walks two
-    # items, the ring running on across them), two documents and padding, 64-key blocks in two
-    # slots: a slot freed too early, or read before it is ready, is what the race detector
-    # reports; every kind of mask runs.
+    # Each consumer's softmax overlapped with its own products, the two consumers taking turns
+    # (ping-pong): the scores of the next block are issued before the last values are
+    # consumed, each value slot is freed a step late (at the item's end for its last), and the
+    # first step's zero product reads a key slot that is freed after it. Two heads of two
+    # tiles over three programs (one walks two items, the ring running on across them), two
+    # documents and padding, 64-key blocks in two slots: a slot freed too early, or read before
+    # it is ready, is what the race detector reports (unpaired turns would hang); every kind of
+    # mask runs.
     seq = 256
     q, k, v = qkv(1, seq, 2, 2, 64, jnp.bfloat16, seed=7)
     ids = jnp.where(jnp.arange(seq) < seq - 7, 1 + (jnp.arange(seq) >= 3 * seq // 4), 0)[None].astype(jnp.int32)
     params = FwdParams(kv_blocksize=64, num_stages=2)
-    out, lse = am.mosaic_forward(q, k, v, ids, scale=0.125, bounds=window_bounds(True, None), params=params, interpret=True, pingpong=False, pipelined=True)
+    out, lse = am.mosaic_forward(q, k, v, ids, scale=0.125, bounds=window_bounds(True, None), params=params, interpret=True, pingpong=True, pipelined=True)
     assert not races()
     assert rel_error(out, reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=0.125)) < 1e-2
     plain_out, plain_lse = am.mosaic_forward(q, k, v, ids, scale=0.125, bounds=window_bounds(True, None), params=params, interpret=True, pingpong=False)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(plain_lse), rtol=1e-6, atol=1e-6)
 
 
-def test_pipelined_forward_takes_no_pingpong() -> None:
-    q, k, v = qkv(1, 128, 1, 1, 64, jnp.bfloat16, seed=1)
-    with pytest.raises(ValueError, match="pipelined, pingpong"):
-        am.mosaic_forward(q, k, v, None, scale=0.125, bounds=(None, 0), params=FwdParams(), interpret=True, pingpong=True, pipelined=True)
+_PTXAS_REPORTS = """
+import sys, jax, jax.numpy as jnp
+from ejlabel import BwdParams, FwdParams
+from ejlabel.kernels.attention.mosaic import MOSAIC_SCHEDULES, mosaic_backward, mosaic_forward
+q = jax.random.normal(jax.random.PRNGKey(0), (1, 512, 2, 128), jnp.bfloat16)
+kw = dict(scale=0.09, bounds=(None, 0))
+for schedule in MOSAIC_SCHEDULES.values():
+    out, lse = mosaic_forward(q, q, q, None, params=FwdParams(), **schedule, **kw)
+jax.block_until_ready(mosaic_backward(q, q, q, None, out, lse, out, params=BwdParams(), **kw))
+"""
 
 
 @gpu
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize("schedule", ["plain", "pingpong", "pipelined"])
+def test_gpu_no_kernel_has_its_wgmmas_serialized(tmp_path: Path) -> None:
+    # ptxas serializes every wgmma of a kernel where it cannot prove the asynchronous products
+    # safe (warning C7514), which cost the pipelined forward 16-25% before its products were
+    # issued unconditionally. Every forward schedule and the backward kernels, compiled with
+    # ptxas's report kept (a process of its own: the dump options are read at compile time).
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(tmp_path))
+    subprocess.run([sys.executable, "-c", _PTXAS_REPORTS], env=env, check=True, timeout=600)
+    reports = {path.name: path.read_text() for path in tmp_path.glob("*.ptxas")}
+    assert len(reports) >= len(am.MOSAIC_SCHEDULES) + 2  # each forward schedule, dq, dk/dv
+    assert not [name for name, text in reports.items() if "C7514" in text]
+
+
+@gpu
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("schedule", ["plain", "pingpong", "pipelined", "pipelined pingpong"])
 @pytest.mark.parametrize("segments", [False, True])
 def test_gpu_forward_schedules(schedule: str, segments: bool) -> None:
     q, k, v = qkv(2, 1100, 4, 2, 128, jnp.bfloat16, seed=8)
     ids = documents(2, 1100, 3, padding=60, seed=1) if segments else None
-    options = {"pingpong": schedule == "pingpong", "pipelined": schedule == "pipelined"}
+    options = {"pingpong": "pingpong" in schedule, "pipelined": "pipelined" in schedule}
     forward = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, ids, scale=0.09, bounds=(None, 0), params=FwdParams(), **options))
     out, lse = forward(q, k, v)
     assert rel_error(out, reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=0.09)) < 2e-2
@@ -405,15 +474,20 @@ def test_gpu_values_and_gradients(spec: ArgSpec, dtype: Any) -> None:
 @gpu
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize("kwargs", [{"causal": True}, {"segment_ids": "documents"}, {"cu_seqlens": "packed"}, {"sliding_window": (128, 0)}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"causal": True}, {"segment_ids": "documents"}, {"segment_ids": "documents", "fwd_schedule": "plain"}, {"cu_seqlens": "packed"}, {"sliding_window": (128, 0)}],
+)
 def test_gpu_flash_attention_mosaic(kwargs: dict[str, Any]) -> None:
     batch = 1 if "cu_seqlens" in kwargs else 2
     q, k, v = qkv(batch, 1000, 8, 2, 64, jnp.bfloat16, seed=21)
+    schedule = kwargs.get("fwd_schedule", "pingpong")  # plain: the tuning space's with segment ids, on 64-key blocks
+    fwd = FwdParams(kv_blocksize=64, num_stages=3) if schedule == "plain" else FwdParams(kv_blocksize=128, num_stages=2)
     if "segment_ids" in kwargs:
         kwargs = {"segment_ids": documents(2, 1000, 4, padding=100), "causal": True}
     if "cu_seqlens" in kwargs:
         kwargs = {"cu_seqlens": jnp.array([0, 100, 450, 451, 980], jnp.int32), "causal": True}
-    cfg = AttentionConfig("mosaic", FwdParams(kv_blocksize=128, num_stages=2), BwdParams(64, 128, None, 2))
+    cfg = AttentionConfig("mosaic", fwd, BwdParams(64, 128, None, 2), fwd_schedule=schedule)
     xla = AttentionConfig("xla")
     loss = lambda cfg: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, cfg=cfg, **kwargs).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
     (value, got), (want_value, want) = loss(cfg)(q, k, v), loss(xla)(q, k, v)

@@ -36,7 +36,8 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
 - ``"mosaic"``: flash attention on the Pallas Mosaic GPU backend for Hopper (TMA, wgmma, warp
   specialisation; :mod:`.mosaic`), 16-bit inputs, head dim <= 256 (above 128 the dk/dv kernel
   walks once for dv and once for dk). Where it runs, the tuning space offers it and not the
-  Triton kernels below, which it beat at every shape measured.
+  Triton kernels below, which it beat at every shape measured; its forward's schedule is a
+  field of the config (``fwd_schedule``).
 - ``"pallas"``: flash attention on Pallas's Triton backend (:mod:`.triton`; tuned on other GPUs
   and for float32 inputs; selectable everywhere, interpreted off the GPU).
 
@@ -67,7 +68,7 @@ from ..checks import check_config, check_floating, check_integer, check_nondecre
 from ..pallas_common import on_gpu
 from .cudnn_packed import GROUPED_HEADS, attention_cudnn_packed
 from .masks import Window, cu_seqlens_to_segment_ids, window_bounds
-from .mosaic import mosaic_backward, mosaic_fits, mosaic_forward, mosaic_supports, on_hopper
+from .mosaic import MOSAIC_SCHEDULES, mosaic_backward, mosaic_fits, mosaic_forward, mosaic_supports, on_hopper
 from .triton import default_fwd, triton_backward, triton_forward
 from .xla import attention_plain, attention_xla
 
@@ -85,15 +86,25 @@ class AttentionConfig:
         or ``"mosaic"`` (Hopper).
       fwd: tiles and launch parameters of the Pallas forward (unset fields get defaults).
       bwd: the same for the Pallas backward kernels.
+      fwd_schedule: how the Mosaic forward's two consumer warpgroups share the tensor cores
+        (:func:`.mosaic.mosaic_forward`): ``"pingpong"`` (the default: they take turns between
+        matrix products and softmax), ``"plain"`` (each on its own), ``"pipelined"`` (each
+        overlaps its softmax with its own products) or ``"pipelined_pingpong"`` (both). Other
+        implementations take only the default.
     """
 
     impl: str = "xla"
     fwd: FwdParams = FwdParams()
     bwd: BwdParams = BwdParams()
+    fwd_schedule: str = "pingpong"
 
     def __post_init__(self) -> None:
         if self.impl not in _IMPLS:
             raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
+        if self.fwd_schedule not in MOSAIC_SCHEDULES:
+            raise ValueError(f"fwd_schedule: expected one of {tuple(MOSAIC_SCHEDULES)}, got {self.fwd_schedule!r}")
+        if self.impl != "mosaic" and self.fwd_schedule != "pingpong":
+            raise ValueError(f"fwd_schedule: only the mosaic implementation has schedules; impl {self.impl!r} takes 'pingpong', got {self.fwd_schedule!r}")
 
 
 # Triton tiles, the leaders of a sweep of every tile shape on the H100 (causal, B4 S4096 H16
@@ -102,6 +113,11 @@ _FWD_TILES = ((128, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3)
 _BWD_TILES = ((64, 64, 4, 2), (64, 64, 4, 1), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2))
 # Mosaic GPU tiles: forward (kv block, stages); backward (q block, kv block) with 2 stages.
 _MOSAIC_FWD = ((128, 2), (64, 3))
+# With segment ids the plain schedule on 64-key blocks ran the Mosaic forward fastest at the
+# example model's packed shape (1.08-1.11x the default in three runs on the H100, where
+# ping-pong on those blocks ran 1.05-1.08x; bench_attention.py section f); without them
+# ping-pong led at every shape measured. (kv block, stages, schedule).
+_MOSAIC_FWD_SEGMENTS = ((64, 3, "plain"),)
 _MOSAIC_BWD = ((64, 128, None, 2), (128, 64, None, 2), (64, 64, None, 2))
 
 
@@ -153,8 +169,10 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         """
         segment_ids = _segments(q, k, segment_ids, cu_seqlens)
         scale, bounds = _scale(q, softmax_scale), window_bounds(causal, sliding_window)
-        forward = mosaic_forward if cfg.impl == "mosaic" else triton_forward
-        return forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd)
+        if cfg.impl == "mosaic":
+            schedule = MOSAIC_SCHEDULES[cfg.fwd_schedule]
+            return mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd, **schedule)
+        return triton_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd)
 
     def vjp(
         self, lse: Float[Array, "batch heads sq"], out: Float[Array, "batch sq heads dim"], g: Float[Array, "batch sq heads dim"],
@@ -239,7 +257,13 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             small = BwdParams(16, 16, 4, 1)
             return [AttentionConfig("xla"), AttentionConfig("pallas", FwdParams(16, 16, 4, 1), small), AttentionConfig("pallas", FwdParams(32, 16, 4, 1), small)]
         q = inv.args[0]
-        mosaic = [AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd)) for bk, st in _MOSAIC_FWD for bwd in _MOSAIC_BWD]
+        forwards = [(bk, st, "pingpong") for bk, st in _MOSAIC_FWD]
+        if any(inv.kwargs.get(name) is not None for name in ("segment_ids", "cu_seqlens")):
+            forwards += _MOSAIC_FWD_SEGMENTS
+        mosaic = [
+            AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd), fwd_schedule=schedule)
+            for bk, st, schedule in forwards for bwd in _MOSAIC_BWD
+        ]
         if q.shape[3] > 128:  # none of those fit shared memory: the kernels' own defaults do
             mosaic = [AttentionConfig("mosaic")]
         # Where the Mosaic kernels run, the Triton ones beat them nowhere we measured: over 14 shapes

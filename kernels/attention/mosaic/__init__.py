@@ -77,6 +77,7 @@ from .kernel import LOG2E, SMEM_BYTES, plgpu, ring_stages
 from .plan import TILE, WG_ROWS, Shape, visit_plan
 
 __all__ = [
+    "MOSAIC_SCHEDULES",
     "TILE",
     "WG_ROWS",
     "Padded",
@@ -94,6 +95,14 @@ __all__ = [
 ]
 
 _DIM_MULTIPLE = 64  # 128-byte swizzle of 16-bit elements
+
+# The forward's schedules by name (AttentionConfig.fwd_schedule): mosaic_forward's arguments.
+MOSAIC_SCHEDULES: dict[str, dict[str, bool]] = {
+    "pingpong": {"pingpong": True, "pipelined": False},
+    "plain": {"pingpong": False, "pipelined": False},
+    "pipelined": {"pingpong": False, "pipelined": True},
+    "pipelined_pingpong": {"pingpong": True, "pipelined": True},
+}
 _MAX_DIM = 256
 
 
@@ -259,8 +268,9 @@ def mosaic_forward(
     causal B4 S4096 H16 D128 forward 1.06x and the packed-documents forward 1.08x faster than
     the plain schedule, in one interleaved run. ``persistent``: at most one program per SM,
     each walking several tiles (see :class:`.work.Items`); False: one per tile.
-    ``pipelined``: each consumer overlaps its softmax with its own products instead
-    (:func:`.forward.pipelined_walk`; without ``pingpong``).
+    ``pipelined``: each consumer overlaps its softmax with its own products
+    (:func:`.forward.pipelined_walk`); with ``pingpong``, the consumers also take turns to
+    issue them.
     """
     check_operands(q, k)
     _, block_k, stages = tile_blocks(params, q.shape[3])

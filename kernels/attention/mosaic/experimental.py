@@ -287,7 +287,7 @@ def mosaic_attention(
       persistent: at most one program per SM, each walking several tiles (see :class:`.work.Items`).
       fused_backward: one backward kernel for dq, dk and dv (see :func:`fused_backward`).
       pipelined: the forward's consumers overlap their softmax with their own products
-        (:func:`.forward.pipelined_walk`); takes ``pingpong=False``.
+        (:func:`.forward.pipelined_walk`); with ``pingpong``, taking turns to issue them.
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with kv heads dividing heads, got {q.shape}, {k.shape}, {v.shape}")

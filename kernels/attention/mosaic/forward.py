@@ -34,11 +34,12 @@ def forward_call(
     softmax), offset by half a step, so one's softmax runs while the other's matrix products
     use the tensor cores. Both walk the same blocks, so their meetings pair up; per item,
     consumer 1 meets once before its loop and consumer 0 once after. ``pipelined``: each
-    consumer overlaps its own softmax with its products (:func:`pipelined_walk`); it takes no
-    ``pingpong``.
+    consumer overlaps its own softmax with its products (:func:`pipelined_walk`); with
+    ``pingpong`` as well, the consumers take turns to issue their products instead of meeting
+    (a barrier per consumer: each waits on its own before issuing and arrives on the other's
+    after, consumer 1 handing the first turn to consumer 0), as FlashAttention-3 combines the
+    two.
     """
-    if pipelined and pingpong:
-        raise ValueError("pipelined, pingpong: the pipelined walk has no meetings; expected one of them")
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
     segmented = segment_ids is not None
@@ -53,6 +54,7 @@ def forward_call(
     # Results in a buffer of their own (see consume_items) where they fit, above head dim 64:
     # there the causal D128 forward ran 0.4-1.7% faster with it, in three interleaved runs on
     # the H100, and the packed D64 forward 0.5-3.1% slower.
+    turns = pipelined and pingpong  # the consumers take turns to issue their products
     staged_apart = dim > 64 and buffers == 2 and fits_exactly(3 * tile_bytes, ring_bytes, *small)
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
@@ -60,7 +62,10 @@ def forward_call(
             seg_ref, out_ref, lse_ref, scratch, barriers = refs
         else:
             (out_ref, lse_ref, scratch, barriers), seg_ref = refs, None
-        q_smem, k_ring, v_ring, *rest = scratch
+        q_smem, kv_ring, *rest = scratch
+        # Key slots first, value slots after them, in one buffer: the pipelined walk's first
+        # step multiplies its zero probabilities by a key slot in place of a value slot.
+        k_ring, v_ring = kv_ring.at[pl.ds(0, stages)], kv_ring.at[pl.ds(stages, stages)]
         out_smem = rest.pop(0) if staged_apart else None
         lse_smem = rest.pop(0)
         qseg_smem, kseg_ring = rest if segmented else (None, None)
@@ -74,6 +79,12 @@ def forward_call(
             def meet() -> None:
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(turn)
+
+            def take_turn() -> None:
+                plgpu.barrier_wait(turn.at[wg])
+
+            def pass_turn() -> None:
+                plgpu.barrier_arrive(turn.at[1 - wg])
 
             def load(visit: Visit, buf: jax.Array) -> None:
                 b, h = visit.b, visit.h
@@ -117,8 +128,11 @@ def forward_call(
                     cast(shape, jnp.zeros((WG_ROWS,), jnp.float32), row_layout()),
                 )
                 if pipelined:
-                    ring = Ring(k_ring, v_ring, k_ready, v_ready, k_used, v_used, stages)
-                    acc, m, l = pipelined_walk(shape, visit, my_q, ring, segments_of, softmax, init, t0, masks=mask_loops(segmented, dim))
+                    ring = Ring(kv_ring, k_ready, v_ready, k_used, v_used, stages)
+                    acc, m, l = pipelined_walk(
+                        shape, visit, my_q, ring, segments_of, softmax, init, t0, masks=mask_loops(segmented, dim),
+                        turns=(take_turn, pass_turn) if pingpong else None,
+                    )
                 else:
                     if pingpong:
                         pl.when(wg == 1)(meet)
@@ -140,7 +154,11 @@ def forward_call(
 
                 return t0 + visit.steps, write
 
+            if turns:  # consumer 0 issues first; the last turn passed to it is taken at the end
+                pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
             consume_items(items, order_ref, plan_ref, buffers, q_ready, load, process, staged_apart=staged_apart)
+            if turns:
+                pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
 
         @pl.when(wg == CONSUMERS)
         def _producer() -> None:
@@ -154,12 +172,11 @@ def forward_call(
     # The 128-byte-swizzled buffers first (each a multiple of 1024 bytes), the small ones last.
     scratch = (
         smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
-        smem_tile((stages, block_k, dim), dtype),
-        smem_tile((stages, block_k, dim), dtype),
+        smem_tile((2 * stages, block_k, dim), dtype),
         plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
     )
     if staged_apart:
-        scratch = scratch[:3] + (smem_tile((CONSUMERS, WG_ROWS, dim), dtype),) + scratch[3:]
+        scratch = scratch[:2] + (smem_tile((CONSUMERS, WG_ROWS, dim), dtype),) + scratch[2:]
     if segmented:
         scratch += (plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32), plgpu.SMEM((stages, block_k), jnp.int32))
     barriers = (
@@ -169,7 +186,7 @@ def forward_call(
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=CONSUMERS),
+        plgpu.Barrier(num_barriers=CONSUMERS) if turns else plgpu.Barrier(num_arrivals=CONSUMERS),
     )
     operands = (q, k, v, plan, order) + ((segment_ids,) if segmented else ())
     # The log-sum-exp rows over whole tiles: a TMA row stride must be a multiple of 16 bytes.
@@ -210,21 +227,27 @@ def online_softmax(
 
 
 class Ring(NamedTuple):
-    """A consumer's side of the forward's ring: the key and value slots, their ready barriers
-    (completed by TMA) and their consumed barriers (one arrival per consumer)."""
+    """A consumer's side of the forward's ring: ``kv`` holds the key slots, then the value slots
+    (``[2 * stages, block_k, dim]``); their ready barriers (completed by TMA) and consumed
+    barriers (one arrival per consumer)."""
 
-    k: Any
-    v: Any
+    kv: Any
     k_ready: Any
     v_ready: Any
     k_used: Any
     v_used: Any
     stages: int
 
+    def keys(self, slot: jax.Array) -> Any:
+        return self.kv.at[slot]
+
+    def values(self, slot: jax.Array) -> Any:
+        return self.kv.at[self.stages + slot]
+
 
 def pipelined_walk(
     shape: Shape, visit: Visit, q: Any, ring: Ring, segments_of: Any, softmax: Any, init: tuple[jax.Array, jax.Array, jax.Array],
-    t0: jax.Array, *, masks: tuple[Mask, ...],
+    t0: jax.Array, *, masks: tuple[Mask, ...], turns: tuple[Any, Any] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One item's walk with a consumer's softmax overlapped with its own products
     (FlashAttention-3's intra-warpgroup pipelining), returning ``(out, m, l)`` as the plain
@@ -233,30 +256,40 @@ def pipelined_walk(
     while ``P_{t-1} v_{t-1}`` is on the tensor cores; the last step's product follows the
     walk. Every product is awaited within its step: the loop carries registers only, the
     probabilities included. ``segments_of``, ``softmax``: :func:`key_segments` and
-    :func:`online_softmax` bound to the item.
+    :func:`online_softmax` bound to the item; ``turns``: ``(take_turn, pass_turn)``, called
+    before and after a step issues its products, or None.
 
-    Not the default: on the H100 it ran slower than the plain walk it extends at every shape
-    measured, and the ping-pong schedule is faster still (``bench/bench_attention.py`` section
-    f); the values are the same bit for bit. Kept as the place to continue from: what costs
-    the overlap (the compiler waiting on ``P``, a wgmma operand in registers, is the first
-    suspect) is not known yet. A form that kept both accumulators in flight across steps was
-    slower still."""
+    Both products are issued at every step, the first included: there the probabilities are
+    zeros (the carry's start) and the key slot just awaited stands in for the value slot that
+    does not exist yet, which adds exact zeros. A product issued under a condition made ptxas
+    serialize every wgmma of the kernel (its warning C7514: accumulator registers read
+    between the start and the end of a pipeline stage), which made this walk 16-25% slower
+    than the plain one; issued always, it runs as fast as ping-pong at head dim 128 and
+    slower at 64 (``bench/bench_attention.py`` section f), so ping-pong stays the default."""
     out0, m0, l0 = init
     end = t0 + visit.steps
-    p0 = cast(shape, jnp.zeros((WG_ROWS, ring.k.shape[-2]), q.dtype), plgpu.Layout.WGMMA)
+    p0 = cast(shape, jnp.zeros((WG_ROWS, ring.kv.shape[-2]), q.dtype), plgpu.Layout.WGMMA)
 
     def step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
         out, p_prev, m, l = carry
         slot, prev, first = lax.rem(t, ring.stages), lax.rem(t - 1, ring.stages), t == t0
         plgpu.barrier_wait(ring.k_ready.at[slot])
         pl.when(~first)(lambda: plgpu.barrier_wait(ring.v_ready.at[prev]))
+        values = ring.kv.at[jnp.where(first, slot, ring.stages + prev)]
+        take_turn, pass_turn = turns if turns is not None else (None, None)
+        if take_turn is not None:
+            take_turn()
+
+        def free_keys() -> None:
+            plgpu.barrier_arrive(ring.k_used.at[slot])
 
         def beside(s: jax.Array) -> tuple[jax.Array, ...]:
             segments = segments_of(slot, kind)
-            plgpu.barrier_arrive(ring.k_used.at[slot])
+            pl.when(~first)(free_keys)  # the first step's second product still reads them
             return softmax(s, m, l, j=j, kind=kind, segments=segments)
 
-        (p16, alpha, m, l), out = mma_beside(shape, q, ring.k.at[slot], out, p_prev, ring.v.at[prev], values=~first, between=beside)
+        (p16, alpha, m, l), out = mma_beside(shape, q, ring.keys(slot), out, p_prev, values, between=beside, issued=pass_turn)
+        pl.when(first)(free_keys)
         pl.when(~first)(lambda: plgpu.barrier_arrive(ring.v_used.at[prev]))
         return out * lax.broadcast_in_dim(alpha, out.shape, [0]), p16, m, l
 
@@ -265,7 +298,7 @@ def pipelined_walk(
     def last_values(out: jax.Array) -> jax.Array:
         slot = lax.rem(end - 1, ring.stages)
         plgpu.barrier_wait(ring.v_ready.at[slot])
-        out = mma_into(shape, out, p_last, ring.v.at[slot])
+        out = mma_into(shape, out, p_last, ring.values(slot))
         plgpu.barrier_arrive(ring.v_used.at[slot])
         return out
 

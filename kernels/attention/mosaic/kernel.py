@@ -325,28 +325,26 @@ def mma_into(shape: Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
 
 
 def mma_beside(
-    shape: Shape, q: Any, k: Any, acc: jax.Array, p: jax.Array, v: Any, *, values: jax.Array, between: Any,
+    shape: Shape, q: Any, k: Any, acc: jax.Array, p: jax.Array, v: Any, *, between: Any, issued: Any = None,
 ) -> tuple[Any, jax.Array]:
-    """``(between(q @ k^T), acc + p @ v)``, the second product only where ``values`` (else
-    ``acc`` as it is): both issued back to back, the first awaited alone, so ``between`` (CUDA-
-    core work on the scores) runs while the second is on the tensor cores. Operands as in
-    :func:`mma_new` (``p`` in registers, ``k`` and ``v`` in shared memory)."""
+    """``(between(q @ k^T), acc + p @ v)``: both products issued back to back, the first awaited
+    alone, so ``between`` (CUDA-core work on the scores) runs while the second is on the tensor
+    cores; ``issued()``, if given, runs once both are issued, before any wait. Operands as in
+    :func:`mma_new` (``p`` in registers, ``k`` and ``v`` in shared memory). Both are issued
+    unconditionally: ptxas serializes every wgmma of a kernel where one may be skipped between
+    the issue and the wait."""
     if shape.interpret:
-        extra = between(mma_new(shape, q, k, transpose_b=True))
-        return extra, lax.cond(values, lambda acc: mma_into(shape, acc, p, v), lambda acc: acc, acc)
+        s = mma_new(shape, q, k, transpose_b=True)
+        if issued is not None:
+            issued()
+        return between(s), mma_into(shape, acc, p, v)
 
     def run(s_acc: Any, o_acc: Any) -> tuple[Any, jax.Array]:
         o_acc[...] = acc
         plgpu.wgmma(s_acc, q, k.transpose((1, 0)))
-
-        @pl.when(values)
-        def _values() -> None:
-            plgpu.wgmma(o_acc, p, v)
-
-        @pl.when(~values)
-        def _scores_alone() -> None:  # nothing else in flight: waiting for all but one would not wait
-            plgpu.wgmma_wait(0)
-
+        plgpu.wgmma(o_acc, p, v)
+        if issued is not None:
+            issued()
         extra = between(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
         return extra, plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
 
