@@ -34,6 +34,8 @@ for name in "$@"; do
     attention_d) step attention_d 240 python3 bench/bench_attention.py --only d --samples 7 ;;
     attention_e) step attention_e 420 python3 bench/bench_attention.py --only e --samples 7 ;;
     attention_check) step attention_check 300 python3 bench/bench_attention.py --only check --quick ;;
+    # ptxas's spills and warnings for every Mosaic attention kernel (a diagnostic: no results file).
+    ptxas) step ptxas 400 python3 bench/ptxas_report.py --dims 64,128,256 --segments ;;
     lce) step lce 300 python3 bench/bench_linear_cross_entropy.py --samples 9 --chunks 8192 ;;
     # The larger vocabularies of Llama 3 (128k) and Gemma (256k).
     lce128k|lce256k) step "$name" 400 python3 bench/bench_linear_cross_entropy.py --samples 7 --vocab "$((${name//[!0-9]/} * 1024))" --chunks 8192 --token-chunks 1024,4096 ;;
