@@ -213,13 +213,18 @@ def online_softmax(
     of key block ``j`` and the running row max ``m`` and sum ``l``, the probabilities in 16 bits
     for ``P V``, the factor ``alpha`` that rescales the output rows, and the new ``m`` and
     ``l``. ``segments``: from :func:`key_segments`."""
-    s = s * shape.scale
+    scale = shape.scale
+    if scale <= 0:  # the row max below commutes with a positive scale only
+        s, scale = s * scale, 1.0
     mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False) if kind is not Mask.NONE else None
     if mask is not None:
         s = jnp.where(mask, s, MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=1))
+    # The raw scores' row max, scaled once: rounding keeps x -> x * scale monotone, so this is
+    # the scaled scores' max exactly, without a product per score on the softmax's longest
+    # chain; each score's product is left to the exponent's argument (one fused multiply-add).
+    m_new = jnp.maximum(m, s.max(axis=1) * scale)
     alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
     if mask is not None:
         # A row with nothing visible yet has m_new == MASK_VALUE and exp2(0) == 1.
         p = jnp.where(mask, p, 0.0)
