@@ -35,6 +35,8 @@ Sections:
 - ``f``: the Mosaic forward's schedules (ping-pong between the consumers, the default; plain;
   pipelined, each consumer's softmax beside its own products; pipelined with ping-pong), forward only, with both forward
   tiles, at section a's shape and the example model's causal and packed shapes, cuDNN beside.
+- ``g``: the backward's dq kernel as it is and with its products overlapped across steps
+  (``pipelined_dq``), forward+backward, at section f's shapes.
 - ``check``: values and gradients of each implementation against a float32 reference (highest
   matmul precision) over a grid of head dims, odd lengths, 1-4 segments and GQA ratios.
 
@@ -76,7 +78,7 @@ from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
 
 BWD_FLOP_FACTOR = 2.5
-SECTIONS = ("a", "b", "c", "d", "e", "f", "check")
+SECTIONS = ("a", "b", "c", "d", "e", "f", "g", "check")
 
 
 @dataclasses.dataclass
@@ -392,6 +394,17 @@ def section_e(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def schedule_shapes(tiny: bool) -> dict[str, tuple[int, int, int, int, int, int]]:
+    """Sections f and g's shapes, ``(batch, seq, heads, kv heads, dim, documents)``: section a's,
+    the example model's causal one and its packed one (4 random documents per row)."""
+    shapes = {
+        "causal B4 S4096 H16 D128": (4, 4096, 16, 16, 128, 0),
+        "causal B8 S2048 H12/4 D64": (8, 2048, 12, 4, 64, 0),
+        "packed B8 S2048 H12/4 D64 x4 random docs": (8, 2048, 12, 4, 64, 4),
+    }
+    return {name: (1, 256, 2, 1, 64, docs) for name, (*_, docs) in shapes.items()} if tiny else shapes
+
+
 def section_f(args: argparse.Namespace) -> list[Row]:
     """The Mosaic forward's schedules side by side (forward only, 128- and 64-key blocks):
     ping-pong between the consumers (the default), the plain one, the pipelined one (each
@@ -401,13 +414,6 @@ def section_f(args: argparse.Namespace) -> list[Row]:
         return [Row("f", "-", "mosaic", "fwd", note="FAILED: no Mosaic GPU kernels here")]
     from ejlabel.kernels.attention import mosaic as mosaic_module
 
-    shapes = {
-        "causal B4 S4096 H16 D128": (4, 4096, 16, 16, 128, 0),
-        "causal B8 S2048 H12/4 D64": (8, 2048, 12, 4, 64, 0),
-        "packed B8 S2048 H12/4 D64 x4 random docs": (8, 2048, 12, 4, 64, 4),
-    }
-    if args.tiny:
-        shapes = {name: (1, 256, 2, 1, 64, docs) for name, (*_, docs) in shapes.items()}
     schedules = {
         "ping-pong": {"pingpong": True},
         "plain": {"pingpong": False},
@@ -417,7 +423,7 @@ def section_f(args: argparse.Namespace) -> list[Row]:
     rows = []
     # One interleaved run per shape: beside a heavier shape's calls, the packed calls ran up to
     # 1.2x slower (cuDNN's up to 2x) than in a run of their own.
-    for case, (b, s, h, kv, d, documents) in shapes.items():
+    for case, (b, s, h, kv, d, documents) in schedule_shapes(args.tiny).items():
         variants = []
         sets, pairs = document_sets(b, s, h, kv, d, documents)
         flops = 4.0 * h * d * sum(pairs) / len(pairs)
@@ -432,6 +438,28 @@ def section_f(args: argparse.Namespace) -> list[Row]:
         variants += variants_of(case, "cudnn" + (" packed layout" if documents else ""), base, sets, flops)[:1]
         rows += run_section("f", variants, args.samples, args.per_sample)
     set_ratios(rows, lambda r: find(rows, r.case, "mosaic ping-pong", r.pass_), "Mosaic ping-pong")
+    return rows
+
+
+def section_g(args: argparse.Namespace) -> list[Row]:
+    """The backward's dq kernel as it is and with its products overlapped across steps
+    (``pipelined_dq``), forward+backward through the experimental entry point (default tiles,
+    ping-pong forward), at section f's shapes, each one interleaved run of its own."""
+    if "mosaic" not in extra_impls():
+        return [Row("g", "-", "mosaic", "fwd+bwd", note="FAILED: no Mosaic GPU kernels here")]
+    from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
+
+    rows = []
+    for case, (b, s, h, kv, d, documents) in schedule_shapes(args.tiny).items():
+        sets, pairs = document_sets(b, s, h, kv, d, documents)
+        flops = 4.0 * h * d * sum(pairs) / len(pairs)
+        variants = []
+        for name, pipelined in (("dq as is", False), ("dq pipelined", True)):
+            attend = functools.partial(mosaic_attention, causal=True, pipelined_dq=pipelined)
+            both = lambda q, k, v, ids, attend=attend: attend(q, k, v, segment_ids=ids)  # noqa: E731
+            variants += variants_of(case, f"mosaic {name}", both, sets, flops)[1:]
+        rows += run_section("g", variants, args.samples, args.per_sample)
+    set_ratios(rows, lambda r: find(rows, r.case, "mosaic dq as is", r.pass_), "Mosaic dq as is")
     return rows
 
 
@@ -577,7 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     checks: list[Check] = []
     start = time.perf_counter()
-    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e, "f": section_f}
+    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e, "f": section_f, "g": section_g}
     for name in only:  # in the order given: a run cut short keeps the sections that came first
         if name == "check":
             impls = ["pallas", *extra_impls(), "cudnn", "xla"]

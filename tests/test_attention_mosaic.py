@@ -112,6 +112,26 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool) 
     assert ("stablehlo.dot_general" in text) == (dim > 64)
 
 
+@pytest.mark.parametrize(("dim", "segments"), [(64, True), (128, False)])
+def test_pipelined_dq_lowers_to_mosaic_gpu(dim: int, segments: bool) -> None:
+    q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> jax.Array:
+        return mosaic_attention(q, k, v, causal=True, segment_ids=seg, pipelined_dq=True).astype(jnp.float32).sum()
+
+    assert lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, seg).count("@mosaic_gpu") == 3
+
+
+def test_pipelined_dq_takes_head_dims_up_to_128() -> None:
+    q, k, v = qkv(1, 128, 1, 1, 256, jnp.bfloat16, seed=2)
+    lse = jnp.zeros((1, 1, 128), jnp.float32)
+    with pytest.raises(ValueError, match="pipelined: the dq kernel overlaps its products up to head dim 128"):
+        am.mosaic_backward(q, k, v, None, q, lse, q, scale=0.1, bounds=(None, 0), params=BwdParams(), interpret=True, pipelined_dq=True)
+    with pytest.raises(ValueError, match="fused_backward, pipelined_dq"):
+        mosaic_attention(q, k, v, causal=True, fused_backward=True, pipelined_dq=True)
+
+
 @pytest.mark.parametrize("window", [None, (64, 16)])
 def test_positional_plans_and_orders_are_constants(window: tuple[int, int] | None) -> None:
     """Without segment ids the visiting plans and the items' order depend on sizes only: the
@@ -295,10 +315,11 @@ def test_interpreted_persistent_programs_walk_several_tiles(races: Callable[[], 
 def test_interpreted_backward(races: Callable[[], bool], diagonal_apart: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # Not ``diagonal_apart``: the blocks masked by positions alone share the segment ids' loop,
     # as they do above head dim 64. The walk's order is what that case checks, so one query head
-    # per key/value head does (the other case keeps the head group).
+    # per key/value head does (the other case keeps the head group); it also runs the dq
+    # kernel that overlaps its products across steps, whose ring protocol differs.
     if not diagonal_apart:
         monkeypatch.setattr(mplan, "POSITIONS_APART_MAX_DIM", 0)
-    check_interpreted_backward(races, fused=False, group=2 if diagonal_apart else 1)
+    check_interpreted_backward(races, fused=False, group=2 if diagonal_apart else 1, pipelined_dq=not diagonal_apart)
 
 
 @pytest.mark.slow

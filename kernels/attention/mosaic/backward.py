@@ -21,7 +21,7 @@ from jaxtyping import Array, Float
 from ...pallas_common import pad_axis
 from .kernel import (
     CONSUMER_REGISTERS, LOG2E, PRODUCER_REGISTERS, SMEM_BYTES, cast, col_layout, consume_items, key_value_items,
-    key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
+    key_value_streams, launch, load_smem, mma_beside, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
     smem_tile, tile_buffers, tile_ready, visibility,
 )
 from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
@@ -60,10 +60,18 @@ def softmax_delta(out: jax.Array, do: jax.Array, rows: int) -> Float[Array, "bat
 def dq_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, out: jax.Array,
     plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_k: int, stages: int | None, persistent: bool = True,
+    pipelined: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dq [batch, seq_q, heads, dim], delta [batch, heads, seq_q])``: items are 128-row query
     tiles of one head, walking the key/value blocks of the plan; ``p`` is rebuilt from the saved
     log-sum-exp; ``delta`` (see :func:`softmax_delta`) goes on to the dk/dv kernel.
+
+    ``pipelined`` (up to head dim :data:`SOFTMAX_BESIDE_DP_MAX_DIM`): each step issues its
+    ``q k^T`` together with the previous step's ``dq += dS k``, so that product runs while the
+    step waits for its scores and computes ``dP`` and the probabilities, instead of being
+    awaited at the end of its own step (the pattern of :func:`.forward.pipelined_walk`, whose
+    zero first product it shares: a wgmma issued under a condition serializes them all). Each
+    key slot is then freed a step later. Not the default: not timed on a GPU yet.
 
     Where :func:`dq_tiles` says so, each item computes its rows' ``delta`` from its tile of
     ``out`` (loaded beside ``q`` and ``dO``) and writes it out: that replaces a reduction over
@@ -71,6 +79,8 @@ def dq_call(
     the H100). Else that reduction runs first and the kernel loads ``delta``.
     """
     batch, seq_q, heads, dim = q.shape
+    if pipelined and dim > SOFTMAX_BESIDE_DP_MAX_DIM:
+        raise ValueError(f"pipelined: the dq kernel overlaps its products up to head dim {SOFTMAX_BESIDE_DP_MAX_DIM}, got {dim}")
     dtype = q.dtype
     segmented = segment_ids is not None
     items, order = key_value_items(plan, heads, persistent, shape, segmented, k)
@@ -161,8 +171,49 @@ def dq_call(
                     plgpu.barrier_arrive(k_used.at[slot])
                     return dq
 
+                def pipelined_step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
+                    dq, ds_prev = carry
+                    slot, prev, first = lax.rem(t, stages), lax.rem(t - 1, stages), t == t0
+                    segments = None
+                    if segmented:
+                        plgpu.barrier_wait(kseg_ready.at[slot])
+                        if kind is Mask.SEGMENTS:
+                            segments = (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout()))
+                    plgpu.barrier_wait(k_ready.at[slot])
+
+                    def scores_ready(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+                        def probabilities() -> jax.Array:
+                            p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+                            if kind is not Mask.NONE:
+                                mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False)
+                                if mask is not None:
+                                    p = jnp.where(mask, p, 0.0)
+                            return p
+
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        return mma_new(shape, my_do, v_ring.at[slot], transpose_b=True, between=probabilities)
+
+                    # The first step's previous product: zero scores against this step's keys.
+                    keys_prev = k_ring.at[jnp.where(first, slot, prev)]
+                    (dp, p), dq = mma_beside(shape, my_q, k_ring.at[slot], dq, ds_prev, keys_prev, between=scores_ready)
+                    plgpu.barrier_arrive(v_used.at[slot])
+                    pl.when(~first)(lambda: plgpu.barrier_arrive(k_used.at[prev]))
+                    return dq, (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+
                 zeros = cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
-                dq = walk(visit, step, zeros, offset=t0, masks=mask_loops(segmented, dim))
+                if pipelined:
+                    no_scores = cast(shape, jnp.zeros((WG_ROWS, block_k), dtype), plgpu.Layout.WGMMA)
+                    dq, ds_last = walk(visit, pipelined_step, (zeros, no_scores), offset=t0, masks=mask_loops(segmented, dim))
+
+                    def last_product(dq: jax.Array) -> jax.Array:
+                        slot = lax.rem(t0 + visit.steps - 1, stages)
+                        dq = mma_into(shape, dq, ds_last, k_ring.at[slot])
+                        plgpu.barrier_arrive(k_used.at[slot])
+                        return dq
+
+                    dq = lax.cond(visit.steps > 0, last_product, lambda dq: dq, dq)
+                else:
+                    dq = walk(visit, step, zeros, offset=t0, masks=mask_loops(segmented, dim))
 
                 def write() -> None:
                     my_q[...] = (dq * (shape.scale / LOG2E)).astype(dtype)
