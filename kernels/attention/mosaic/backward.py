@@ -139,6 +139,19 @@ def dq_call(
                 delta = own_delta(visit, buf) if computes_delta else load_smem(shape, delta_smem.at[buf, wg], row_layout())
                 q_seg = load_smem(shape, qseg_smem.at[buf, wg], row_layout()) if segmented else None
 
+                def probabilities_of(s: jax.Array, j: jax.Array, kind: Mask, segments: Any) -> jax.Array:
+                    """``P`` of key block ``j`` from its raw scores and the saved log-sum-exp."""
+                    p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+                    if kind is not Mask.NONE:
+                        mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False)
+                        if mask is not None:
+                            p = jnp.where(mask, p, 0.0)
+                    return p
+
+                def scores_gradient(p: jax.Array, dp: jax.Array) -> jax.Array:
+                    """``dS = P (dP - delta)``, in the inputs' dtype for its product with the keys."""
+                    return (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+
                 def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: Mask) -> jax.Array:
                     slot = lax.rem(t, stages)
                     segments = None
@@ -148,15 +161,7 @@ def dq_call(
                             segments = (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout()))
                     plgpu.barrier_wait(k_ready.at[slot])
                     s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
-
-                    def probabilities() -> jax.Array:
-                        p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-                        if kind is not Mask.NONE:
-                            mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False)
-                            if mask is not None:
-                                p = jnp.where(mask, p, 0.0)
-                        return p
-
+                    probabilities = functools.partial(probabilities_of, s, j, kind, segments)
                     if dim <= SOFTMAX_BESIDE_DP_MAX_DIM:
                         plgpu.barrier_wait(v_ready.at[slot])
                         # The softmax runs while the tensor cores compute dP.
@@ -166,8 +171,7 @@ def dq_call(
                         plgpu.barrier_wait(v_ready.at[slot])
                         dp = mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
                     plgpu.barrier_arrive(v_used.at[slot])
-                    ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
-                    dq = mma_into(shape, dq, ds, k_ring.at[slot])
+                    dq = mma_into(shape, dq, scores_gradient(p, dp), k_ring.at[slot])
                     plgpu.barrier_arrive(k_used.at[slot])
                     return dq
 
@@ -182,15 +186,8 @@ def dq_call(
                     plgpu.barrier_wait(k_ready.at[slot])
 
                     def scores_ready(s: jax.Array) -> tuple[jax.Array, jax.Array]:
-                        def probabilities() -> jax.Array:
-                            p = jnp.exp2(s * shape.scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-                            if kind is not Mask.NONE:
-                                mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False)
-                                if mask is not None:
-                                    p = jnp.where(mask, p, 0.0)
-                            return p
-
                         plgpu.barrier_wait(v_ready.at[slot])
+                        probabilities = functools.partial(probabilities_of, s, j, kind, segments)
                         return mma_new(shape, my_do, v_ring.at[slot], transpose_b=True, between=probabilities)
 
                     # The first step's previous product: zero scores against this step's keys.
@@ -198,7 +195,7 @@ def dq_call(
                     (dp, p), dq = mma_beside(shape, my_q, k_ring.at[slot], dq, ds_prev, keys_prev, between=scores_ready)
                     plgpu.barrier_arrive(v_used.at[slot])
                     pl.when(~first)(lambda: plgpu.barrier_arrive(k_used.at[prev]))
-                    return dq, (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+                    return dq, scores_gradient(p, dp)
 
                 zeros = cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
                 if pipelined:
