@@ -20,7 +20,7 @@ from jaxtyping import Array, Float
 
 from ...pallas_common import pad_axis
 from .kernel import (
-    CONSUMER_REGISTERS, LOG2E, PRODUCER_REGISTERS, SMEM_BYTES, cast, col_layout, consume_items, key_value_items,
+    CONSUMER_REGISTERS, LOG2E, PRODUCER_REGISTERS, SMEM_BYTES, cast, col_layout, consume_items, key_segments, key_value_items,
     key_value_streams, launch, load_smem, mma_beside, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
     smem_tile, tile_buffers, tile_ready, visibility,
 )
@@ -138,6 +138,7 @@ def dq_call(
                 lse = load_smem(shape, lse_smem.at[buf, wg], row_layout())
                 delta = own_delta(visit, buf) if computes_delta else load_smem(shape, delta_smem.at[buf, wg], row_layout())
                 q_seg = load_smem(shape, qseg_smem.at[buf, wg], row_layout()) if segmented else None
+                segments_of = functools.partial(key_segments, shape, (kseg_ready, kseg_ring) if segmented else None, q_seg=q_seg)
 
                 def probabilities_of(s: jax.Array, j: jax.Array, kind: Mask, segments: Any) -> jax.Array:
                     """``P`` of key block ``j`` from its raw scores and the saved log-sum-exp."""
@@ -154,11 +155,7 @@ def dq_call(
 
                 def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: Mask) -> jax.Array:
                     slot = lax.rem(t, stages)
-                    segments = None
-                    if segmented:
-                        plgpu.barrier_wait(kseg_ready.at[slot])
-                        if kind is Mask.SEGMENTS:
-                            segments = (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout()))
+                    segments = segments_of(slot, kind)
                     plgpu.barrier_wait(k_ready.at[slot])
                     s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
                     probabilities = functools.partial(probabilities_of, s, j, kind, segments)
@@ -178,11 +175,7 @@ def dq_call(
                 def pipelined_step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
                     dq, ds_prev = carry
                     slot, prev, first = lax.rem(t, stages), lax.rem(t - 1, stages), t == t0
-                    segments = None
-                    if segmented:
-                        plgpu.barrier_wait(kseg_ready.at[slot])
-                        if kind is Mask.SEGMENTS:
-                            segments = (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout()))
+                    segments = segments_of(slot, kind)
                     plgpu.barrier_wait(k_ready.at[slot])
 
                     def scores_ready(s: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 
 from ...pallas_common import MASK_VALUE
 from .kernel import (
-    CONSUMER_REGISTERS, LN2, PRODUCER_REGISTERS, cast, col_layout, consume_items, fits_exactly, key_value_items,
+    CONSUMER_REGISTERS, LN2, PRODUCER_REGISTERS, cast, consume_items, fits_exactly, key_segments, key_value_items,
     key_value_streams, launch, load_smem, mma_beside, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
     smem_tile, tile_buffers, tile_ready, visibility,
 )
@@ -194,25 +194,13 @@ def forward_call(
     return launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
 
 
-def key_segments(shape: Shape, kseg: tuple[Any, Any] | None, slot: jax.Array, kind: Mask, q_seg: jax.Array | None) -> Any:
-    """The query and key segment ids a step's mask compares, or None: waits for the ring's key ids
-    (with segment ids, every step, so each barrier phase is observed) and reads them where
-    ``kind`` is the segment ids' mask. Their slot is freed with the key slot, so this comes
-    before the step arrives on it."""
-    if kseg is None:
-        return None
-    kseg_ready, kseg_ring = kseg
-    plgpu.barrier_wait(kseg_ready.at[slot])
-    return (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout())) if kind is Mask.SEGMENTS else None
-
-
 def online_softmax(
     shape: Shape, s: jax.Array, m: jax.Array, l: jax.Array, *, j: jax.Array, kind: Mask, segments: Any, row0: jax.Array, block_k: int, dtype: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One key block's step of the online softmax, base 2: from the raw scores ``s [64, block_k]``
     of key block ``j`` and the running row max ``m`` and sum ``l``, the probabilities in 16 bits
     for ``P V``, the factor ``alpha`` that rescales the output rows, and the new ``m`` and
-    ``l``. ``segments``: from :func:`key_segments`."""
+    ``l``. ``segments``: from :func:`.kernel.key_segments`."""
     scale = shape.scale
     if scale <= 0:  # the row max below commutes with a positive scale only
         s, scale = s * scale, 1.0
@@ -260,7 +248,7 @@ def pipelined_walk(
     v_{t-1}`` (:func:`.kernel.mma_beside`), waits for ``S_t`` alone and runs the softmax
     while ``P_{t-1} v_{t-1}`` is on the tensor cores; the last step's product follows the
     walk. Every product is awaited within its step: the loop carries registers only, the
-    probabilities included. ``segments_of``, ``softmax``: :func:`key_segments` and
+    probabilities included. ``segments_of``, ``softmax``: :func:`.kernel.key_segments` and
     :func:`online_softmax` bound to the item; ``turns``: ``(take_turn, pass_turn)``, called
     before and after a step issues its products, or None.
 

@@ -20,12 +20,12 @@ from jax._src import source_info_util  # no public API sets the location ops are
 from jax.experimental import pallas as pl
 
 from .modules import share_modules_across_call_sites
-from .plan import CONSUMERS, Shape, Visit
+from .plan import CONSUMERS, Mask, Shape, Visit
 from .work import Items, deal_items
 
 __all__ = [
     "CONSUMER_REGISTERS", "LN2", "LOG2E", "PRODUCER_REGISTERS", "SMEM_BYTES", "cast", "col_layout", "consume_items", "fits_exactly",
-    "interpret_params", "key_value_items", "key_value_streams", "launch", "load_smem", "mma_beside", "mma_into", "mma_new", "mma_sum", "plgpu",
+    "interpret_params", "key_segments", "key_value_items", "key_value_streams", "launch", "load_smem", "mma_beside", "mma_into", "mma_new", "mma_sum", "plgpu",
     "produce_items", "ring_stages", "row_layout", "smem_tile", "tile_buffers", "tile_ready", "visibility",
 ]
 
@@ -98,6 +98,18 @@ def visibility(
         ks = lax.broadcast_in_dim(k_seg, (rows, cols), [k_dim])
         conditions.append((qs == ks) & (qs > 0))
     return functools.reduce(jnp.logical_and, conditions) if conditions else None
+
+
+def key_segments(shape: Shape, kseg: tuple[Any, Any] | None, slot: jax.Array, kind: Mask, q_seg: jax.Array | None) -> Any:
+    """The query and key segment ids a step's mask compares, or None: waits for the ring's key ids
+    (with segment ids, every step, so each barrier phase is observed) and reads them where
+    ``kind`` is the segment ids' mask. Their slot is freed with the key slot, so this comes
+    before the step arrives on it."""
+    if kseg is None:
+        return None
+    kseg_ready, kseg_ring = kseg
+    plgpu.barrier_wait(kseg_ready.at[slot])
+    return (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout())) if kind is Mask.SEGMENTS else None
 
 
 def tile_ready(barriers: Any, buf: jax.Array, wg: jax.Array) -> Any:
