@@ -405,6 +405,14 @@ def schedule_shapes(tiny: bool) -> dict[str, tuple[int, int, int, int, int, int]
     return {name: (1, 256, 2, 1, 64, docs) for name, (*_, docs) in shapes.items()} if tiny else shapes
 
 
+def baseline(documents: int) -> Callable[..., jax.Array]:
+    """Sections f and g's baseline, ``(q, k, v, ids) -> out``: cuDNN causal, or with documents
+    cuDNN's packed layout (``documents`` per row) as the plain packed model calls it."""
+    if documents:
+        return lambda q, k, v, ids: PLAIN_CUDNN_PACKED_OPS.attention(q, k, v, ids, documents)
+    return lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
 def section_f(args: argparse.Namespace) -> list[Row]:
     """The Mosaic forward's schedules side by side (forward only, 128- and 64-key blocks):
     ping-pong between the consumers (the default), the plain one, the pipelined one (each
@@ -431,11 +439,7 @@ def section_f(args: argparse.Namespace) -> list[Row]:
             for name, schedule in schedules.items():
                 attend = functools.partial(mosaic_module.mosaic_forward, scale=d**-0.5, bounds=(None, 0), params=params, **schedule)
                 variants += variants_of(case, f"mosaic {name}{tiles}", lambda q, k, v, ids, attend=attend: attend(q, k, v, ids)[0], sets, flops)[:1]
-        if documents:
-            base = lambda q, k, v, ids, documents=documents: PLAIN_CUDNN_PACKED_OPS.attention(q, k, v, ids, documents)  # noqa: E731
-        else:
-            base = lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa: E731
-        variants += variants_of(case, "cudnn" + (" packed layout" if documents else ""), base, sets, flops)[:1]
+        variants += variants_of(case, "cudnn" + (" packed layout" if documents else ""), baseline(documents), sets, flops)[:1]
         rows += run_section("f", variants, args.samples, args.per_sample)
     set_ratios(rows, lambda r: find(rows, r.case, "mosaic ping-pong", r.pass_), "Mosaic ping-pong")
     return rows
@@ -444,7 +448,8 @@ def section_f(args: argparse.Namespace) -> list[Row]:
 def section_g(args: argparse.Namespace) -> list[Row]:
     """The backward's dq kernel as it is and with its products overlapped across steps
     (``pipelined_dq``), forward+backward through the experimental entry point (default tiles,
-    ping-pong forward), at section f's shapes, each one interleaved run of its own."""
+    ping-pong forward), at section f's shapes, each one interleaved run of its own with cuDNN (its
+    packed layout for documents) beside it."""
     if "mosaic" not in extra_impls():
         return [Row("g", "-", "mosaic", "fwd+bwd", note="FAILED: no Mosaic GPU kernels here")]
     from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
@@ -458,6 +463,7 @@ def section_g(args: argparse.Namespace) -> list[Row]:
             attend = functools.partial(mosaic_attention, causal=True, pipelined_dq=pipelined)
             both = lambda q, k, v, ids, attend=attend: attend(q, k, v, segment_ids=ids)  # noqa: E731
             variants += variants_of(case, f"mosaic {name}", both, sets, flops)[1:]
+        variants += variants_of(case, "cudnn" + (" packed layout" if documents else ""), baseline(documents), sets, flops)[1:]
         rows += run_section("g", variants, args.samples, args.per_sample)
     set_ratios(rows, lambda r: find(rows, r.case, "mosaic dq as is", r.pass_), "Mosaic dq as is")
     return rows

@@ -471,6 +471,30 @@ def test_gpu_other_tiles(params: tuple[FwdParams, BwdParams]) -> None:
 @gpu
 @needs_gpu
 @needs_hopper
+@pytest.mark.parametrize(("dim", "segments"), [(64, True), (128, False), (128, True)])
+def test_gpu_pipelined_dq(dim: int, segments: bool) -> None:
+    # The dq kernel that overlaps its products across steps: its gradients against the
+    # reference, and dk, dv (other kernels) as the default backward gives them.
+    q, k, v = qkv(2, 1000, 4, 2, dim, jnp.bfloat16, seed=dim)
+    ids = documents(2, 1000, 3, padding=70, seed=5) if segments else None
+    ref = lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=dim**-0.5)
+
+    def grads(pipelined: bool) -> Any:
+        mosaic = lambda q, k, v: mosaic_attention(q, k, v, causal=True, segment_ids=ids, pipelined_dq=pipelined)
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(mosaic(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))(q, k, v)
+
+    got, default = grads(True), grads(False)
+    want = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) ** 2), argnums=(0, 1, 2))(*(t.astype(jnp.float32) for t in (q, k, v)))
+    for g, w in zip(got, want):
+        assert rel_error(g, w) < 4e-2
+    assert rel_error(got[0], default[0]) < 1e-2
+    for g, d in zip(got[1:], default[1:]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(d))
+
+
+@gpu
+@needs_gpu
+@needs_hopper
 @pytest.mark.parametrize("spec", GPU_GRID, ids=lambda spec: spec.name)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_gpu_values_and_gradients(spec: ArgSpec, dtype: Any) -> None:
