@@ -36,7 +36,7 @@ Sections:
   pipelined, each consumer's softmax beside its own products; pipelined with ping-pong), forward only, with both forward
   tiles, at section a's shape and the example model's causal and packed shapes, cuDNN beside.
 - ``g``: the backward's dq kernel as it is and with its products overlapped across steps
-  (``pipelined_dq``), forward+backward, at section f's shapes.
+  (``pipelined_dq``), and the backward's other tiles, forward+backward, at section f's shapes.
 - ``check``: values and gradients of each implementation against a float32 reference (highest
   matmul precision) over a grid of head dims, odd lengths, 1-4 segments and GQA ratios.
 
@@ -445,11 +445,21 @@ def section_f(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+# Section g's backward variants: (name, backward tiles, pipelined dq kernel).
+BACKWARD_VARIANTS = (
+    ("dq as is", BwdParams(), False),
+    ("dq pipelined", BwdParams(), True),
+    ("bwd q64 k128", BwdParams(q_blocksize=64, kv_blocksize=128), False),
+    ("bwd q128 k64", BwdParams(q_blocksize=128, kv_blocksize=64), False),
+)
+
+
 def section_g(args: argparse.Namespace) -> list[Row]:
-    """The backward's dq kernel as it is and with its products overlapped across steps
-    (``pipelined_dq``), forward+backward through the experimental entry point (default tiles,
-    ping-pong forward), at section f's shapes, each one interleaved run of its own with cuDNN (its
-    packed layout for documents) beside it."""
+    """The backward's variants, forward+backward through the experimental entry point (ping-pong
+    forward): default tiles with the dq kernel as it is and with its products overlapped across
+    steps (``pipelined_dq``), and the other backward tiles of the tuning space (128-key blocks in
+    the dq kernel, 128-query blocks in the dk/dv kernel), at section f's shapes, each one
+    interleaved run of its own with cuDNN (its packed layout for documents) beside it."""
     if "mosaic" not in extra_impls():
         return [Row("g", "-", "mosaic", "fwd+bwd", note="FAILED: no Mosaic GPU kernels here")]
     from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
@@ -459,8 +469,8 @@ def section_g(args: argparse.Namespace) -> list[Row]:
         sets, pairs = document_sets(b, s, h, kv, d, documents)
         flops = 4.0 * h * d * sum(pairs) / len(pairs)
         variants = []
-        for name, pipelined in (("dq as is", False), ("dq pipelined", True)):
-            attend = functools.partial(mosaic_attention, causal=True, pipelined_dq=pipelined)
+        for name, bwd, pipelined in BACKWARD_VARIANTS:
+            attend = functools.partial(mosaic_attention, causal=True, params=(FwdParams(), bwd), pipelined_dq=pipelined)
             both = lambda q, k, v, ids, attend=attend: attend(q, k, v, segment_ids=ids)  # noqa: E731
             variants += variants_of(case, f"mosaic {name}", both, sets, flops)[1:]
         variants += variants_of(case, "cudnn" + (" packed layout" if documents else ""), baseline(documents), sets, flops)[1:]

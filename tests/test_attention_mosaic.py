@@ -230,18 +230,23 @@ def test_tuning_space_offers_triton_only_where_mosaic_does_not_run(monkeypatch: 
         assert kernel.candidate_is_valid(inv, AttentionConfig("pallas"))  # still selectable
 
 
-def test_tuning_space_offers_the_plain_forward_schedule_with_segments_only(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dim", [64, 128])
+def test_tuning_space_offers_schedules_where_they_won(monkeypatch: pytest.MonkeyPatch, dim: int) -> None:
+    # The plain schedule (64-key blocks) with segments only; the pipelined one above dim 64 only.
     monkeypatch.setattr(attention_module, "on_gpu", lambda: True)
     monkeypatch.setattr(attention_module, "on_hopper", lambda: True)
     kernel = AttentionKernel()
-    q, k, v = qkv(1, 64, 2, 1, 64, jnp.bfloat16)
+    q, k, v = qkv(1, 64, 2, 1, dim, jnp.bfloat16)
     ids = jnp.ones((1, 64), jnp.int32)
-    for kwargs, schedules in (({"causal": True}, {"pingpong"}), ({"causal": True, "segment_ids": ids}, {"pingpong", "plain"})):
+    wide = {"pipelined"} if dim > 64 else set()
+    for kwargs, schedules in (({"causal": True}, {"pingpong"} | wide), ({"causal": True, "segment_ids": ids}, {"pingpong", "plain"} | wide)):
         mosaic = [c for c in kernel.config_space(Invocation(kernel, (q, k, v), kwargs)) if c.impl == "mosaic"]
         assert {c.fwd_schedule for c in mosaic} == schedules
-        plain = [c for c in mosaic if c.fwd_schedule == "plain"]
-        assert all(c.fwd.kv_blocksize == 64 for c in plain)
-        assert len(plain) == (len({c.bwd for c in mosaic}) if "plain" in schedules else 0)  # paired with every backward tile
+        backward_tiles = len({c.bwd for c in mosaic})
+        for schedule, blocks in (("plain", 64), ("pipelined", 128)):
+            chosen = [c for c in mosaic if c.fwd_schedule == schedule]
+            assert all(c.fwd.kv_blocksize == blocks for c in chosen)
+            assert len(chosen) == (backward_tiles if schedule in schedules else 0)  # paired with every backward tile
 
 
 def test_attention_config_checks_its_schedule() -> None:

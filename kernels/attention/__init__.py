@@ -118,6 +118,10 @@ _MOSAIC_FWD = ((128, 2), (64, 3))
 # ping-pong on those blocks ran 1.05-1.08x; bench_attention.py section f); without them
 # ping-pong led at every shape measured. (kv block, stages, schedule).
 _MOSAIC_FWD_SEGMENTS = ((64, 3, "plain"),)
+# Above head dim 64 the pipelined schedule (each consumer's softmax beside its own products) ran
+# the causal D128 forward 0.99x, 1.03x, 1.00x and 1.04x ping-pong in four runs on the H100, and
+# 0.87-0.99x at dim 64: a candidate where it can win, for the tuner to time in context.
+_MOSAIC_FWD_WIDE = ((128, 2, "pipelined"),)
 _MOSAIC_BWD = ((64, 128, None, 2), (128, 64, None, 2), (64, 64, None, 2))
 
 
@@ -260,6 +264,8 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         forwards = [(bk, st, "pingpong") for bk, st in _MOSAIC_FWD]
         if any(inv.kwargs.get(name) is not None for name in ("segment_ids", "cu_seqlens")):
             forwards += _MOSAIC_FWD_SEGMENTS
+        if q.shape[3] > 64:
+            forwards += _MOSAIC_FWD_WIDE
         mosaic = [
             AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd), fwd_schedule=schedule)
             for bk, st, schedule in forwards for bwd in _MOSAIC_BWD
