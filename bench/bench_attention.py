@@ -445,19 +445,20 @@ def section_f(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-# Section g's backward variants: (name, backward tiles, pipelined dq kernel).
+# Section g's backward variants: (name, backward tiles, dq kernel's schedule options).
 BACKWARD_VARIANTS = (
-    ("dq as is", BwdParams(), False),
-    ("dq pipelined", BwdParams(), True),
-    ("bwd q64 k128", BwdParams(q_blocksize=64, kv_blocksize=128), False),
-    ("bwd q128 k64", BwdParams(q_blocksize=128, kv_blocksize=64), False),
+    ("dq as is", BwdParams(), {}),
+    ("dq pipelined", BwdParams(), {"pipelined_dq": True}),
+    ("dq ping-pong", BwdParams(), {"pingpong_dq": True}),
+    ("bwd q64 k128", BwdParams(q_blocksize=64, kv_blocksize=128), {}),
+    ("bwd q128 k64", BwdParams(q_blocksize=128, kv_blocksize=64), {}),
 )
 
 
 def section_g(args: argparse.Namespace) -> list[Row]:
     """The backward's variants, forward+backward through the experimental entry point (ping-pong
-    forward): default tiles with the dq kernel as it is and with its products overlapped across
-    steps (``pipelined_dq``), and the other backward tiles of the tuning space (128-key blocks in
+    forward): default tiles with the dq kernel as it is, with its products overlapped across
+    steps (``pipelined_dq``) and with its consumers taking turns (``pingpong_dq``), and the other backward tiles of the tuning space (128-key blocks in
     the dq kernel, 128-query blocks in the dk/dv kernel), at section f's shapes, each one
     interleaved run of its own with cuDNN (its packed layout for documents) beside it."""
     if "mosaic" not in extra_impls():
@@ -469,8 +470,8 @@ def section_g(args: argparse.Namespace) -> list[Row]:
         sets, pairs = document_sets(b, s, h, kv, d, documents)
         flops = 4.0 * h * d * sum(pairs) / len(pairs)
         variants = []
-        for name, bwd, pipelined in BACKWARD_VARIANTS:
-            attend = functools.partial(mosaic_attention, causal=True, params=(FwdParams(), bwd), pipelined_dq=pipelined)
+        for name, bwd, dq_schedule in BACKWARD_VARIANTS:
+            attend = functools.partial(mosaic_attention, causal=True, params=(FwdParams(), bwd), **dq_schedule)
             both = lambda q, k, v, ids, attend=attend: attend(q, k, v, segment_ids=ids)  # noqa: E731
             variants += variants_of(case, f"mosaic {name}", both, sets, flops)[1:]
         variants += variants_of(case, "cudnn" + (" packed layout" if documents else ""), baseline(documents), sets, flops)[1:]

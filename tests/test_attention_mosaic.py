@@ -112,13 +112,14 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool) 
     assert ("stablehlo.dot_general" in text) == (dim > 64)
 
 
+@pytest.mark.parametrize("schedule", ["pipelined_dq", "pingpong_dq"])
 @pytest.mark.parametrize(("dim", "segments"), [(64, True), (128, False)])
-def test_pipelined_dq_lowers_to_mosaic_gpu(dim: int, segments: bool) -> None:
+def test_dq_schedules_lower_to_mosaic_gpu(dim: int, segments: bool, schedule: str) -> None:
     q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
 
     def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> jax.Array:
-        return mosaic_attention(q, k, v, causal=True, segment_ids=seg, pipelined_dq=True).astype(jnp.float32).sum()
+        return mosaic_attention(q, k, v, causal=True, segment_ids=seg, **{schedule: True}).astype(jnp.float32).sum()
 
     assert lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, seg).count("@mosaic_gpu") == 3
 
@@ -130,6 +131,9 @@ def test_pipelined_dq_takes_head_dims_up_to_128() -> None:
         am.mosaic_backward(q, k, v, None, q, lse, q, scale=0.1, bounds=(None, 0), params=BwdParams(), interpret=True, pipelined_dq=True)
     with pytest.raises(ValueError, match="fused_backward, pipelined_dq"):
         mosaic_attention(q, k, v, causal=True, fused_backward=True, pipelined_dq=True)
+    q = q[..., :64]
+    with pytest.raises(ValueError, match="pipelined, pingpong: the dq kernel takes one schedule"):
+        am.mosaic_backward(q, q, q, None, q, lse, q, scale=0.1, bounds=(None, 0), params=BwdParams(), interpret=True, pipelined_dq=True, pingpong_dq=True)
 
 
 @pytest.mark.parametrize("window", [None, (64, 16)])
@@ -321,10 +325,13 @@ def test_interpreted_backward(races: Callable[[], bool], diagonal_apart: bool, m
     # Not ``diagonal_apart``: the blocks masked by positions alone share the segment ids' loop,
     # as they do above head dim 64. The walk's order is what that case checks, so one query head
     # per key/value head does (the other case keeps the head group); it also runs the dq
-    # kernel that overlaps its products across steps, whose ring protocol differs.
+    # kernel that overlaps its products across steps, whose ring protocol differs. The other
+    # case runs the dq kernel whose consumers take turns, which adds barriers of its own.
     if not diagonal_apart:
         monkeypatch.setattr(mplan, "POSITIONS_APART_MAX_DIM", 0)
-    check_interpreted_backward(races, fused=False, group=2 if diagonal_apart else 1, pipelined_dq=not diagonal_apart)
+    check_interpreted_backward(
+        races, fused=False, group=2 if diagonal_apart else 1, pipelined_dq=not diagonal_apart, pingpong_dq=diagonal_apart,
+    )
 
 
 @pytest.mark.slow
@@ -476,16 +483,18 @@ def test_gpu_other_tiles(params: tuple[FwdParams, BwdParams]) -> None:
 @gpu
 @needs_gpu
 @needs_hopper
+@pytest.mark.parametrize("schedule", ["pipelined_dq", "pingpong_dq"])
 @pytest.mark.parametrize(("dim", "segments"), [(64, True), (128, False), (128, True)])
-def test_gpu_pipelined_dq(dim: int, segments: bool) -> None:
-    # The dq kernel that overlaps its products across steps: its gradients against the
-    # reference, and dk, dv (other kernels) as the default backward gives them.
+def test_gpu_dq_schedules(dim: int, segments: bool, schedule: str) -> None:
+    # The dq kernel that overlaps its products across steps, and the one whose consumers take
+    # turns: its gradients against the reference, and dk, dv (other kernels) as the default
+    # backward gives them.
     q, k, v = qkv(2, 1000, 4, 2, dim, jnp.bfloat16, seed=dim)
     ids = documents(2, 1000, 3, padding=70, seed=5) if segments else None
     ref = lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=dim**-0.5)
 
-    def grads(pipelined: bool) -> Any:
-        mosaic = lambda q, k, v: mosaic_attention(q, k, v, causal=True, segment_ids=ids, pipelined_dq=pipelined)
+    def grads(scheduled: bool) -> Any:
+        mosaic = lambda q, k, v: mosaic_attention(q, k, v, causal=True, segment_ids=ids, **{schedule: scheduled})
         return jax.jit(jax.grad(lambda q, k, v: jnp.sum(mosaic(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))(q, k, v)
 
     got, default = grads(True), grads(False)

@@ -286,12 +286,13 @@ def mosaic_backward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, out: Float[Array, "batch sq heads dim"], lse: Float[Array, "batch heads sq"],
     g: Float[Array, "batch sq heads dim"], *, scale: float, bounds: Window, params: BwdParams, interpret: bool = False,
-    persistent: bool = True, pipelined_dq: bool = False,
+    persistent: bool = True, pipelined_dq: bool = False, pingpong_dq: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` from the forward's output and base-2 log-sum-exp and the cotangent ``g``
     (``persistent``: as in :func:`mosaic_forward`): a dq kernel, then a dk/dv kernel (two walks
     of it above head dim 128). ``pipelined_dq``: the dq kernel overlaps each step's ``dq``
-    product with the next step's (see :func:`.backward.dq_call`)."""
+    product with the next step's; ``pingpong_dq``: the dq kernel's consumers take turns (see
+    :func:`.backward.dq_call` for both)."""
     check_operands(q, k)
     block_q, block_k, stages = tile_blocks(params, q.shape[3])
     p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
@@ -302,6 +303,7 @@ def mosaic_backward(
     rows_plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
     dq, delta = dq_call(
         p.q, p.k, p.v, do, lse, out, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent, pipelined=pipelined_dq,
+        pingpong=pingpong_dq,
     )
     cols_plan = visit_plan(cols, rows, TILE, block_q, p.shape, p.segment_ids, batch, transpose=True)
     got: dict[str, jax.Array] = {}

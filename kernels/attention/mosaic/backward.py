@@ -60,7 +60,7 @@ def softmax_delta(out: jax.Array, do: jax.Array, rows: int) -> Float[Array, "bat
 def dq_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, out: jax.Array,
     plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_k: int, stages: int | None, persistent: bool = True,
-    pipelined: bool = False,
+    pipelined: bool = False, pingpong: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dq [batch, seq_q, heads, dim], delta [batch, heads, seq_q])``: items are 128-row query
     tiles of one head, walking the key/value blocks of the plan; ``p`` is rebuilt from the saved
@@ -71,7 +71,14 @@ def dq_call(
     step waits for its scores and computes ``dP`` and the probabilities, instead of being
     awaited at the end of its own step (the pattern of :func:`.forward.pipelined_walk`, whose
     zero first product it shares: a wgmma issued under a condition serializes them all). Each
-    key slot is then freed a step later. Not the default: not timed on a GPU yet.
+    key slot is then freed a step later. Not the default: forward+backward ran 0.88-0.94x the
+    kernel as it is on the H100 (``bench/bench_attention.py`` section g).
+
+    ``pingpong``: the two consumers take turns as the forward's do (see
+    :func:`.forward.forward_call`): they meet after issuing ``q k^T`` and before issuing
+    ``dq += dS k``, offset by half a step, so one's probabilities and ``dS`` run while the
+    other's products use the tensor cores (both walk the same key blocks, so their meetings
+    pair up). Not with ``pipelined``.
 
     Where :func:`dq_tiles` says so, each item computes its rows' ``delta`` from its tile of
     ``out`` (loaded beside ``q`` and ``dO``) and writes it out: that replaces a reduction over
@@ -81,6 +88,8 @@ def dq_call(
     batch, seq_q, heads, dim = q.shape
     if pipelined and dim > SOFTMAX_BESIDE_DP_MAX_DIM:
         raise ValueError(f"pipelined: the dq kernel overlaps its products up to head dim {SOFTMAX_BESIDE_DP_MAX_DIM}, got {dim}")
+    if pipelined and pingpong:
+        raise ValueError("pipelined, pingpong: the dq kernel takes one schedule; expected one of them")
     dtype = q.dtype
     segmented = segment_ids is not None
     items, order = key_value_items(plan, heads, persistent, shape, segmented, k)
@@ -97,12 +106,16 @@ def dq_call(
         scratch, barriers = refs
         q_smem, do_smem, k_ring, v_ring, lse_smem, delta_smem, qseg_smem, kseg_ring, *rest = scratch
         o_smem = rest[0] if computes_delta else None
-        q_ready, k_ready, v_ready, k_used, v_used, kseg_ready = barriers
+        q_ready, k_ready, v_ready, k_used, v_used, kseg_ready, *turns = barriers
         wg = lax.axis_index("wg")
 
         @pl.when(wg < CONSUMERS)
         def _consumer() -> None:
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
+            def meet() -> None:
+                plgpu.barrier_arrive(turns[0])
+                plgpu.barrier_wait(turns[0])
 
             def load(visit: Visit, buf: jax.Array) -> None:
                 b, h = visit.b, visit.h
@@ -157,7 +170,7 @@ def dq_call(
                     slot = lax.rem(t, stages)
                     segments = segments_of(slot, kind)
                     plgpu.barrier_wait(k_ready.at[slot])
-                    s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True)
+                    s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
                     probabilities = functools.partial(probabilities_of, s, j, kind, segments)
                     if dim <= SOFTMAX_BESIDE_DP_MAX_DIM:
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -168,7 +181,11 @@ def dq_call(
                         plgpu.barrier_wait(v_ready.at[slot])
                         dp = mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
                     plgpu.barrier_arrive(v_used.at[slot])
-                    dq = mma_into(shape, dq, scores_gradient(p, dp), k_ring.at[slot])
+                    ds = scores_gradient(p, dp)
+                    if pingpong:
+                        plgpu.barrier_arrive(turns[0])  # dS done
+                        plgpu.barrier_wait(turns[0])  # the other consumer's products are issued
+                    dq = mma_into(shape, dq, ds, k_ring.at[slot])
                     plgpu.barrier_arrive(k_used.at[slot])
                     return dq
 
@@ -203,7 +220,11 @@ def dq_call(
 
                     dq = lax.cond(visit.steps > 0, last_product, lambda dq: dq, dq)
                 else:
+                    if pingpong:
+                        pl.when(wg == 1)(meet)
                     dq = walk(visit, step, zeros, offset=t0, masks=mask_loops(segmented, dim))
+                    if pingpong:
+                        pl.when(wg == 0)(meet)
 
                 def write() -> None:
                     my_q[...] = (dq * (shape.scale / LOG2E)).astype(dtype)
@@ -242,7 +263,7 @@ def dq_call(
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-    )
+    ) + ((plgpu.Barrier(num_arrivals=CONSUMERS),) if pingpong else ())
     operands = (q, k, v, do, lse, out_or_delta, plan, order) + ((segment_ids,) if segmented else ())
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype),) + ((jax.ShapeDtypeStruct(lse.shape, jnp.float32),) if computes_delta else ())
     results = launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
