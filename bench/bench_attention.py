@@ -450,6 +450,8 @@ BACKWARD_VARIANTS = (
     ("dq as is", BwdParams(), {}),
     ("dq pipelined", BwdParams(), {"pipelined_dq": True}),
     ("dq ping-pong", BwdParams(), {"pingpong_dq": True}),
+    ("dk/dv ping-pong", BwdParams(), {"pingpong_dkv": True}),
+    ("both ping-pong", BwdParams(), {"pingpong_dq": True, "pingpong_dkv": True}),
     ("bwd q64 k128", BwdParams(q_blocksize=64, kv_blocksize=128), {}),
     ("bwd q128 k64", BwdParams(q_blocksize=128, kv_blocksize=64), {}),
 )
@@ -458,7 +460,8 @@ BACKWARD_VARIANTS = (
 def section_g(args: argparse.Namespace) -> list[Row]:
     """The backward's variants, forward+backward through the experimental entry point (ping-pong
     forward): default tiles with the dq kernel as it is, with its products overlapped across
-    steps (``pipelined_dq``) and with its consumers taking turns (``pingpong_dq``), and the other backward tiles of the tuning space (128-key blocks in
+    steps (``pipelined_dq``), with the consumers of either kernel or both taking turns
+    (``pingpong_dq``, ``pingpong_dkv``), and the other backward tiles of the tuning space (128-key blocks in
     the dq kernel, 128-query blocks in the dk/dv kernel), at section f's shapes, each one
     interleaved run of its own with cuDNN (its packed layout for documents) beside it."""
     if "mosaic" not in extra_impls():

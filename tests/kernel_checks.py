@@ -147,16 +147,16 @@ def races(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], bool]]:
 
 def interpreted_values_and_gradients(
     q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, params: tuple[FwdParams, BwdParams], probe: jax.Array,
-    fused_backward: bool = False, pipelined_dq: bool = False, pingpong_dq: bool = False,
+    fused_backward: bool = False, pipelined_dq: bool = False, pingpong_dq: bool = False, pingpong_dkv: bool = False,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Causal attention with segment ids in the Mosaic GPU interpreter, its output and its
     gradients along ``probe``, checked against the float32 reference; returns both (with
     ``fused_backward``, the gradients of the experimental fused backward; with
     ``pipelined_dq``, of the dq kernel that overlaps its products across steps; with
-    ``pingpong_dq``, of the dq kernel whose consumers take turns)."""
+    ``pingpong_dq`` and ``pingpong_dkv``, of the kernels whose consumers take turns)."""
     attend = lambda q, k, v: mosaic_attention(  # noqa: E731
         q, k, v, causal=True, segment_ids=ids, params=params, interpret=True, fused_backward=fused_backward, pipelined_dq=pipelined_dq,
-        pingpong_dq=pingpong_dq,
+        pingpong_dq=pingpong_dq, pingpong_dkv=pingpong_dkv,
     )
     out, vjp = jax.vjp(attend, q, k, v)
     grads = vjp(probe.astype(out.dtype))
@@ -170,7 +170,7 @@ def interpreted_values_and_gradients(
 
 
 def check_interpreted_backward(
-    races: Callable[[], bool], fused: bool, group: int = 2, pipelined_dq: bool = False, pingpong_dq: bool = False,
+    races: Callable[[], bool], fused: bool, group: int = 2, pipelined_dq: bool = False, pingpong: bool = False,
 ) -> None:
     """Four tiles over three programs (one walks two), a query head group of ``group``, three
     documents and padding, in the interpreter: values and gradients against the reference, no
@@ -179,7 +179,7 @@ def check_interpreted_backward(
     The interpreter's race detector must find no access that the kernels' barriers leave
     unordered. ``fused``: the experimental fused backward (test_mosaic_experimental.py);
     ``pipelined_dq``: the dq kernel that overlaps its products across steps (each key slot
-    freed a step late); ``pingpong_dq``: the dq kernel whose consumers take turns.
+    freed a step late); ``pingpong``: both backward kernels' consumers take turns.
     ``group=1`` halves the interpreter's time (about 25 s of the CPU suite's two cores), for
     the checks whose subject is not the head group."""
     seq, dim = 512, 64
@@ -194,7 +194,7 @@ def check_interpreted_backward(
         assert np.any((lo < u_lo) | (u_hi < hi)) and np.any((u_lo < a) | (c < u_hi)) and np.any(a < c)
     probe = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
-    out, grads = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=fused, pipelined_dq=pipelined_dq, pingpong_dq=pingpong_dq)
+    out, grads = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=fused, pipelined_dq=pipelined_dq, pingpong_dq=pingpong, pingpong_dkv=pingpong)
     assert not races()
     # Padding rows see nothing: output and dq exactly 0.
     assert not np.any(np.asarray(out.astype(jnp.float32))[0, seq - 11 :])

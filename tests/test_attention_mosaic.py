@@ -112,9 +112,9 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool) 
     assert ("stablehlo.dot_general" in text) == (dim > 64)
 
 
-@pytest.mark.parametrize("schedule", ["pipelined_dq", "pingpong_dq"])
+@pytest.mark.parametrize("schedule", ["pipelined_dq", "pingpong_dq", "pingpong_dkv"])
 @pytest.mark.parametrize(("dim", "segments"), [(64, True), (128, False)])
-def test_dq_schedules_lower_to_mosaic_gpu(dim: int, segments: bool, schedule: str) -> None:
+def test_backward_schedules_lower_to_mosaic_gpu(dim: int, segments: bool, schedule: str) -> None:
     q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
 
@@ -326,11 +326,11 @@ def test_interpreted_backward(races: Callable[[], bool], diagonal_apart: bool, m
     # as they do above head dim 64. The walk's order is what that case checks, so one query head
     # per key/value head does (the other case keeps the head group); it also runs the dq
     # kernel that overlaps its products across steps, whose ring protocol differs. The other
-    # case runs the dq kernel whose consumers take turns, which adds barriers of its own.
+    # case runs both backward kernels with their consumers taking turns (barriers of their own).
     if not diagonal_apart:
         monkeypatch.setattr(mplan, "POSITIONS_APART_MAX_DIM", 0)
     check_interpreted_backward(
-        races, fused=False, group=2 if diagonal_apart else 1, pipelined_dq=not diagonal_apart, pingpong_dq=diagonal_apart,
+        races, fused=False, group=2 if diagonal_apart else 1, pipelined_dq=not diagonal_apart, pingpong=diagonal_apart,
     )
 
 
@@ -483,12 +483,12 @@ def test_gpu_other_tiles(params: tuple[FwdParams, BwdParams]) -> None:
 @gpu
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize("schedule", ["pipelined_dq", "pingpong_dq"])
+@pytest.mark.parametrize("schedule", ["pipelined_dq", "pingpong_dq", "pingpong_dkv"])
 @pytest.mark.parametrize(("dim", "segments"), [(64, True), (128, False), (128, True)])
-def test_gpu_dq_schedules(dim: int, segments: bool, schedule: str) -> None:
-    # The dq kernel that overlaps its products across steps, and the one whose consumers take
-    # turns: its gradients against the reference, and dk, dv (other kernels) as the default
-    # backward gives them.
+def test_gpu_backward_schedules(dim: int, segments: bool, schedule: str) -> None:
+    # The dq kernel that overlaps its products across steps, and the kernels whose consumers
+    # take turns: gradients against the reference and the default backward's, and the other
+    # kernel's gradients exactly as the default backward gives them.
     q, k, v = qkv(2, 1000, 4, 2, dim, jnp.bfloat16, seed=dim)
     ids = documents(2, 1000, 3, padding=70, seed=5) if segments else None
     ref = lambda q, k, v: reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=dim**-0.5)
@@ -499,11 +499,13 @@ def test_gpu_dq_schedules(dim: int, segments: bool, schedule: str) -> None:
 
     got, default = grads(True), grads(False)
     want = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) ** 2), argnums=(0, 1, 2))(*(t.astype(jnp.float32) for t in (q, k, v)))
-    for g, w in zip(got, want):
+    scheduled = (1, 2) if schedule == "pingpong_dkv" else (0,)
+    for i, (g, w, d) in enumerate(zip(got, want, default)):
         assert rel_error(g, w) < 4e-2
-    assert rel_error(got[0], default[0]) < 1e-2
-    for g, d in zip(got[1:], default[1:]):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(d))
+        if i in scheduled:
+            assert rel_error(g, d) < 1e-2
+        else:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(d))
 
 
 @gpu

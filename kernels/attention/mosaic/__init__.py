@@ -286,13 +286,14 @@ def mosaic_backward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, out: Float[Array, "batch sq heads dim"], lse: Float[Array, "batch heads sq"],
     g: Float[Array, "batch sq heads dim"], *, scale: float, bounds: Window, params: BwdParams, interpret: bool = False,
-    persistent: bool = True, pipelined_dq: bool = False, pingpong_dq: bool = False,
+    persistent: bool = True, pipelined_dq: bool = False, pingpong_dq: bool = False, pingpong_dkv: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` from the forward's output and base-2 log-sum-exp and the cotangent ``g``
     (``persistent``: as in :func:`mosaic_forward`): a dq kernel, then a dk/dv kernel (two walks
     of it above head dim 128). ``pipelined_dq``: the dq kernel overlaps each step's ``dq``
     product with the next step's; ``pingpong_dq``: the dq kernel's consumers take turns (see
-    :func:`.backward.dq_call` for both)."""
+    :func:`.backward.dq_call` for both); ``pingpong_dkv``: the dk/dv kernel's do (see
+    :func:`.backward.dkv_call`)."""
     check_operands(q, k)
     block_q, block_k, stages = tile_blocks(params, q.shape[3])
     p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
@@ -310,6 +311,7 @@ def mosaic_backward(
     for grads in dkv_passes(dim):
         dk, dv, _ = dkv_call(
             p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages, persistent=persistent, grads=grads,
+            pingpong=pingpong_dkv,
         )
         got.update((name, x) for name, x in (("dk", dk), ("dv", dv)) if x is not None)
     seq_kv = p.seq_kv

@@ -334,7 +334,7 @@ class DkvExtension(Protocol):
 def dkv_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
     plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_q: int, stages: int | None, persistent: bool = True,
-    grads: tuple[str, ...] = ("dk", "dv"), extension: DkvExtension | None = None,
+    grads: tuple[str, ...] = ("dk", "dv"), extension: DkvExtension | None = None, pingpong: bool = False,
 ) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
     """``(dk, dv, extra)``, the gradients ``[batch, seq_kv, kv_heads, dim]``: items are 128-row
     key/value tiles of one key/value head, walking the planned query blocks once per query head
@@ -345,6 +345,9 @@ def dkv_call(
 
     ``extension`` (with both gradients): more work each step with its ``ds`` (see
     :class:`DkvExtension`); the third result is its :meth:`~DkvExtension.result`, else None.
+
+    ``pingpong``: the two consumers take turns as in :func:`dq_call`, meeting after issuing
+    ``k q^T`` and before issuing the step's ``dV`` and ``dK`` products. Not with an extension.
     """
     kv_heads, dim = k.shape[2], k.shape[3]
     seq_q, heads = q.shape[1], q.shape[2]
@@ -353,6 +356,8 @@ def dkv_call(
     group = shape.group
     if not grads or set(grads) - {"dk", "dv"} or (extension is not None and grads != ("dk", "dv")):
         raise ValueError(f"grads: expected dk, dv or both (both with an extension), got {grads}")
+    if pingpong and extension is not None:
+        raise ValueError("pingpong: the dk/dv kernel takes turns without an extension only")
     with_dk = "dk" in grads  # dk needs dP = dO v^T, so the value tile and delta
     row_bytes = dim * jnp.dtype(dtype).itemsize
     # A batch row's queries, their gradients, log-sum-exps and deltas.
@@ -380,12 +385,17 @@ def dkv_call(
         kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch[:6]
         extra_scratch = tuple(scratch[6:])
         kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used = barriers[:8]
-        extra_barriers = tuple(barriers[8:])
+        turns = barriers[8:9] if pingpong else ()
+        extra_barriers = tuple(barriers[8 + pingpong :])
         wg = lax.axis_index("wg")
 
         @pl.when(wg < CONSUMERS)
         def _consumer() -> None:
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
+            def meet() -> None:
+                plgpu.barrier_arrive(turns[0])
+                plgpu.barrier_wait(turns[0])
 
             def load(visit: Visit, buf: jax.Array) -> None:
                 b, hk = visit.b, visit.h
@@ -412,7 +422,7 @@ def dkv_call(
                     for barrier in (lse_ready,) + ((delta_ready,) if with_dk else ()) + ((qseg_ready,) if segmented else ()):
                         plgpu.barrier_wait(barrier.at[slot])
                     plgpu.barrier_wait(q_ready.at[slot])
-                    s_t = mma_new(shape, my_k, q_ring.at[slot], transpose_b=True)
+                    s_t = mma_new(shape, my_k, q_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
                     lse = load_smem(shape, lse_ring.at[slot], col_layout())
                     p_t = jnp.exp2(s_t * shape.scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
                     if kind is not Mask.NONE:
@@ -428,6 +438,9 @@ def dkv_call(
                         dp_t = mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
                         delta = load_smem(shape, delta_ring.at[slot], col_layout())
                         ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+                    if pingpong:
+                        plgpu.barrier_arrive(turns[0])  # dS done
+                        plgpu.barrier_wait(turns[0])  # the other consumer's products are issued
                     if "dv" in acc:
                         acc["dv"] = mma_into(shape, acc["dv"], p_t.astype(dtype), do_ring.at[slot])
                     plgpu.barrier_arrive(do_used.at[slot])
@@ -440,11 +453,15 @@ def dkv_call(
 
                 zeros = cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
                 n = visit.steps
+                if pingpong:
+                    pl.when(wg == 1)(meet)
                 # A loop, not an unrolled one: every copy of the walk is more code to compile.
                 acc = lax.fori_loop(
                     0, group, lambda r, acc: walk(visit, functools.partial(step, r), acc, offset=t0 + r * n, masks=mask_loops(segmented, dim)),
                     {name: zeros for name in grads},
                 )
+                if pingpong:
+                    pl.when(wg == 0)(meet)
                 if extension is not None:
                     extension.item_done(site, group * n)
 
@@ -504,7 +521,7 @@ def dkv_call(
         ring(), ring(), ring(), ring(), ring(),
         ring(num_arrivals=CONSUMERS),
         ring(num_arrivals=CONSUMERS),
-    )
+    ) + ((plgpu.Barrier(num_arrivals=CONSUMERS),) if pingpong else ())
     if extension is not None:
         barriers += extension.barriers()
     extra_outputs = extension.out_types(q, plan) if extension is not None else ()

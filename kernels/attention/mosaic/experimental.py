@@ -236,6 +236,7 @@ class Schedule:
     pipelined: bool = False
     pipelined_dq: bool = False
     pingpong_dq: bool = False
+    pingpong_dkv: bool = False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -260,7 +261,10 @@ def _attention_bwd(scale: float, bounds: Window, fwd: FwdParams, bwd: BwdParams,
     if schedule.fused_backward:
         dq, dk, dv = fused_backward(q, k, v, segment_ids, out, lse, g, **common)
     else:
-        dq, dk, dv = mosaic_backward(q, k, v, segment_ids, out, lse, g, **common, pipelined_dq=schedule.pipelined_dq, pingpong_dq=schedule.pingpong_dq)
+        dq, dk, dv = mosaic_backward(
+            q, k, v, segment_ids, out, lse, g, **common,
+            pipelined_dq=schedule.pipelined_dq, pingpong_dq=schedule.pingpong_dq, pingpong_dkv=schedule.pingpong_dkv,
+        )
     return dq, dk, dv, None
 
 
@@ -272,7 +276,7 @@ def mosaic_attention(
     *, scale: float | None = None, causal: bool = False, window: tuple[int, int] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None, params: tuple[FwdParams, BwdParams] | None = None,
     interpret: bool = False, pingpong: bool = True, persistent: bool = True, fused_backward: bool = False, pipelined: bool = False,
-    pipelined_dq: bool = False, pingpong_dq: bool = False,
+    pipelined_dq: bool = False, pingpong_dq: bool = False, pingpong_dkv: bool = False,
 ) -> Float[Array, "batch sq heads dim"]:
     """Attention on the Mosaic GPU kernels, differentiable (the forward's output and log-sum-exp
     are kept for the backward).
@@ -296,6 +300,8 @@ def mosaic_attention(
         scores (see :func:`.backward.dq_call`); not with ``fused_backward``.
       pingpong_dq: the dq kernel's consumers take turns with their products (see
         :func:`.backward.dq_call`); not with ``fused_backward`` or ``pipelined_dq``.
+      pingpong_dkv: the dk/dv kernel's consumers take turns (see :func:`.backward.dkv_call`);
+        not with ``fused_backward``.
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with kv heads dividing heads, got {q.shape}, {k.shape}, {v.shape}")
@@ -306,7 +312,7 @@ def mosaic_attention(
         right = 0 if right is None else min(right, 0)
     fwd, bwd = params if params is not None else (FwdParams(), BwdParams())
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    if fused_backward and (pipelined_dq or pingpong_dq):
-        raise ValueError("fused_backward, pipelined_dq, pingpong_dq: the fused backward has no dq kernel; expected one of them")
-    schedule = Schedule(interpret, pingpong, persistent, fused_backward, pipelined, pipelined_dq, pingpong_dq)
+    if fused_backward and (pipelined_dq or pingpong_dq or pingpong_dkv):
+        raise ValueError("fused_backward, pipelined_dq, pingpong_dq, pingpong_dkv: the fused backward has its own schedule; expected one of them")
+    schedule = Schedule(interpret, pingpong, persistent, fused_backward, pipelined, pipelined_dq, pingpong_dq, pingpong_dkv)
     return _attention(q, k, v, segment_ids, scale, (left, right), fwd, bwd, schedule)
