@@ -124,6 +124,18 @@ def test_backward_schedules_lower_to_mosaic_gpu(dim: int, segments: bool, schedu
     assert lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, seg).count("@mosaic_gpu") == 3
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_backward_takes_turns_by_default_up_to_dim_64(dim: int) -> None:
+    q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.bfloat16)
+
+    def lowered(**schedule: bool) -> str:
+        loss = lambda q, k, v: mosaic_attention(q, k, v, causal=True, **schedule).astype(jnp.float32).sum()  # noqa: E731
+        return lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)
+
+    turns = dim <= am.BACKWARD_PINGPONG_MAX_DIM
+    assert lowered() == lowered(pingpong_dq=turns, pingpong_dkv=turns) != lowered(pingpong_dq=not turns, pingpong_dkv=not turns)
+
+
 def test_pipelined_dq_takes_head_dims_up_to_128() -> None:
     q, k, v = qkv(1, 128, 1, 1, 256, jnp.bfloat16, seed=2)
     lse = jnp.zeros((1, 1, 128), jnp.float32)

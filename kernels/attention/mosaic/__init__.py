@@ -77,6 +77,7 @@ from .kernel import LOG2E, SMEM_BYTES, plgpu, ring_stages
 from .plan import TILE, WG_ROWS, Shape, visit_plan
 
 __all__ = [
+    "BACKWARD_PINGPONG_MAX_DIM",
     "MOSAIC_SCHEDULES",
     "TILE",
     "WG_ROWS",
@@ -281,23 +282,33 @@ def mosaic_forward(
     return out[:, : p.seq_q, :, : p.dim], lse[:, :, : p.seq_q]
 
 
+# Up to this head dim the backward kernels' consumers take turns by default: at the example
+# model's D64 shapes that ran fwd+bwd 1.02-1.05x the kernels without turns on the H100 (causal
+# GQA and 4 packed documents, bench_attention.py section g, three runs), and at D128 0.99-1.01x.
+BACKWARD_PINGPONG_MAX_DIM = 64
+
+
 @traced_once
 def mosaic_backward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, out: Float[Array, "batch sq heads dim"], lse: Float[Array, "batch heads sq"],
     g: Float[Array, "batch sq heads dim"], *, scale: float, bounds: Window, params: BwdParams, interpret: bool = False,
-    persistent: bool = True, pipelined_dq: bool = False, pingpong_dq: bool = False, pingpong_dkv: bool = False,
+    persistent: bool = True, pipelined_dq: bool = False, pingpong_dq: bool | None = None, pingpong_dkv: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` from the forward's output and base-2 log-sum-exp and the cotangent ``g``
     (``persistent``: as in :func:`mosaic_forward`): a dq kernel, then a dk/dv kernel (two walks
     of it above head dim 128). ``pipelined_dq``: the dq kernel overlaps each step's ``dq``
     product with the next step's; ``pingpong_dq``: the dq kernel's consumers take turns (see
     :func:`.backward.dq_call` for both); ``pingpong_dkv``: the dk/dv kernel's do (see
-    :func:`.backward.dkv_call`)."""
+    :func:`.backward.dkv_call`). Unset, both take turns up to head dim
+    :data:`BACKWARD_PINGPONG_MAX_DIM` (the dq kernel's unless ``pipelined_dq``)."""
     check_operands(q, k)
     block_q, block_k, stages = tile_blocks(params, q.shape[3])
     p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
     batch, dim, rows, cols = p.q.shape[0], p.q.shape[3], p.rows, p.cols
+    turns = dim <= BACKWARD_PINGPONG_MAX_DIM
+    pingpong_dq = turns and not pipelined_dq if pingpong_dq is None else pingpong_dq
+    pingpong_dkv = turns if pingpong_dkv is None else pingpong_dkv
     do, out = p.like_q(g.astype(p.q.dtype)), p.like_q(out)
     lse = pad_axis(lse.astype(jnp.float32), 2, rows)  # row terms over whole tiles: TMA strides
     # The dq kernel first: it may compute delta for the dk/dv kernel.

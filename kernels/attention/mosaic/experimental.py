@@ -235,8 +235,8 @@ class Schedule:
     fused_backward: bool
     pipelined: bool = False
     pipelined_dq: bool = False
-    pingpong_dq: bool = False
-    pingpong_dkv: bool = False
+    pingpong_dq: bool | None = None
+    pingpong_dkv: bool | None = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -276,7 +276,7 @@ def mosaic_attention(
     *, scale: float | None = None, causal: bool = False, window: tuple[int, int] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None, params: tuple[FwdParams, BwdParams] | None = None,
     interpret: bool = False, pingpong: bool = True, persistent: bool = True, fused_backward: bool = False, pipelined: bool = False,
-    pipelined_dq: bool = False, pingpong_dq: bool = False, pingpong_dkv: bool = False,
+    pipelined_dq: bool = False, pingpong_dq: bool | None = None, pingpong_dkv: bool | None = None,
 ) -> Float[Array, "batch sq heads dim"]:
     """Attention on the Mosaic GPU kernels, differentiable (the forward's output and log-sum-exp
     are kept for the backward).
@@ -299,9 +299,10 @@ def mosaic_attention(
       pipelined_dq: the dq kernel overlaps each step's ``dq`` product with the next step's
         scores (see :func:`.backward.dq_call`); not with ``fused_backward``.
       pingpong_dq: the dq kernel's consumers take turns with their products (see
-        :func:`.backward.dq_call`); not with ``fused_backward`` or ``pipelined_dq``.
+        :func:`.backward.dq_call`); not with ``fused_backward`` or ``pipelined_dq``. Unset: as
+        :func:`.mosaic_backward` chooses by head dim.
       pingpong_dkv: the dk/dv kernel's consumers take turns (see :func:`.backward.dkv_call`);
-        not with ``fused_backward``.
+        not with ``fused_backward``. Unset: as :func:`.mosaic_backward` chooses.
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q, k, v: expected [batch, seq, heads, dim] with kv heads dividing heads, got {q.shape}, {k.shape}, {v.shape}")
