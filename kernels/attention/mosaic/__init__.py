@@ -39,7 +39,9 @@ Kernels (an item is one tile of one head of one batch row):
   that see it (above head dim 128, where a consumer cannot hold both accumulators, one walk
   for ``dv`` and one for ``dk``: :func:`.backward.dkv_passes`). Where its tiles fit, the
   ``dq`` kernel also computes the softmax backward's row term ``delta = sum_d out * dO`` from
-  the tiles it loads and hands it to ``dk, dv`` (see :func:`.backward.dq_call`).
+  the tiles it loads and hands it to ``dk, dv`` (see :func:`.backward.dq_call`). Up to head
+  dim 64 each kernel's two consumers take turns with their products, as the forward's do
+  (:data:`BACKWARD_PINGPONG_MAX_DIM`).
 
 The head dimension is padded to a multiple of 64 (the width of a 128-byte swizzled row of 16-bit
 elements) outside the kernels. Sequences are walked in whole tiles without being copied to them:
