@@ -37,6 +37,10 @@ Sections:
   tiles, at section a's shape and the example model's causal and packed shapes, cuDNN beside.
 - ``g``: the backward's dq kernel as it is and with its products overlapped across steps
   (``pipelined_dq``), and the backward's other tiles, forward+backward, at section f's shapes.
+- ``h``: the 8-bit forward (``mosaic/fp8.py``) at section a's shape, causal and not: on
+  operands already in 8 bits (the kernel alone), and from 16-bit inputs (quantized in the
+  call), beside the 16-bit forward's schedules, cuDNN in 16 bits and cuDNN's own 8-bit forward;
+  each row notes its error against the float32 reference.
 - ``check``: values and gradients of each implementation against a float32 reference (highest
   matmul precision) over a grid of head dims, odd lengths, 1-4 segments and GQA ratios.
 
@@ -78,7 +82,7 @@ from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
 
 BWD_FLOP_FACTOR = 2.5
-SECTIONS = ("a", "b", "c", "d", "e", "f", "g", "check")
+SECTIONS = ("a", "b", "c", "d", "e", "f", "g", "h", "check")
 
 
 @dataclasses.dataclass
@@ -485,6 +489,83 @@ def section_g(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def cudnn_fp8(causal: bool) -> Callable[..., jax.Array]:
+    """cuDNN's 8-bit forward, ``(q8, k8, v8, factors) -> out`` (its output in 8 bits too), the
+    factors those of :func:`fp8.quantize`: reached through JAX's cuDNN module, as its packed
+    layout is."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    def attend(q8: jax.Array, k8: jax.Array, v8: jax.Array, factors: jax.Array) -> jax.Array:
+        one = jnp.ones((1, 1, 1, 1), jnp.float32)
+        descale_q, descale_k, descale_v = (factors[i].reshape(1, 1, 1, 1) for i in range(3))
+        params = {key: one for key in cudnn.fp8_params_keys} | {"descale_q": descale_q, "descale_k": descale_k, "descale_v": descale_v}
+        # The output in e4m3 at v's scale: out / descale_v is within v8's range.
+        params |= {"scale_o": 1.0 / descale_v, "descale_o": descale_v}
+        mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
+        out, _, _ = cudnn.dot_product_attention(
+            q8, k8, v8, fp8_params=params, scale=q8.shape[-1] ** -0.5, mask_type=mask, use_fp8=True,
+        )
+        return out.astype(jnp.float32) * descale_v.reshape(())
+
+    return attend
+
+
+def section_h(args: argparse.Namespace) -> list[Row]:
+    """The 8-bit forward against the 16-bit one and cuDNN's, forward only, each shape one
+    interleaved run; every row notes its relative L2 error against the float32 reference on
+    the first input set."""
+    if "mosaic" not in extra_impls():
+        return [Row("h", "-", "mosaic", "fwd", note="FAILED: no Mosaic GPU kernels here")]
+    from ejlabel.kernels.attention import mosaic as mosaic_module
+    from ejlabel.kernels.attention.mosaic import fp8
+
+    b, s, h, d = (1, 256, 2, 128) if args.tiny else (4, 4096, 16, 128)
+    rows = []
+    for causal in (True, False):
+        case = f"{'causal' if causal else 'full'} B{b} S{s} H{h} D{d}"
+        sets = input_sets(b, s, h, h, d)
+        flops = 4.0 * b * h * d * s * s / (2 if causal else 1)
+        bounds = (None, 0) if causal else (None, None)
+
+        def quantized(q: jax.Array, k: jax.Array, v: jax.Array, *_: Any) -> tuple[jax.Array, ...]:
+            (q8, dq), (k8, dk), (v8, dv) = (fp8.quantize(x) for x in (q, k, v))
+            return q8, k8, v8, jnp.stack([dq, dk, dv])
+
+        sets8 = [jax.jit(quantized)(*one) for one in sets]
+        sets8_t = [(q8, k8, jnp.transpose(v8, (0, 2, 3, 1)), f) for q8, k8, v8, f in sets8]
+        sixteen = {
+            "mosaic ping-pong": {"pingpong": True},
+            "mosaic pipelined": {"pingpong": False, "pipelined": True},
+        }
+        variants = []
+        for name, schedule in sixteen.items():
+            attend = functools.partial(mosaic_module.mosaic_forward, scale=d**-0.5, bounds=bounds, params=FwdParams(), **schedule)
+            variants.append(Variant(case, name, "fwd", jax.jit(lambda q, k, v, probe, attend=attend: attend(q, k, v, None)[0]), sets, flops))
+        for name, pingpong in (("fp8 ping-pong, 8-bit operands", True), ("fp8 plain, 8-bit operands", False)):
+            attend8 = functools.partial(fp8.mosaic_forward_fp8, scale=d**-0.5, bounds=bounds, pingpong=pingpong)
+            variants.append(Variant(case, name, "fwd", jax.jit(lambda q8, k8, v_t, f, attend8=attend8: attend8(q8, k8, v_t, f)[0]), sets8_t, flops))
+        from_16 = jax.jit(lambda q, k, v, probe: fp8.fp8_attention(q, k, v, causal=causal))
+        variants.append(Variant(case, "fp8 from 16 bits (quantized in the call)", "fwd", from_16, sets, flops))
+        variants.append(Variant(case, "cudnn", "fwd", jax.jit(lambda q, k, v, probe: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")), sets, flops))
+        variants.append(Variant(case, "cudnn fp8, 8-bit operands", "fwd", jax.jit(cudnn_fp8(causal)), sets8, flops))
+        section_rows = run_section("h", variants, args.samples, args.per_sample)
+        q, k, v, _ = sets[0]
+        want = reference_attention(q, k, v, causal)
+        for row, variant in zip(section_rows, variants):
+            if row.ms is not None:
+                got = variant.fn(*variant.sets[0])
+                row.note = f"rel. error {rel(got, want):.2e}"
+        set_ratios(section_rows, lambda r: find(section_rows, r.case, "cudnn", r.pass_), "cuDNN")
+        rows += section_rows
+    return rows
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    """Attention in float32 at the highest matmul precision."""
+    with jax.default_matmul_precision("highest"):
+        return jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=causal, implementation="xla")
+
+
 # --------------------------------------------------------------------------------------------
 # Correctness
 
@@ -627,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     checks: list[Check] = []
     start = time.perf_counter()
-    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e, "f": section_f, "g": section_g}
+    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e, "f": section_f, "g": section_g, "h": section_h}
     for name in only:  # in the order given: a run cut short keeps the sections that came first
         if name == "check":
             impls = ["pallas", *extra_impls(), "cudnn", "xla"]

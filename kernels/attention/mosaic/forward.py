@@ -20,14 +20,25 @@ from .kernel import (
 )
 from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
 
-__all__ = ["forward_call"]
+__all__ = ["P_LOG2_GAIN", "forward_call"]
+
+# The 8-bit forward's probabilities are computed times 2**8 (up to 256 of e4m3's 448): in [0, 1]
+# those below 2**-6 would be e4m3 subnormals, with fewer bits.
+P_LOG2_GAIN = 8.0
 
 
 def forward_call(
     q: jax.Array, k: jax.Array, v: jax.Array, plan: jax.Array, segment_ids: jax.Array | None,
     shape: Shape, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True, pipelined: bool = False,
+    descale: jax.Array | None = None, out_dtype: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out [batch, seq_q, heads, dim], lse [batch, heads, seq_q])`` on padded operands.
+
+    ``descale`` (float32 ``[4]``: the scores' and the output's factors, then zeros) makes this
+    the 8-bit forward of :mod:`.fp8`: ``q`` and ``k`` in ``float8_e4m3fn``, ``v`` transposed
+    to ``[batch, kv_heads, dim, seq_kv]`` in it too (an 8-bit wgmma reads both operands along
+    their contraction), ``dim == block_k``; each step's probabilities go to the tensor cores
+    in 8 bits through shared memory, and ``out`` comes out in ``out_dtype``.
 
     Items are query tiles of one head (see :class:`.work.Items`). ``pingpong``: the two consumers
     meet at a two-arrival barrier twice per step (after issuing ``q k^T``, and after the
@@ -42,11 +53,17 @@ def forward_call(
     """
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
+    fp8 = descale is not None
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    if fp8 and (pipelined or dim != block_k):
+        raise ValueError(f"descale: the 8-bit forward takes the plain or ping-pong walk with dim == block_k, got dim {dim}, block_k {block_k}")
     segmented = segment_ids is not None
     row_bytes = dim * jnp.dtype(dtype).itemsize
     items, order = key_value_items(plan, heads, persistent, shape, segmented, k)
-    stages = ring_stages(stages, TILE * row_bytes, 2 * block_k * row_bytes)
-    tile_bytes, ring_bytes = TILE * row_bytes, stages * 2 * block_k * row_bytes
+    # The 8-bit forward also holds each consumer's probabilities and its results' own buffer.
+    fp8_bytes = TILE * (block_k + dim * out_dtype.itemsize) if fp8 else 0
+    stages = ring_stages(stages, TILE * row_bytes + fp8_bytes, 2 * block_k * row_bytes)
+    tile_bytes, ring_bytes = TILE * row_bytes, stages * 2 * block_k * row_bytes + fp8_bytes
     buffers = tile_buffers(tile_bytes, ring_bytes)
     # The small buffers: the log-sum-exp rows and, with segment ids, the ids of the query tiles
     # and of the ring's key blocks.
@@ -55,18 +72,20 @@ def forward_call(
     # there the causal D128 forward ran 0.4-1.7% faster with it, in three interleaved runs on
     # the H100, and the packed D64 forward 0.5-3.1% slower.
     turns = pipelined and pingpong  # the consumers take turns to issue their products
-    staged_apart = dim > 64 and buffers == 2 and fits_exactly(3 * tile_bytes, ring_bytes, *small)
+    # The 8-bit forward's results (16 bits) never fit its query tile.
+    staged_apart = fp8 or (dim > 64 and buffers == 2 and fits_exactly(3 * tile_bytes, ring_bytes, *small))
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
-        if segmented:
-            seg_ref, out_ref, lse_ref, scratch, barriers = refs
-        else:
-            (out_ref, lse_ref, scratch, barriers), seg_ref = refs, None
+        refs = list(refs)
+        seg_ref = refs.pop(0) if segmented else None
+        descale_ref = refs.pop(0) if fp8 else None
+        out_ref, lse_ref, scratch, barriers = refs
         q_smem, kv_ring, *rest = scratch
         # Key slots first, value slots after them, in one buffer: the pipelined walk's first
         # step multiplies its zero probabilities by a key slot in place of a value slot.
         k_ring, v_ring = kv_ring.at[pl.ds(0, stages)], kv_ring.at[pl.ds(stages, stages)]
         out_smem = rest.pop(0) if staged_apart else None
+        p_smem = rest.pop(0) if fp8 else None
         lse_smem = rest.pop(0)
         qseg_smem, kseg_ring = rest if segmented else (None, None)
         q_ready, k_ready, v_ready, k_used, v_used, kseg_ready, turn = barriers
@@ -75,6 +94,8 @@ def forward_call(
         @pl.when(wg < CONSUMERS)
         def _consumer() -> None:
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            # The 8-bit products' factors, read once: the scores' scale and the output's.
+            score_scale, out_scale = (shape.scale * descale_ref[0], descale_ref[1]) if fp8 else (None, None)
 
             def meet() -> None:
                 plgpu.barrier_arrive(turn)
@@ -101,7 +122,9 @@ def forward_call(
                 q_seg = load_smem(shape, qseg_smem.at[buf, wg], row_layout()) if segmented else None
 
                 segments_of = functools.partial(key_segments, shape, (kseg_ready, kseg_ring) if segmented else None, q_seg=q_seg)
-                softmax = functools.partial(online_softmax, shape, row0=row0, block_k=block_k, dtype=dtype)
+                softmax = functools.partial(
+                    online_softmax, shape, row0=row0, block_k=block_k, dtype=dtype, scale=score_scale, log2_gain=P_LOG2_GAIN if fp8 else 0.0,
+                )
 
                 def step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
                     acc, m, l = carry
@@ -118,7 +141,12 @@ def forward_call(
                     plgpu.barrier_wait(v_ready.at[slot])
                     if pingpong:
                         plgpu.barrier_wait(turn)  # the other consumer's products are issued
-                    acc = mma_into(shape, acc, p16, v_ring.at[slot])
+                    if fp8:  # the 8-bit A operand's registers are not the accumulator's layout
+                        p_smem.at[wg][...] = p16
+                        plgpu.commit_smem()
+                        acc = mma_into(shape, acc, p_smem.at[wg], v_ring.at[slot], transpose_b=True)
+                    else:
+                        acc = mma_into(shape, acc, p16, v_ring.at[slot])
                     plgpu.barrier_arrive(v_used.at[slot])
                     return acc, m, l
 
@@ -141,13 +169,16 @@ def forward_call(
                         pl.when(wg == 0)(meet)
                 seen = l > 0.0
                 safe_l = jnp.where(seen, l, 1.0)
-                inv = jnp.where(seen, 1.0 / safe_l, 0.0)
+                inv = jnp.where(seen, (1.0 if out_scale is None else out_scale) / safe_l, 0.0)
 
                 def write() -> None:
                     staging = out_smem.at[wg] if staged_apart else my_q
-                    staging[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+                    staging[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_dtype)
                     # Rows that see nothing get any finite value: every use of it is masked.
-                    lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(safe_l) * (1.0 / LN2), 0.0)
+                    log2_l = jnp.log(safe_l) * (1.0 / LN2)
+                    if fp8:  # l holds the probabilities' gain
+                        log2_l = log2_l - P_LOG2_GAIN
+                    lse_smem.at[wg][...] = jnp.where(seen, m + log2_l, 0.0)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(staging, out_ref.at[b, pl.ds(row0, WG_ROWS), h])
                     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, WG_ROWS)])
@@ -166,17 +197,17 @@ def forward_call(
 
             streams_of = key_value_streams(
                 k_ref, v_ref, seg_ref, (k_ring, v_ring, kseg_ring), (k_ready, v_ready, k_used, v_used, kseg_ready), block_k, shape.group,
+                values_transposed=fp8,
             )
             produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
 
     # The 128-byte-swizzled buffers first (each a multiple of 1024 bytes), the small ones last.
-    scratch = (
-        smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
-        smem_tile((2 * stages, block_k, dim), dtype),
-        plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
-    )
+    scratch = (smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype), smem_tile((2 * stages, block_k, dim), dtype))
     if staged_apart:
-        scratch = scratch[:2] + (smem_tile((CONSUMERS, WG_ROWS, dim), dtype),) + scratch[2:]
+        scratch += (smem_tile((CONSUMERS, WG_ROWS, dim), out_dtype),)
+    if fp8:
+        scratch += (smem_tile((CONSUMERS, WG_ROWS, block_k), dtype),)
+    scratch += (plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),)
     if segmented:
         scratch += (plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32), plgpu.SMEM((stages, block_k), jnp.int32))
     barriers = (
@@ -188,22 +219,26 @@ def forward_call(
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=CONSUMERS) if turns else plgpu.Barrier(num_arrivals=CONSUMERS),
     )
-    operands = (q, k, v, plan, order) + ((segment_ids,) if segmented else ())
+    operands = (q, k, v, plan, order) + ((segment_ids,) if segmented else ()) + ((descale,) if fp8 else ())
     # The log-sum-exp rows over whole tiles: a TMA row stride must be a multiple of 16 bytes.
-    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, plan.shape[2] * TILE), jnp.float32))
+    out_type = (jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct((batch, heads, plan.shape[2] * TILE), jnp.float32))
     return launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
 
 
 def online_softmax(
     shape: Shape, s: jax.Array, m: jax.Array, l: jax.Array, *, j: jax.Array, kind: Mask, segments: Any, row0: jax.Array, block_k: int, dtype: Any,
+    scale: jax.Array | None = None, log2_gain: float = 0.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One key block's step of the online softmax, base 2: from the raw scores ``s [64, block_k]``
     of key block ``j`` and the running row max ``m`` and sum ``l``, the probabilities in 16 bits
     for ``P V``, the factor ``alpha`` that rescales the output rows, and the new ``m`` and
-    ``l``. ``segments``: from :func:`.kernel.key_segments`."""
-    scale = shape.scale
-    if scale <= 0:  # the row max below commutes with a positive scale only
-        s, scale = s * scale, 1.0
+    ``l``. ``segments``: from :func:`.kernel.key_segments`. ``scale``: a traced scale of the
+    scores in place of ``shape.scale`` (the 8-bit forward's, positive by construction).
+    ``log2_gain``: the probabilities and ``l`` come out multiplied by ``2**log2_gain`` (which
+    cancels in ``out = acc / l``), so that 8-bit probabilities use e4m3's normal range."""
+    if scale is None and shape.scale <= 0:  # the row max below commutes with a positive scale only
+        s, scale = s * shape.scale, 1.0
+    scale = shape.scale if scale is None else scale
     mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False) if kind is not Mask.NONE else None
     if mask is not None:
         s = jnp.where(mask, s, MASK_VALUE)
@@ -212,7 +247,7 @@ def online_softmax(
     # chain; each score's product is left to the exponent's argument (one fused multiply-add).
     m_new = jnp.maximum(m, s.max(axis=1) * scale)
     alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new - log2_gain if log2_gain else m_new, s.shape, [0]))
     if mask is not None:
         # A row with nothing visible yet has m_new == MASK_VALUE and exp2(0) == 1.
         p = jnp.where(mask, p, 0.0)

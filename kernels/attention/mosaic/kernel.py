@@ -126,19 +126,27 @@ def _wait_for_tile(barriers: Any, buf: jax.Array, wg: jax.Array) -> None:
 
 def key_value_streams(
     k_ref: Any, v_ref: Any, seg_ref: Any, rings: tuple[Any, ...], barriers: tuple[Any, ...], block_k: int, group: int, *, values_first: bool = False,
+    values_transposed: bool = False,
 ) -> Any:
     """``streams_of(b, h)`` for :func:`produce_items` of the kernels that walk key/value blocks
     (forward and dq): the key, value and (with ``seg_ref``) key segment-id blocks of query head
     ``h``'s key/value head. ``rings``: ``(k, v, kseg)``; ``barriers``: ``(k_ready, v_ready,
-    k_used, v_used, kseg_ready)``. Slots of the segment ring are freed with the key slots."""
+    k_used, v_used, kseg_ready)``. Slots of the segment ring are freed with the key slots.
+    ``values_transposed``: ``v_ref`` is ``[batch, kv_heads, dim, seq_kv]`` and its blocks
+    ``[dim, block_k]`` (the 8-bit forward's, see :mod:`.fp8`)."""
     k_ring, v_ring, kseg_ring = rings
     k_ready, v_ready, k_used, v_used, kseg_ready = barriers
 
     def streams_of(b: jax.Array, h: jax.Array) -> list[Any]:
         kv_head = lax.div(h, jnp.int32(group))
+
+        def values(j: jax.Array, _: Any) -> Any:
+            block = pl.ds(j * block_k, block_k)
+            return v_ref.at[b, kv_head, :, block] if values_transposed else v_ref.at[b, block, kv_head]
+
         streams = [
             (lambda j, _: k_ref.at[b, pl.ds(j * block_k, block_k), kv_head], k_ring, k_ready, k_used),
-            (lambda j, _: v_ref.at[b, pl.ds(j * block_k, block_k), kv_head], v_ring, v_ready, v_used),
+            (values, v_ring, v_ready, v_used),
         ]
         if seg_ref is not None:
             streams.insert(1, (lambda j, _: seg_ref.at[b, pl.ds(j * block_k, block_k)], kseg_ring, kseg_ready, None))
@@ -325,13 +333,15 @@ def mma_sum(
     return acc if extra is None else (acc, extra)
 
 
-def mma_into(shape: Shape, acc: jax.Array, a: Any, b: Any) -> jax.Array:
-    """``acc + a @ b``, the wgmma accumulating in ``acc``'s registers (``run_state``)."""
+def mma_into(shape: Shape, acc: jax.Array, a: Any, b: Any, *, transpose_b: bool = False) -> jax.Array:
+    """``acc + a @ b`` (``b^T`` with ``transpose_b``), the wgmma accumulating in ``acc``'s
+    registers (``run_state``)."""
     if shape.interpret:
-        return acc + lax.dot_general(_operand(a), b[...], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
+        return acc + lax.dot_general(_operand(a), b[...], dims, preferred_element_type=jnp.float32)
 
     def run(acc_ref: Any) -> None:
-        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if transpose_b else b)
 
     return pl.run_state(run)(plgpu.ACC.init(acc))
 
