@@ -35,8 +35,8 @@ Sections:
 - ``f``: the Mosaic forward's schedules (ping-pong between the consumers, the default; plain;
   pipelined, each consumer's softmax beside its own products; pipelined with ping-pong), forward only, with both forward
   tiles, at section a's shape and the example model's causal and packed shapes, cuDNN beside.
-- ``g``: the backward's dq kernel as it is and with its products overlapped across steps
-  (``pipelined_dq``), and the backward's other tiles, forward+backward, at section f's shapes.
+- ``g``: the backward without turns, with either kernel's consumers or both taking turns, and
+  the backward's other tiles, forward+backward, at section f's shapes.
 - ``h``: the 8-bit forward (``mosaic/fp8.py``) at section a's shape, causal and not: on
   operands already in 8 bits (the kernel alone), and from 16-bit inputs (quantized in the
   call), beside the 16-bit forward's schedules, cuDNN in 16 bits and cuDNN's own 8-bit forward;
@@ -454,7 +454,6 @@ def section_f(args: argparse.Namespace) -> list[Row]:
 _NO_TURNS = {"pingpong_dq": False, "pingpong_dkv": False}
 BACKWARD_VARIANTS = (
     ("dq as is", BwdParams(), _NO_TURNS),
-    ("dq pipelined", BwdParams(), {**_NO_TURNS, "pipelined_dq": True}),
     ("dq ping-pong", BwdParams(), {**_NO_TURNS, "pingpong_dq": True}),
     ("dk/dv ping-pong", BwdParams(), {**_NO_TURNS, "pingpong_dkv": True}),
     ("both ping-pong", BwdParams(), {"pingpong_dq": True, "pingpong_dkv": True}),
@@ -465,8 +464,7 @@ BACKWARD_VARIANTS = (
 
 def section_g(args: argparse.Namespace) -> list[Row]:
     """The backward's variants, forward+backward through the experimental entry point (ping-pong
-    forward): default tiles with the dq kernel as it is, with its products overlapped across
-    steps (``pipelined_dq``), with the consumers of either kernel or both taking turns
+    forward): default tiles without turns, with the consumers of either kernel or both taking turns
     (``pingpong_dq``, ``pingpong_dkv``), and the other backward tiles of the tuning space (128-key blocks in
     the dq kernel, 128-query blocks in the dk/dv kernel), at section f's shapes, each one
     interleaved run of its own with cuDNN (its packed layout for documents) beside it."""

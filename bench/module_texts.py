@@ -3,10 +3,10 @@
     python bench/module_texts.py OUT_DIR
 
 Lowers the Mosaic attention's gradient for CUDA (no GPU needed) over a grid of configurations
-(head dims 64/128/256; segment ids or not; causal, full, and two windows; the experimental
-fused backward; pingpong off; other tiles) and writes each kernel's Mosaic GPU module, as the
-backend receives it but without locations, to ``OUT_DIR/<config>_<kernel>.mlir`` (43
-configurations, 121 modules). Run it before and after a change and ``diff -r`` the two
+(head dims 64/128/256; segment ids or not; causal, full, and two windows; pingpong off; other
+tiles) and writes each kernel's Mosaic GPU module, as the
+backend receives it but without locations, to ``OUT_DIR/<config>_<kernel>.mlir`` (27
+configurations, 89 modules). Run it before and after a change and ``diff -r`` the two
 directories: equal texts mean the change left the GPU code alone, which no CPU test can
 otherwise show. The texts hold no counters, so two runs of the same code are equal. The
 kernels are driven through ``ejlabel.kernels.attention.mosaic.experimental.mosaic_attention``,
@@ -31,18 +31,17 @@ from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
 
 def configurations() -> list[dict[str, Any]]:
     grid = [
-        dict(dim=dim, segments=segments, causal=causal, window=window, fused=fused, pingpong=True, params=None)
+        dict(dim=dim, segments=segments, causal=causal, window=window, pingpong=True, params=None)
         for dim in (64, 128, 256)
         for segments in (False, True)
         for causal, window in ((True, None), (False, None), (True, (100, 0)), (False, (200, 50)))
-        for fused in ((False, True) if dim <= 128 else (False,))
     ]
     other_tiles = (FwdParams(kv_blocksize=64, num_stages=3), BwdParams(q_blocksize=128, kv_blocksize=64))
     narrow_backward = (FwdParams(kv_blocksize=128, num_stages=2), BwdParams(q_blocksize=64, kv_blocksize=128))
     return grid + [
-        dict(dim=128, segments=True, causal=True, window=None, fused=False, pingpong=False, params=None),
-        dict(dim=128, segments=True, causal=True, window=None, fused=False, pingpong=True, params=other_tiles),
-        dict(dim=64, segments=False, causal=True, window=None, fused=False, pingpong=True, params=narrow_backward),
+        dict(dim=128, segments=True, causal=True, window=None, pingpong=False, params=None),
+        dict(dim=128, segments=True, causal=True, window=None, pingpong=True, params=other_tiles),
+        dict(dim=64, segments=False, causal=True, window=None, pingpong=True, params=narrow_backward),
     ]
 
 
@@ -68,7 +67,7 @@ def main() -> None:
 
         def loss(q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array | None, c: dict[str, Any] = c) -> jax.Array:
             out = mosaic_attention(
-                q, k, v, causal=c["causal"], window=c["window"], segment_ids=ids, fused_backward=c["fused"], pingpong=c["pingpong"], params=c["params"]
+                q, k, v, causal=c["causal"], window=c["window"], segment_ids=ids, pingpong=c["pingpong"], params=c["params"]
             )
             return out.astype(jnp.float32).sum()
 

@@ -25,16 +25,11 @@ def sharded_facts_path(config: pytest.Config) -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the tests marked ``slow`` first (a stable sort: every worker sees the same order), so
-    that pytest-xdist deals them out while the short ones are still left to even out the
-    workers' ends: last, a 50-second test kept one of the two cores alone for most of a minute.
-
-    Start the sharded facts (tests/sharded_facts.py, a minute of child process on 2 cores) as
+    """Start the sharded facts (tests/sharded_facts.py, a minute of child process on 2 cores) as
     soon as the run is known to need them, in the background and once per run (by the first
     worker, or the only process): a test that needs them waits for them, so no worker sits idle
     for the whole minute, and two workers never compute them twice. Never stopped from here: a
     worker may finish while another still waits for them."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     worker = getattr(config, "workerinput", {}).get("workerid", "master")
     if worker not in ("master", "gw0") or not any(item.path.name == "test_sharded.py" for item in items):
         return

@@ -147,16 +147,15 @@ def races(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], bool]]:
 
 def interpreted_values_and_gradients(
     q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, params: tuple[FwdParams, BwdParams], probe: jax.Array,
-    fused_backward: bool = False, pipelined_dq: bool = False, pingpong_dq: bool = False, pingpong_dkv: bool = False,
+    pingpong_dq: bool = False, pingpong_dkv: bool = False,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Causal attention with segment ids in the Mosaic GPU interpreter, its output and its
     gradients along ``probe``, checked against the float32 reference; returns both (with
-    ``fused_backward``, the gradients of the experimental fused backward; with
-    ``pipelined_dq``, of the dq kernel that overlaps its products across steps; with
-    ``pingpong_dq`` and ``pingpong_dkv``, of the kernels whose consumers take turns)."""
+    ``pingpong_dq`` and ``pingpong_dkv``, the gradients of the kernels whose consumers take
+    turns)."""
     attend = lambda q, k, v: mosaic_attention(  # noqa: E731
-        q, k, v, causal=True, segment_ids=ids, params=params, interpret=True, fused_backward=fused_backward, pipelined_dq=pipelined_dq,
-        pingpong_dq=pingpong_dq, pingpong_dkv=pingpong_dkv,
+        q, k, v, causal=True, segment_ids=ids, params=params, interpret=True, pingpong_dq=pingpong_dq,
+        pingpong_dkv=pingpong_dkv,
     )
     out, vjp = jax.vjp(attend, q, k, v)
     grads = vjp(probe.astype(out.dtype))
@@ -169,19 +168,13 @@ def interpreted_values_and_gradients(
     return out, grads
 
 
-def check_interpreted_backward(
-    races: Callable[[], bool], fused: bool, group: int = 2, pipelined_dq: bool = False, pingpong: bool = False,
-) -> None:
+def check_interpreted_backward(races: Callable[[], bool], group: int = 2, pingpong: bool = False) -> None:
     """Four tiles over three programs (one walks two), a query head group of ``group``, three
     documents and padding, in the interpreter: values and gradients against the reference, no
     races, and padding rows exactly 0. Some tiles visit masked blocks on both sides of an
     unmasked run (asserted): the producer and the consumers must agree on the order of the walk.
     The interpreter's race detector must find no access that the kernels' barriers leave
-    unordered. ``fused``: the experimental fused backward (test_mosaic_experimental.py);
-    ``pipelined_dq``: the dq kernel that overlaps its products across steps (each key slot
-    freed a step late); ``pingpong``: both backward kernels' consumers take turns.
-    ``group=1`` halves the interpreter's time (about 25 s of the CPU suite's two cores), for
-    the checks whose subject is not the head group."""
+    unordered. ``pingpong``: both backward kernels' consumers take turns."""
     seq, dim = 512, 64
     q, k, v = qkv(1, seq, group, 1, dim, jnp.bfloat16, seed=13)
     position = jnp.arange(seq)
@@ -194,7 +187,7 @@ def check_interpreted_backward(
         assert np.any((lo < u_lo) | (u_hi < hi)) and np.any((u_lo < a) | (c < u_hi)) and np.any(a < c)
     probe = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=64))
-    out, grads = interpreted_values_and_gradients(q, k, v, ids, params, probe, fused_backward=fused, pipelined_dq=pipelined_dq, pingpong_dq=pingpong, pingpong_dkv=pingpong)
+    out, grads = interpreted_values_and_gradients(q, k, v, ids, params, probe, pingpong_dq=pingpong, pingpong_dkv=pingpong)
     assert not races()
     # Padding rows see nothing: output and dq exactly 0.
     assert not np.any(np.asarray(out.astype(jnp.float32))[0, seq - 11 :])

@@ -105,14 +105,14 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool) 
     text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
     # Forward, then dq and dk/dv kernels; above head dim 128 dv and dk take a kernel each.
     assert text.count("@mosaic_gpu") == (3 if dim <= 128 else 4)
-    assert "cp.reduce.async.bulk" not in text  # no reduce-adds: those are the fused backward's
+    assert "cp.reduce.async.bulk" not in text  # no reduce-adds: no kernel shares a gradient
     # delta = sum_d out * dO: in the dq kernel where its tiles fit twice with the output's
     # (head dim 64), else one contraction before the kernels.
     assert mbackward.dq_tiles(dim, jnp.float16, am.tile_blocks(BwdParams(), dim)[1], 2) == {64: (2, True), 128: (2, False), 256: (1, False)}[dim]
     assert ("stablehlo.dot_general" in text) == (dim > 64)
 
 
-@pytest.mark.parametrize(("schedule", "dim", "segments"), [("pipelined_dq", 64, True), ("pipelined_dq", 128, False), ("pingpong_dq", 128, True), ("pingpong_dkv", 128, False)])
+@pytest.mark.parametrize(("schedule", "dim", "segments"), [("pingpong_dq", 128, True), ("pingpong_dkv", 128, False)])
 def test_backward_schedules_lower_to_mosaic_gpu(dim: int, segments: bool, schedule: str) -> None:
     q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
@@ -136,18 +136,6 @@ def test_backward_takes_turns_by_default_up_to_dim_64(dim: int) -> None:
     assert lowered() == lowered(pingpong_dq=turns, pingpong_dkv=turns)
     if turns:
         assert lowered() != lowered(pingpong_dq=False, pingpong_dkv=False)
-
-
-def test_pipelined_dq_takes_head_dims_up_to_128() -> None:
-    q, k, v = qkv(1, 128, 1, 1, 256, jnp.bfloat16, seed=2)
-    lse = jnp.zeros((1, 1, 128), jnp.float32)
-    with pytest.raises(ValueError, match="pipelined: the dq kernel overlaps its products up to head dim 128"):
-        am.mosaic_backward(q, k, v, None, q, lse, q, scale=0.1, bounds=(None, 0), params=BwdParams(), interpret=True, pipelined_dq=True)
-    with pytest.raises(ValueError, match="fused_backward, pipelined_dq"):
-        mosaic_attention(q, k, v, causal=True, fused_backward=True, pipelined_dq=True)
-    q = q[..., :64]
-    with pytest.raises(ValueError, match="pipelined, pingpong: the dq kernel takes one schedule"):
-        am.mosaic_backward(q, q, q, None, q, lse, q, scale=0.1, bounds=(None, 0), params=BwdParams(), interpret=True, pipelined_dq=True, pingpong_dq=True)
 
 
 @pytest.mark.parametrize("window", [None, (64, 16)])
@@ -334,18 +322,12 @@ def test_interpreted_persistent_programs_walk_several_tiles(races: Callable[[], 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("diagonal_apart", [True, False])
-def test_interpreted_backward(races: Callable[[], bool], diagonal_apart: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Not ``diagonal_apart``: the blocks masked by positions alone share the segment ids' loop,
-    # as they do above head dim 64. The walk's order is what that case checks, so one query head
-    # per key/value head does (the other case keeps the head group); it also runs the dq
-    # kernel that overlaps its products across steps, whose ring protocol differs. The other
-    # case runs both backward kernels with their consumers taking turns (barriers of their own).
-    if not diagonal_apart:
-        monkeypatch.setattr(mplan, "POSITIONS_APART_MAX_DIM", 0)
-    check_interpreted_backward(
-        races, fused=False, group=2 if diagonal_apart else 1, pipelined_dq=not diagonal_apart, pingpong=diagonal_apart,
-    )
+def test_interpreted_backward(races: Callable[[], bool]) -> None:
+    # Head dim 64, as the product runs it: the blocks masked by positions alone in a loop of
+    # their own, a head group of two, both backward kernels' consumers taking turns (barriers
+    # of their own). Above head dim 64, where those blocks share the segment ids' loop, the
+    # persistent-programs test above walks several tiles.
+    check_interpreted_backward(races, group=2, pingpong=True)
 
 
 @pytest.mark.slow
@@ -497,11 +479,10 @@ def test_gpu_other_tiles(params: tuple[FwdParams, BwdParams]) -> None:
 @gpu
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize("schedule", ["pipelined_dq", "pingpong_dq", "pingpong_dkv"])
+@pytest.mark.parametrize("schedule", ["pingpong_dq", "pingpong_dkv"])
 @pytest.mark.parametrize(("dim", "segments"), [(64, True), (128, False), (128, True)])
 def test_gpu_backward_schedules(dim: int, segments: bool, schedule: str) -> None:
-    # The dq kernel that overlaps its products across steps, and the kernels whose consumers
-    # take turns: gradients against the reference and the default backward's, and the other
+    # Each kernel with its consumers taking turns: gradients against the reference and the default backward's, and the other
     # kernel's gradients exactly as the default backward gives them.
     q, k, v = qkv(2, 1000, 4, 2, dim, jnp.bfloat16, seed=dim)
     ids = documents(2, 1000, 3, padding=70, seed=5) if segments else None

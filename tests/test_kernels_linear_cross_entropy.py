@@ -77,7 +77,7 @@ def test_values_and_gradients_match_float32(impl: str, options: dict):
     for g, r in zip(ours, ref):
         assert_close(g, r, jnp.float32)
     if options.get("ignore_index", -100) is not None:
-        assert np.all(np.asarray(jax.grad(loss(lambda h, w: linear_cross_entropy(h, w, labels, cfg=CONFIGS[impl], **options)))(hidden, weight))[:3] == 0)
+        assert np.all(np.asarray(ours[0])[:3] == 0)  # the ignored tokens' hidden states
 
 
 @pytest.mark.slow

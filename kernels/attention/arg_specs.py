@@ -10,7 +10,7 @@ choice; the count is the spec's.
 The named specs: :data:`CAUSAL` (B4 S4096 H16 D128, the shape most figures are quoted at),
 :data:`PACKED` (the example model's packed documents), :data:`HEAD_DIM_256`, the shapes of other
 models (:data:`MODEL_SHAPES`), and the grids of the GPU tests (:data:`GPU_GRID`,
-:data:`FUSED_GPU_GRID`, :data:`REAL_SIZE`).
+:data:`REAL_SIZE`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 __all__ = [
     "CAUSAL",
-    "FUSED_GPU_GRID",
     "GPU_GRID",
     "HEAD_DIM_256",
     "MODEL_SHAPES",
@@ -124,14 +123,6 @@ GPU_GRID: tuple[ArgSpec, ...] = (
 )
 """The Mosaic kernels' values and gradients on the GPU: head dims 64-256, odd lengths, windows,
 1-4 documents with padding, grouped heads up to MQA."""
-
-FUSED_GPU_GRID: tuple[ArgSpec, ...] = (
-    ArgSpec("D64 GQA 3:1 4 docs", 2, 1000, 12, 4, 64, documents=4),
-    ArgSpec("D128 odd", 2, 777, 4, 4, 128),
-    ArgSpec("D128 GQA 4:1 3 docs", 2, 1024, 8, 2, 128, documents=3),
-    ArgSpec("D64 odd GQA 2:1", 2, 333, 6, 3, 64),
-)
-"""The experimental fused backward's gradients on the GPU (causal)."""
 
 REAL_SIZE = ArgSpec("real size", 2, 1000, 8, 8, 128)
 """The Triton and cuDNN paths at a real size on the GPU (the tests vary its head dim and

@@ -53,8 +53,10 @@ they share (layouts, the mask, the producer's and consumers' walks, the launch) 
 :mod:`.kernel`. This module checks what the kernels take, pads the operands, and binds the
 entry points :func:`mosaic_forward` and :func:`mosaic_backward`, whose gradient the attention
 kernel wires (``AttentionKernel.fwd_with_residuals`` and ``vjp``). Schedules kept for
-experiments (a differentiable entry point with every knob, the fused backward) are in
-:mod:`.experimental`, which nothing in the product imports.
+experiments (a differentiable entry point with every knob) are in
+:mod:`.experimental`, which nothing in the product imports. The 8-bit forward for inference
+(e4m3 operands, the forward kernel with its ``descale``) is bound in :mod:`.fp8`; the tuner never
+picks it, since it changes the values.
 """
 
 from __future__ import annotations
@@ -295,34 +297,32 @@ def mosaic_backward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, out: Float[Array, "batch sq heads dim"], lse: Float[Array, "batch heads sq"],
     g: Float[Array, "batch sq heads dim"], *, scale: float, bounds: Window, params: BwdParams, interpret: bool = False,
-    persistent: bool = True, pipelined_dq: bool = False, pingpong_dq: bool | None = None, pingpong_dkv: bool | None = None,
+    persistent: bool = True, pingpong_dq: bool | None = None, pingpong_dkv: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` from the forward's output and base-2 log-sum-exp and the cotangent ``g``
     (``persistent``: as in :func:`mosaic_forward`): a dq kernel, then a dk/dv kernel (two walks
-    of it above head dim 128). ``pipelined_dq``: the dq kernel overlaps each step's ``dq``
-    product with the next step's; ``pingpong_dq``: the dq kernel's consumers take turns (see
-    :func:`.backward.dq_call` for both); ``pingpong_dkv``: the dk/dv kernel's do (see
+    of it above head dim 128). ``pingpong_dq``: the dq kernel's consumers take turns (see
+    :func:`.backward.dq_call`); ``pingpong_dkv``: the dk/dv kernel's do (see
     :func:`.backward.dkv_call`). Unset, both take turns up to head dim
-    :data:`BACKWARD_PINGPONG_MAX_DIM` (the dq kernel's unless ``pipelined_dq``)."""
+    :data:`BACKWARD_PINGPONG_MAX_DIM`."""
     check_operands(q, k)
     block_q, block_k, stages = tile_blocks(params, q.shape[3])
     p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
     batch, dim, rows, cols = p.q.shape[0], p.q.shape[3], p.rows, p.cols
     turns = dim <= BACKWARD_PINGPONG_MAX_DIM
-    pingpong_dq = turns and not pipelined_dq if pingpong_dq is None else pingpong_dq
+    pingpong_dq = turns if pingpong_dq is None else pingpong_dq
     pingpong_dkv = turns if pingpong_dkv is None else pingpong_dkv
     do, out = p.like_q(g.astype(p.q.dtype)), p.like_q(out)
     lse = pad_axis(lse.astype(jnp.float32), 2, rows)  # row terms over whole tiles: TMA strides
     # The dq kernel first: it may compute delta for the dk/dv kernel.
     rows_plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
     dq, delta = dq_call(
-        p.q, p.k, p.v, do, lse, out, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent, pipelined=pipelined_dq,
-        pingpong=pingpong_dq,
+        p.q, p.k, p.v, do, lse, out, rows_plan, p.segment_ids, p.shape, block_k=block_k, stages=stages, persistent=persistent, pingpong=pingpong_dq,
     )
     cols_plan = visit_plan(cols, rows, TILE, block_q, p.shape, p.segment_ids, batch, transpose=True)
     got: dict[str, jax.Array] = {}
     for grads in dkv_passes(dim):
-        dk, dv, _ = dkv_call(
+        dk, dv = dkv_call(
             p.q, p.k, p.v, do, lse, delta, cols_plan, p.segment_ids, p.shape, block_q=block_q, stages=stages, persistent=persistent, grads=grads,
             pingpong=pingpong_dkv,
         )

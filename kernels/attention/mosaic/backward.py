@@ -1,16 +1,18 @@
 """The Mosaic GPU attention backward (see :mod:`ejlabel.kernels.attention.mosaic`): a ``dq``
 kernel over query tiles and a ``dk, dv`` kernel over key/value tiles.
 
-The dk/dv kernel takes an optional :class:`DkvExtension`, work its steps do with each step's
-``ds`` besides ``dk`` and ``dv``. The product passes none; the experimental fused backward
-(:mod:`.experimental`, measured slower than this split) adds each step's share of ``dq`` up in
-global memory through one.
+Two other schedules were built, measured slower and removed (their code is in the history
+before this docstring's commit): a fused backward, whose dk/dv kernel added each step's share
+of ``dq`` to a float32 ``dq`` in global memory with TMA reduce-adds (1.56x the split's time at
+causal B4 S4096 H16 D128, 1.07x at the packed model's shape, H100: the reduce-adds were the
+cost), and a dq kernel that issued each step's ``q k^T`` with the previous step's ``dq += dS
+k`` (0.86-0.94x forward+backward in four H100 runs, ``bench/RESULTS.md`` section g).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +22,15 @@ from jaxtyping import Array, Float
 
 from ...pallas_common import pad_axis
 from .kernel import (
-    CONSUMER_REGISTERS, LOG2E, PRODUCER_REGISTERS, SMEM_BYTES, cast, col_layout, consume_items, key_segments, key_value_items,
-    key_value_streams, launch, load_smem, mma_beside, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
+    CONSUMER_REGISTERS, LOG2E, PRODUCER_REGISTERS, cast, col_layout, consume_items, key_segments, key_value_items,
+    key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
     smem_tile, tile_buffers, tile_ready, visibility,
 )
 from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
 from .work import deal_items
 
 __all__ = [
-    "SOFTMAX_BESIDE_DP_MAX_DIM", "DkvExtension", "DkvSite", "dkv_call", "dkv_passes", "dq_call", "dq_tiles", "softmax_delta",
+    "SOFTMAX_BESIDE_DP_MAX_DIM", "dkv_call", "dkv_passes", "dq_call", "dq_tiles", "softmax_delta",
 ]
 
 
@@ -60,25 +62,17 @@ def softmax_delta(out: jax.Array, do: jax.Array, rows: int) -> Float[Array, "bat
 def dq_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, out: jax.Array,
     plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_k: int, stages: int | None, persistent: bool = True,
-    pipelined: bool = False, pingpong: bool = False,
+    pingpong: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dq [batch, seq_q, heads, dim], delta [batch, heads, seq_q])``: items are 128-row query
     tiles of one head, walking the key/value blocks of the plan; ``p`` is rebuilt from the saved
     log-sum-exp; ``delta`` (see :func:`softmax_delta`) goes on to the dk/dv kernel.
 
-    ``pipelined`` (up to head dim :data:`SOFTMAX_BESIDE_DP_MAX_DIM`): each step issues its
-    ``q k^T`` together with the previous step's ``dq += dS k``, so that product runs while the
-    step waits for its scores and computes ``dP`` and the probabilities, instead of being
-    awaited at the end of its own step (the pattern of :func:`.forward.pipelined_walk`, whose
-    zero first product it shares: a wgmma issued under a condition serializes them all). Each
-    key slot is then freed a step later. Not the default: forward+backward ran 0.88-0.94x the
-    kernel as it is on the H100 (``bench/bench_attention.py`` section g).
-
     ``pingpong``: the two consumers take turns as the forward's do (see
     :func:`.forward.forward_call`): they meet after issuing ``q k^T`` and before issuing
     ``dq += dS k``, offset by half a step, so one's probabilities and ``dS`` run while the
     other's products use the tensor cores (both walk the same key blocks, so their meetings
-    pair up). Not with ``pipelined``.
+    pair up).
 
     Where :func:`dq_tiles` says so, each item computes its rows' ``delta`` from its tile of
     ``out`` (loaded beside ``q`` and ``dO``) and writes it out: that replaces a reduction over
@@ -86,10 +80,6 @@ def dq_call(
     the H100). Else that reduction runs first and the kernel loads ``delta``.
     """
     batch, seq_q, heads, dim = q.shape
-    if pipelined and dim > SOFTMAX_BESIDE_DP_MAX_DIM:
-        raise ValueError(f"pipelined: the dq kernel overlaps its products up to head dim {SOFTMAX_BESIDE_DP_MAX_DIM}, got {dim}")
-    if pipelined and pingpong:
-        raise ValueError("pipelined, pingpong: the dq kernel takes one schedule; expected one of them")
     dtype = q.dtype
     segmented = segment_ids is not None
     items, order = key_value_items(plan, heads, persistent, shape, segmented, k)
@@ -189,42 +179,12 @@ def dq_call(
                     plgpu.barrier_arrive(k_used.at[slot])
                     return dq
 
-                def pipelined_step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
-                    dq, ds_prev = carry
-                    slot, prev, first = lax.rem(t, stages), lax.rem(t - 1, stages), t == t0
-                    segments = segments_of(slot, kind)
-                    plgpu.barrier_wait(k_ready.at[slot])
-
-                    def scores_ready(s: jax.Array) -> tuple[jax.Array, jax.Array]:
-                        plgpu.barrier_wait(v_ready.at[slot])
-                        probabilities = functools.partial(probabilities_of, s, j, kind, segments)
-                        return mma_new(shape, my_do, v_ring.at[slot], transpose_b=True, between=probabilities)
-
-                    # The first step's previous product: zero scores against this step's keys.
-                    keys_prev = k_ring.at[jnp.where(first, slot, prev)]
-                    (dp, p), dq = mma_beside(shape, my_q, k_ring.at[slot], dq, ds_prev, keys_prev, between=scores_ready)
-                    plgpu.barrier_arrive(v_used.at[slot])
-                    pl.when(~first)(lambda: plgpu.barrier_arrive(k_used.at[prev]))
-                    return dq, scores_gradient(p, dp)
-
                 zeros = cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
-                if pipelined:
-                    no_scores = cast(shape, jnp.zeros((WG_ROWS, block_k), dtype), plgpu.Layout.WGMMA)
-                    dq, ds_last = walk(visit, pipelined_step, (zeros, no_scores), offset=t0, masks=mask_loops(segmented, dim))
-
-                    def last_product(dq: jax.Array) -> jax.Array:
-                        slot = lax.rem(t0 + visit.steps - 1, stages)
-                        dq = mma_into(shape, dq, ds_last, k_ring.at[slot])
-                        plgpu.barrier_arrive(k_used.at[slot])
-                        return dq
-
-                    dq = lax.cond(visit.steps > 0, last_product, lambda dq: dq, dq)
-                else:
-                    if pingpong:
-                        pl.when(wg == 1)(meet)
-                    dq = walk(visit, step, zeros, offset=t0, masks=mask_loops(segmented, dim))
-                    if pingpong:
-                        pl.when(wg == 0)(meet)
+                if pingpong:
+                    pl.when(wg == 1)(meet)
+                dq = walk(visit, step, zeros, offset=t0, masks=mask_loops(segmented, dim))
+                if pingpong:
+                    pl.when(wg == 0)(meet)
 
                 def write() -> None:
                     my_q[...] = (dq * (shape.scale / LOG2E)).astype(dtype)
@@ -270,94 +230,28 @@ def dq_call(
     return results[0], (results[1] if computes_delta else out_or_delta)
 
 
-class DkvSite(NamedTuple):
-    """Where a :class:`DkvExtension` works inside the dk/dv kernel: one consumer's item.
-
-    ``inputs``, ``outputs``, ``scratch`` and ``barriers`` are the refs of what the extension
-    asked for (:meth:`DkvExtension.operands` and the rest), in its order; ``k_smem [buffers,
-    consumers, 64, dim]`` holds the item's key tile in buffer ``buf``.
-    """
-
-    shape: Shape
-    wg: jax.Array
-    t0: jax.Array  # the producer's step at the item's start
-    b: jax.Array
-    tile: jax.Array
-    buf: jax.Array
-    block_q: int
-    k_smem: Any
-    inputs: tuple[Any, ...]
-    outputs: tuple[Any, ...]
-    scratch: tuple[Any, ...]
-    barriers: tuple[Any, ...]
-
-
-class DkvExtension(Protocol):
-    """Work the dk/dv kernel's steps do besides ``dk`` and ``dv`` with each step's ``ds`` (in the
-    dtype of the keys, ``[64 keys, block_q queries]`` per consumer), and what it adds to the
-    kernel's launch. Its refs come after the kernel's own: inputs after the segment ids, outputs
-    after the gradients, shared memory and barriers after the kernel's."""
-
-    def smem_bytes(self, dim: int) -> int:
-        """Shared memory it holds per program at this (padded) head dim."""
-        ...
-
-    def operands(self, q: jax.Array) -> tuple[Any, ...]:
-        """Inputs of the kernel (a ``jax.Ref`` is read and written in place); ``q`` padded."""
-        ...
-
-    def out_types(self, q: jax.Array, plan: jax.Array) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """Outputs of the kernel."""
-        ...
-
-    def scratch(self, dtype: Any, block_q: int, dim: int) -> tuple[Any, ...]:
-        """Shared-memory buffers of every program."""
-        ...
-
-    def barriers(self) -> tuple[Any, ...]:
-        """Barriers of every program."""
-        ...
-
-    def step(self, site: DkvSite, ds: jax.Array, t: jax.Array, j: jax.Array, head: jax.Array) -> None:
-        """At producer step ``t``, query block ``j`` of query head ``head``: the step's ``ds``."""
-        ...
-
-    def item_done(self, site: DkvSite, steps: jax.Array) -> None:
-        """After the item's ``steps`` steps, before its results overwrite the tiles."""
-        ...
-
-    def result(self, operands: tuple[Any, ...], outputs: tuple[jax.Array, ...], plan: jax.Array, block_q: int) -> jax.Array:
-        """What the call returns for it, from its operands and outputs after the launch."""
-        ...
-
-
 def dkv_call(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
     plan: jax.Array, segment_ids: jax.Array | None, shape: Shape, *, block_q: int, stages: int | None, persistent: bool = True,
-    grads: tuple[str, ...] = ("dk", "dv"), extension: DkvExtension | None = None, pingpong: bool = False,
-) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
-    """``(dk, dv, extra)``, the gradients ``[batch, seq_kv, kv_heads, dim]``: items are 128-row
+    grads: tuple[str, ...] = ("dk", "dv"), pingpong: bool = False,
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """``(dk, dv)``, the gradients ``[batch, seq_kv, kv_heads, dim]``: items are 128-row
     key/value tiles of one key/value head, walking the planned query blocks once per query head
     of its group, so the group's sum stays in registers (no per-query-head partials, no atomics).
 
     ``grads``: which of ``dk`` and ``dv`` the walk accumulates (None for the other; see
     :func:`dkv_passes`). ``dv`` alone needs neither the value tile nor ``delta``.
 
-    ``extension`` (with both gradients): more work each step with its ``ds`` (see
-    :class:`DkvExtension`); the third result is its :meth:`~DkvExtension.result`, else None.
-
     ``pingpong``: the two consumers take turns as in :func:`dq_call`, meeting after issuing
-    ``k q^T`` and before issuing the step's ``dV`` and ``dK`` products. Not with an extension.
+    ``k q^T`` and before issuing the step's ``dV`` and ``dK`` products.
     """
     kv_heads, dim = k.shape[2], k.shape[3]
     seq_q, heads = q.shape[1], q.shape[2]
     dtype = k.dtype
     segmented = segment_ids is not None
     group = shape.group
-    if not grads or set(grads) - {"dk", "dv"} or (extension is not None and grads != ("dk", "dv")):
-        raise ValueError(f"grads: expected dk, dv or both (both with an extension), got {grads}")
-    if pingpong and extension is not None:
-        raise ValueError("pingpong: the dk/dv kernel takes turns without an extension only")
+    if not grads or set(grads) - {"dk", "dv"}:
+        raise ValueError(f"grads: expected dk, dv or both, got {grads}")
     with_dk = "dk" in grads  # dk needs dP = dO v^T, so the value tile and delta
     row_bytes = dim * jnp.dtype(dtype).itemsize
     # A batch row's queries, their gradients, log-sum-exps and deltas.
@@ -365,28 +259,20 @@ def dkv_call(
         plan, kv_heads, persistent, shape.interpret, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8),
     )
     tile_bytes = (2 if with_dk else 1) * TILE * row_bytes  # key (and value) rows of one tile
-    extra_bytes = extension.smem_bytes(dim) if extension is not None else 0
-    stages = ring_stages(stages, tile_bytes + extra_bytes, 2 * block_q * row_bytes)
-    ring_bytes = stages * 2 * block_q * row_bytes + extra_bytes
-    if extension is not None and tile_bytes + ring_bytes > SMEM_BYTES:
-        raise ValueError(f"num_stages: {stages} stages of the dk/dv kernel and its extension do not fit shared memory at head dim {dim}")
+    stages = ring_stages(stages, tile_bytes, 2 * block_q * row_bytes)
+    ring_bytes = stages * 2 * block_q * row_bytes
     buffers = tile_buffers(tile_bytes, ring_bytes)
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
         refs = list(refs)
         seg_ref = refs.pop(0) if segmented else None
-        extra_inputs = tuple(refs.pop(0) for _ in extra_operands)
         grad_refs = dict(zip(grads, (refs.pop(0) for _ in grads)))
-        extra_output_refs = tuple(refs.pop(0) for _ in extra_outputs)
         scratch, barriers = refs
         scratch = list(scratch)
         k_smem = scratch.pop(0)
         v_smem = scratch.pop(0) if with_dk else None
-        kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch[:6]
-        extra_scratch = tuple(scratch[6:])
-        kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used = barriers[:8]
-        turns = barriers[8:9] if pingpong else ()
-        extra_barriers = tuple(barriers[8 + pingpong :])
+        kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch
+        kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used, *turns = barriers
         wg = lax.axis_index("wg")
 
         @pl.when(wg < CONSUMERS)
@@ -413,8 +299,6 @@ def dkv_call(
                 my_k = k_smem.at[buf, wg]
                 my_v = v_smem.at[buf, wg] if with_dk else None
                 k_seg = load_smem(shape, kseg_smem.at[buf, wg], row_layout()) if segmented else None
-
-                site = DkvSite(shape, wg, t0, b, visit.tile, buf, block_q, k_smem, extra_inputs, extra_output_refs, extra_scratch, extra_barriers)
 
                 def step(r: jax.Array, j: jax.Array, t: jax.Array, acc: dict[str, jax.Array], kind: Mask) -> dict[str, jax.Array]:
                     acc = dict(acc)
@@ -447,8 +331,6 @@ def dkv_call(
                     if with_dk:
                         acc["dk"] = mma_into(shape, acc["dk"], ds_t, q_ring.at[slot])
                     plgpu.barrier_arrive(q_used.at[slot])
-                    if extension is not None:
-                        extension.step(site, ds_t, t, j, hk * group + r)
                     return acc
 
                 zeros = cast(shape, jnp.zeros((WG_ROWS, dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -462,8 +344,6 @@ def dkv_call(
                 )
                 if pingpong:
                     pl.when(wg == 0)(meet)
-                if extension is not None:
-                    extension.item_done(site, group * n)
 
                 def write() -> None:
                     # The tiles just walked hold the results (dv in the key tile when alone).
@@ -513,8 +393,6 @@ def dkv_call(
         plgpu.SMEM((stages, block_q), jnp.float32),
         plgpu.SMEM((stages, block_q), jnp.int32),
     )
-    if extension is not None:
-        scratch += extension.scratch(dtype, block_q, dim)
     ring = functools.partial(plgpu.Barrier, num_barriers=stages)
     barriers = (
         plgpu.Barrier(num_arrivals=1 + with_dk + segmented, num_barriers=buffers * CONSUMERS),
@@ -522,16 +400,10 @@ def dkv_call(
         ring(num_arrivals=CONSUMERS),
         ring(num_arrivals=CONSUMERS),
     ) + ((plgpu.Barrier(num_arrivals=CONSUMERS),) if pingpong else ())
-    if extension is not None:
-        barriers += extension.barriers()
-    extra_outputs = extension.out_types(q, plan) if extension is not None else ()
-    extra_operands = extension.operands(q) if extension is not None else ()
-    operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ()) + extra_operands
-    out_type = tuple(jax.ShapeDtypeStruct(k.shape, dtype) for _ in grads) + extra_outputs
-    outs = launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)
-    extra = extension.result(extra_operands, tuple(outs[len(grads):]), plan, block_q) if extension is not None else None
-    got = dict(zip(grads, outs))
-    return got.get("dk"), got.get("dv"), extra
+    operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ())
+    out_type = tuple(jax.ShapeDtypeStruct(k.shape, dtype) for _ in grads)
+    got = dict(zip(grads, launch(body, out_type, (scratch, barriers), items.programs, operands, shape.interpret)))
+    return got.get("dk"), got.get("dv")
 
 
 def dkv_passes(dim: int) -> tuple[tuple[str, ...], ...]:

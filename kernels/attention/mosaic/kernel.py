@@ -422,8 +422,7 @@ _KERNEL_TRACEBACK = source_info_util.Traceback.get_traceback()
 
 def launch(body: Any, out_type: Any, scratch: Any, programs: int, operands: tuple[Any, ...], interpret: bool) -> Any:
     """Run ``body`` on ``programs`` programs of ``consumers + 1`` warpgroups (named ``wg``),
-    with ``scratch`` allocated in each program. ``operands`` may hold a ``jax.Ref``: the kernel
-    reads and writes it in place (the fused backward's ``dq``).
+    with ``scratch`` allocated in each program.
 
     The kernel is traced under one fixed source location instead of its caller's: a Mosaic
     module embeds its ops' locations and its hash covers them, so with the caller's stack two
