@@ -122,13 +122,16 @@ def test_the_call_with_the_largest_share_is_ranked_and_confirmed_first(monkeypat
     measured = []
     measure = Autotuner._measure
     monkeypatch.setattr(Autotuner, "_measure", lambda self, job, progress: (measured.append(job.inv.op_id), measure(self, job, progress))[1])
-    report = tune(lambda x: small(x).sum() + big(x).sum(), X)  # the small call is made first
+    # No time budget: the order is the subject. One CI run on a loaded machine left the small
+    # call without a confirmation (cause not reproduced); the message says what each call left.
+    report = tune(lambda x: small(x).sum() + big(x).sum(), X, budget_s=None)  # the small call is made first
     calls = by_op(report)
     assert calls["rankbig"].share > calls["ranksmall"].share > 0.01
     assert report.ranked == [calls["rankbig"].key, calls["ranksmall"].key]
     # The shares are measured in the step's order; the ranking and the confirmations by share.
     assert measured == ["ranksmall@v1", "rankbig@v1", "rankbig@v1", "ranksmall@v1"]
-    assert [(t.op_id, t.status) for t in report.trials] == [("rankbig@v1", "accepted"), ("ranksmall@v1", "accepted")]
+    trials = [(t.op_id, t.status) for t in report.trials]
+    assert trials == [("rankbig@v1", "accepted"), ("ranksmall@v1", "accepted")], [(c.op_id, c.left) for c in report.calls]
     assert "ranked by share of the step, largest first: rankbig@v1" in report.render()
     assert entry("rankbig").stats["share"] == pytest.approx(calls["rankbig"].share)
 
