@@ -10,8 +10,9 @@ shape the kernel (:func:`.forward.forward_call` with ``descale``):
   values come transposed, ``[batch, kv_heads, dim, seq_kv]``, and a value block is ``[dim,
   block_k]``: the kernel shares the key ring, so it runs at ``dim == block_k`` (head dims
   65 to 128, padded to 128, on 128-key blocks);
-- the accumulator's register layout is not the one an 8-bit operand takes from registers, so
-  each step's probabilities go through shared memory (``64 x 128`` bytes per consumer).
+- the accumulator's register layout is not the one an 8-bit operand takes from registers, and
+  Mosaic GPU has no relayout between them (jax 0.11.2: its layout inference fails), so each
+  step's probabilities go through shared memory (``64 x 128`` bytes per consumer).
 
 Quantization is per tensor (:func:`quantize`): ``x ~ descale * x8`` with ``descale =
 max|x| / 448``, e4m3's largest finite value. The kernel takes the factors as a float32 operand:
