@@ -65,7 +65,7 @@ def segment_rows(draw: st.DrawFn) -> np.ndarray:
     return np.asarray(rows, np.int32)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(ids=segment_rows(), runs=st.integers(1, 9), causal=st.booleans())
 def test_packed_layout_matches_the_slow_reference(ids: np.ndarray, runs: int, causal: bool) -> None:
     layout = jax.jit(packed_layout, static_argnums=1, static_argnames="causal")(jnp.asarray(ids), runs, causal=causal)

@@ -68,7 +68,7 @@ def snake_loads(costs: list[int], programs: int) -> list[int]:
     batch=st.integers(1, 4), tiles=st.integers(1, 6), heads=st.integers(1, 4), programs=st.integers(1, 7),
     rows_per_section=st.integers(1, 3), seed=st.integers(0, 2**16),
 )
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 def test_work_order_deals_sections_of_rows(batch: int, tiles: int, heads: int, programs: int, rows_per_section: int, seed: int) -> None:
     # Items in id order (batch row, tile, head), cut into sections of about rows_per_section
     # rows in whole pairs of rounds (at row tiles' starts); inside a section the most planned
