@@ -525,12 +525,8 @@ def section_h(args: argparse.Namespace) -> list[Row]:
         flops = 4.0 * b * h * d * s * s / (2 if causal else 1)
         bounds = (None, 0) if causal else (None, None)
 
-        def quantized(q: jax.Array, k: jax.Array, v: jax.Array, *_: Any) -> tuple[jax.Array, ...]:
-            (q8, dq), (k8, dk), (v8, dv) = (fp8.quantize(x) for x in (q, k, v))
-            return q8, k8, v8, jnp.stack([dq, dk, dv])
-
-        sets8 = [jax.jit(quantized)(*one) for one in sets]
-        sets8_t = [(q8, k8, jnp.transpose(v8, (0, 2, 3, 1)), f) for q8, k8, v8, f in sets8]
+        sets8_t = [jax.jit(fp8.quantize_operands)(*one[:3]) for one in sets]
+        sets8 = [(q8, k8, jnp.transpose(v_t, (0, 3, 1, 2)), f) for q8, k8, v_t, f in sets8_t]  # cuDNN's values untransposed
         sixteen = {
             "mosaic ping-pong": {"pingpong": True},
             "mosaic pipelined": {"pingpong": False, "pipelined": True},
@@ -548,7 +544,8 @@ def section_h(args: argparse.Namespace) -> list[Row]:
         variants.append(Variant(case, "cudnn fp8, 8-bit operands", "fwd", jax.jit(cudnn_fp8(causal)), sets8, flops))
         section_rows = run_section("h", variants, args.samples, args.per_sample)
         q, k, v, _ = sets[0]
-        want = reference_attention(q, k, v, causal)
+        with jax.default_matmul_precision("highest"):
+            want = AttentionKernel().reference(*(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
         for row, variant in zip(section_rows, variants):
             if row.ms is not None:
                 got = variant.fn(*variant.sets[0])
@@ -556,12 +553,6 @@ def section_h(args: argparse.Namespace) -> list[Row]:
         set_ratios(section_rows, lambda r: find(section_rows, r.case, "cudnn", r.pass_), "cuDNN")
         rows += section_rows
     return rows
-
-
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
-    """Attention in float32 at the highest matmul precision."""
-    with jax.default_matmul_precision("highest"):
-        return jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=causal, implementation="xla")
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,11 +18,13 @@ from ejlabel.kernels.attention import AttentionConfig, flash_attention
 from ejlabel.kernels.attention.masks import window_bounds
 from ejlabel import BwdParams, FwdParams
 from ejlabel.kernels.attention.mosaic import kernel as mosaic_kernel
+from ejlabel.kernels.attention.mosaic import on_hopper
 from ejlabel.kernels.attention.mosaic import plan as mosaic_plan
 from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
 from ejlabel.kernels.attention.xla import attention_xla
 
 ON_GPU = jax.default_backend() == "gpu"
+needs_hopper = pytest.mark.skipif(not on_hopper(), reason="needs a Hopper GPU")  # where the Mosaic kernels run
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 

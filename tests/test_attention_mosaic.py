@@ -34,7 +34,8 @@ from ejlabel.kernels.attention.mosaic import plan as mplan
 from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
 from kernel_checks import attention_reference as reference
 from kernel_checks import (
-    check_interpreted_backward, documents, gpu, interpreted_values_and_gradients, kernel_hashes, lower_for_cuda, needs_gpu, qkv, rel_error,
+    check_interpreted_backward, documents, gpu, interpreted_values_and_gradients, kernel_hashes, lower_for_cuda, needs_gpu, needs_hopper, qkv,
+    rel_error,
 )
 from conftest import REPO_ROOT
 from kernel_checks import races  # noqa: F401  (a fixture)
@@ -352,11 +353,6 @@ def test_interpreted_backward_above_head_dim_128(races: Callable[[], bool]) -> N
 # GPU (Hopper)
 
 
-def _hopper() -> bool:
-    return am.on_hopper()
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 
 
 @pytest.mark.slow

@@ -22,11 +22,9 @@ from ejlabel.kernels.attention.mosaic import fp8
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_checks import attention_reference as reference
-from kernel_checks import documents, gpu, lower_for_cuda, needs_gpu, qkv, rel_error
+from kernel_checks import documents, gpu, lower_for_cuda, needs_gpu, needs_hopper, qkv, rel_error
 
 pytestmark = pytest.mark.skipif(not am.mosaic_available(), reason="this JAX has no Pallas Mosaic GPU backend")
-
-needs_hopper = pytest.mark.skipif(not am.on_hopper(), reason="needs a Hopper GPU")
 
 # Relative L2 errors on standard normal inputs (see the module docstring): quantizing the
 # inputs costs about 0.04, the kernel's own 8-bit steps about 0.02 more.
@@ -63,10 +61,7 @@ def test_quantize_keeps_e4m3_precision(x: np.ndarray) -> None:
 
 def test_fp8_attention_rejects_what_it_cannot_run() -> None:
     q, k, v = qkv(1, 128, 2, 1, 128, jnp.bfloat16)
-    q8, dq_ = fp8.quantize(q)
-    k8, dk_ = fp8.quantize(k)
-    v_t = jnp.transpose(fp8.quantize(v)[0], (0, 2, 3, 1))
-    factors = jnp.stack([dq_, dk_, dk_])
+    q8, k8, v_t, factors = fp8.quantize_operands(q, k, v)
     forward = lambda *args, **kw: fp8.mosaic_forward_fp8(*args, **{"scale": 0.1, "bounds": (None, 0), **kw})  # noqa: E731
     with pytest.raises(ValueError, match="q: expected float8_e4m3fn"):
         forward(q, k8, v_t, factors)
@@ -128,11 +123,10 @@ def test_gpu_fp8_forward(causal: bool, kv_heads: int, dim: int, segments: bool) 
 def test_gpu_fp8_forward_log_sum_exp(pingpong: bool) -> None:
     # The saved log-sum-exp is the true scores' (base 2), whatever the walk.
     q, k, v = qkv(1, 640, 4, 2, 128, jnp.bfloat16, seed=4)
-    (q8, dq_), (k8, dk_), (v8, dv_) = (fp8.quantize(x) for x in (q, k, v))
-    v_t = jnp.transpose(v8, (0, 2, 3, 1))
+    q8, k8, v_t, factors = fp8.quantize_operands(q, k, v)
     run = jax.jit(lambda q8, k8, v_t, f: fp8.mosaic_forward_fp8(q8, k8, v_t, f, scale=0.08, bounds=(None, 0), pingpong=pingpong))
-    _, lse = run(q8, k8, v_t, jnp.stack([dq_, dk_, dv_]))
-    qf, kf = (x8.astype(jnp.float32) * d for x8, d in ((q8, dq_), (k8, dk_)))
+    _, lse = run(q8, k8, v_t, factors)
+    qf, kf = (x8.astype(jnp.float32) * factors[i] for i, x8 in enumerate((q8, k8)))
     scores = jnp.einsum("bqhd,bkhd->bhqk", qf, jnp.repeat(kf, 2, axis=2)) * 0.08
     scores = jnp.where(jnp.tril(jnp.ones((640, 640), bool)), scores, -jnp.inf)
     want = jax.nn.logsumexp(scores, axis=-1) / np.log(2.0)

@@ -236,9 +236,10 @@ def online_softmax(
     scores in place of ``shape.scale`` (the 8-bit forward's, positive by construction).
     ``log2_gain``: the probabilities and ``l`` come out multiplied by ``2**log2_gain`` (which
     cancels in ``out = acc / l``), so that 8-bit probabilities use e4m3's normal range."""
-    if scale is None and shape.scale <= 0:  # the row max below commutes with a positive scale only
-        s, scale = s * shape.scale, 1.0
-    scale = shape.scale if scale is None else scale
+    if scale is None:
+        scale = shape.scale
+        if scale <= 0:  # the row max below commutes with a positive scale only
+            s, scale = s * scale, 1.0
     mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False) if kind is not Mask.NONE else None
     if mask is not None:
         s = jnp.where(mask, s, MASK_VALUE)

@@ -19,7 +19,7 @@ max|x| / 448``, e4m3's largest finite value. The kernel takes the factors as a f
 the scores are scaled by ``softmax scale * descale_q * descale_k`` inside the exponent, and the
 output by ``descale_v``; the log-sum-exp it saves is the true scores'. The error is e4m3's three
 mantissa bits on ``q``, ``k``, ``v`` and on every probability; ``bench/bench_attention.py``
-states it against the float32 reference beside the 16-bit kernel's (section f), and the tests
+states it against the float32 reference beside the 16-bit kernel's (section h), and the tests
 bound it.
 
 Forward only: :func:`fp8_attention` has no gradient (its backward raises).
@@ -43,7 +43,7 @@ from .forward import forward_call
 from .kernel import plgpu
 from .plan import TILE, visit_plan
 
-__all__ = ["E4M3_MAX", "FP8", "FP8_DIM", "fp8_attention", "mosaic_forward_fp8", "quantize"]
+__all__ = ["E4M3_MAX", "FP8", "FP8_DIM", "fp8_attention", "mosaic_forward_fp8", "quantize", "quantize_operands"]
 
 FP8 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0  # e4m3's largest finite value
@@ -56,6 +56,16 @@ def quantize(x: jax.Array) -> tuple[jax.Array, Float[Array, ""]]:
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     descale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
     return (x.astype(jnp.float32) / descale).astype(FP8), descale
+
+
+def quantize_operands(
+    q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
+) -> tuple[jax.Array, jax.Array, jax.Array, Float[Array, "3"]]:
+    """``(q8, k8, v_t8, descale)``: :func:`mosaic_forward_fp8`'s operands from an attention
+    call's, each quantized per tensor (:func:`quantize`), the values transposed to ``[batch,
+    kv_heads, dim, seq_kv]``; ``descale`` holds the three factors."""
+    (q8, dq), (k8, dk), (v8, dv) = (quantize(x) for x in (q, k, v))
+    return q8, k8, jnp.transpose(v8, (0, 2, 3, 1)), jnp.stack([dq, dk, dv])
 
 
 def _check(q: jax.Array, k: jax.Array, v_t: jax.Array) -> None:
@@ -109,8 +119,8 @@ def fp8_attention(
     sliding_window: tuple[int, int] | None = None, interpret: bool = False,
 ) -> Float[Array, "batch sq heads dim"]:
     """Attention's output in ``q``'s dtype, computed in 8 bits: ``q``, ``k`` and ``v`` (16 or 32
-    bits, head dims 65 to 128) quantized per tensor (:func:`quantize`, the values transposed on
-    the way), then :func:`mosaic_forward_fp8`. Arguments as :func:`ejlabel.kernels.attention.
+    bits, head dims 65 to 128) quantized (:func:`quantize_operands`), then
+    :func:`mosaic_forward_fp8`. Arguments as :func:`ejlabel.kernels.attention.
     flash_attention`'s. Forward only: its gradient raises."""
     dim = q.shape[3]
     if not 64 < dim <= FP8_DIM:
@@ -123,11 +133,8 @@ def fp8_attention(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Any, scale: float, bounds: Window, interpret: bool) -> jax.Array:
     dim = q.shape[3]
-    (q8, dq), (k8, dk), (v8, dv) = (quantize(pad_axis(x, 3, FP8_DIM)) for x in (q, k, v))
-    v_t = jnp.transpose(v8, (0, 2, 3, 1))
-    out, _ = mosaic_forward_fp8(
-        q8, k8, v_t, jnp.stack([dq, dk, dv]), segment_ids, scale=scale, bounds=bounds, out_dtype=q.dtype, interpret=interpret,
-    )
+    q8, k8, v_t, descale = quantize_operands(*(pad_axis(x, 3, FP8_DIM) for x in (q, k, v)))
+    out, _ = mosaic_forward_fp8(q8, k8, v_t, descale, segment_ids, scale=scale, bounds=bounds, out_dtype=q.dtype, interpret=interpret)
     return out[..., :dim]
 
 
