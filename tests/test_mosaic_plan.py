@@ -151,3 +151,34 @@ def test_plan_masks_a_documents_diagonal_by_position_only() -> None:
     np.testing.assert_array_equal(c - a, [0, 1, 0, 1, 2, 3, 0, 0])  # the diagonal is masked: by position
 
 
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 3), st.integers(0, 3), st.sampled_from([(None, 0), (20, 5), (None, None), (7, None)]), st.booleans(), st.booleans(),
+    st.integers(0, 2**31 - 1),
+)
+def test_block_mask_is_the_dense_mask(
+    q_block: int, k_block: int, bounds: tuple[int | None, int | None], padded_keys: bool, transpose: bool, seed: int,
+) -> None:
+    """One block pair's mask as the kernels compute it (:func:`visibility`, interpreted) equals
+    the dense mask's block, over bounds, padded keys and ids with padding (0 and negative)
+    and repeated, unsorted ids."""
+    from ejlabel.kernels.attention.mosaic.kernel import tile_segments, visibility
+
+    rows, cols, seq = 16, 8, 64
+    ids = jnp.asarray(np.random.default_rng(seed).integers(-2, 4, (1, seq)), jnp.int32)
+    kernel_ids = jnp.maximum(ids, 0)[0]  # as pad_operands clamps them
+    kv_len = 41 if padded_keys else None
+    shape = mplan.Shape(1.0, bounds, kv_len, 1, True, interpret=True)
+    visible = dense_visibility(seq, seq, False, bounds, ids, kv_len)[0]
+    if transpose:  # rows are keys, columns queries
+        k0, q0 = k_block * rows, q_block * cols
+        segments = (kernel_ids[q0 : q0 + cols], tile_segments(shape, kernel_ids[k0 : k0 + rows]))
+        expected = visible[q0 : q0 + cols, k0 : k0 + rows].T
+    else:
+        q0, k0 = q_block * rows, k_block * cols
+        segments = (tile_segments(shape, kernel_ids[q0 : q0 + rows]), kernel_ids[k0 : k0 + cols])
+        expected = visible[q0 : q0 + rows, k0 : k0 + cols]
+    mask = visibility(shape, jnp.int32(q0), jnp.int32(k0), rows, cols, segments, transpose=transpose)
+    np.testing.assert_array_equal(np.asarray(mask), expected)

@@ -172,7 +172,8 @@ def pad_operands(
     not write them back, which is what padding with zeros to whole tiles gave. At B8 S1000 H16
     D128 those copies in and out took as long as the forward kernel (H100). The interpreter clamps such slices, so there the sequences are padded to whole tiles.
     The segment ids are padded to whole tiles everywhere: they are small, and the padding's ids
-    of 0 are the ids the tiles' tails must see."""
+    of 0 are the ids the tiles' tails must see. They are clamped at 0 (ids <= 0 all see
+    nothing), which the kernels' mask relies on (:func:`.kernel.tile_segments`)."""
     seq_q, dim = q.shape[1], q.shape[3]
     seq_kv = k.shape[1]
     kv_tile = math.lcm(block_k, TILE)  # the backward tiles keys by 128
@@ -182,7 +183,7 @@ def pad_operands(
     q = pad_axis(pad_axis(q, 3, padded_dim), 1, q_rows)
     k, v = (pad_axis(pad_axis(t, 3, padded_dim), 1, kv_rows) for t in (k, v))
     if segment_ids is not None:
-        segment_ids = pad_axis(segment_ids.astype(jnp.int32), 1, max(rows, cols))
+        segment_ids = pad_axis(jnp.maximum(segment_ids.astype(jnp.int32), 0), 1, max(rows, cols))
     kv_len = seq_kv if segment_ids is None and cols != seq_kv else None
     shape = Shape(scale * LOG2E, bounds, kv_len, q.shape[2] // k.shape[2], segment_ids is not None, interpret)
     return Padded(q, k, v, segment_ids, shape, seq_q, seq_kv, dim, rows, cols)

@@ -24,7 +24,7 @@ from ...pallas_common import pad_axis
 from .kernel import (
     CONSUMER_REGISTERS, LOG2E, PRODUCER_REGISTERS, cast, col_layout, consume_items, key_segments, key_value_items,
     key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
-    smem_tile, tile_buffers, tile_ready, visibility,
+    smem_tile, tile_buffers, tile_ready, tile_segments, visibility,
 )
 from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
 from .work import deal_items
@@ -140,7 +140,7 @@ def dq_call(
                 my_q, my_do = q_smem.at[buf, wg], do_smem.at[buf, wg]
                 lse = load_smem(shape, lse_smem.at[buf, wg], row_layout())
                 delta = own_delta(visit, buf) if computes_delta else load_smem(shape, delta_smem.at[buf, wg], row_layout())
-                q_seg = load_smem(shape, qseg_smem.at[buf, wg], row_layout()) if segmented else None
+                q_seg = tile_segments(shape, qseg_smem.at[buf, wg]) if segmented else None
                 segments_of = functools.partial(key_segments, shape, (kseg_ready, kseg_ring) if segmented else None, q_seg=q_seg)
 
                 def probabilities_of(s: jax.Array, j: jax.Array, kind: Mask, segments: Any) -> jax.Array:
@@ -298,7 +298,7 @@ def dkv_call(
                 row0 = visit.row0(wg)
                 my_k = k_smem.at[buf, wg]
                 my_v = v_smem.at[buf, wg] if with_dk else None
-                k_seg = load_smem(shape, kseg_smem.at[buf, wg], row_layout()) if segmented else None
+                k_seg = tile_segments(shape, kseg_smem.at[buf, wg]) if segmented else None
 
                 def step(r: jax.Array, j: jax.Array, t: jax.Array, acc: dict[str, jax.Array], kind: Mask) -> dict[str, jax.Array]:
                     acc = dict(acc)

@@ -15,8 +15,8 @@ from jax.experimental import pallas as pl
 from ...pallas_common import MASK_VALUE
 from .kernel import (
     CONSUMER_REGISTERS, LN2, PRODUCER_REGISTERS, cast, consume_items, fits_exactly, key_segments, key_value_items,
-    key_value_streams, launch, load_smem, mma_beside, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
-    smem_tile, tile_buffers, tile_ready, visibility,
+    key_value_streams, launch, mma_beside, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
+    smem_tile, tile_buffers, tile_ready, tile_segments, visibility,
 )
 from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
 
@@ -119,7 +119,7 @@ def forward_call(
                 b, h = visit.b, visit.h
                 row0 = visit.row0(wg)
                 my_q = q_smem.at[buf, wg]
-                q_seg = load_smem(shape, qseg_smem.at[buf, wg], row_layout()) if segmented else None
+                q_seg = tile_segments(shape, qseg_smem.at[buf, wg]) if segmented else None
 
                 segments_of = functools.partial(key_segments, shape, (kseg_ready, kseg_ring) if segmented else None, q_seg=q_seg)
                 softmax = functools.partial(
@@ -242,16 +242,15 @@ def online_softmax(
             s, scale = s * scale, 1.0
     mask = visibility(shape, row0, j * block_k, WG_ROWS, block_k, segments, transpose=False) if kind is not Mask.NONE else None
     if mask is not None:
-        s = jnp.where(mask, s, MASK_VALUE)
+        # -inf, not a finite floor: the probabilities below come out exact zeros without a
+        # second select, as the running max stays finite (it starts at MASK_VALUE).
+        s = jnp.where(mask, s, -jnp.inf)
     # The raw scores' row max, scaled once: rounding keeps x -> x * scale monotone, so this is
     # the scaled scores' max exactly, without a product per score on the softmax's longest
     # chain; each score's product is left to the exponent's argument (one fused multiply-add).
     m_new = jnp.maximum(m, s.max(axis=1) * scale)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new - log2_gain if log2_gain else m_new, s.shape, [0]))
-    if mask is not None:
-        # A row with nothing visible yet has m_new == MASK_VALUE and exp2(0) == 1.
-        p = jnp.where(mask, p, 0.0)
     return p.astype(dtype), alpha, m_new, l * alpha + p.sum(axis=1)
 
 
