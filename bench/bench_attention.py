@@ -41,6 +41,11 @@ Sections:
   operands already in 8 bits (the kernel alone), and from 16-bit inputs (quantized in the
   call), beside the 16-bit forward's schedules, cuDNN in 16 bits and cuDNN's own 8-bit forward;
   each row notes its error against the float32 reference.
+- ``i``: what a query tile costs beside its key blocks: the example model's shape with 16, 8, 4,
+  2 and 1 equal documents per row (a 128-row tile visits 1, 1.5, 2.5, 4.5 and 8.5 key blocks
+  on average) and with 4 random ones, ids an argument: the Mosaic forward (default, not
+  persistent, 64-key blocks on the plain schedule) and forward+backward, cuDNN's packed layout
+  beside each.
 - ``check``: values and gradients of each implementation against a float32 reference (highest
   matmul precision) over a grid of head dims, odd lengths, 1-4 segments and GQA ratios.
 
@@ -82,7 +87,7 @@ from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
 
 BWD_FLOP_FACTOR = 2.5
-SECTIONS = ("a", "b", "c", "d", "e", "f", "g", "h", "check")
+SECTIONS = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "check")
 
 
 @dataclasses.dataclass
@@ -575,6 +580,42 @@ class Check:
         return self.out_rel is not None and self.grad_rel is not None and self.out_rel < 2e-2 and self.grad_rel < 2e-2
 
 
+def section_i(args: argparse.Namespace) -> list[Row]:
+    """The fixed cost of a query tile: time against key blocks per tile (see the module
+    docstring); each case one interleaved run of its own, as in section f."""
+    if "mosaic" not in extra_impls():
+        return [Row("i", "-", "mosaic", "fwd", note="FAILED: no Mosaic GPU kernels here")]
+    from ejlabel.kernels.attention import mosaic as mosaic_module
+
+    b, s, h, kv, d = (1, 256, 2, 1, 64) if args.tiny else (8, 2048, 12, 4, 64)
+    forwards = {
+        "mosaic": {"params": FwdParams()},
+        "mosaic not persistent": {"params": FwdParams(), "persistent": False},
+        "mosaic kv64 plain": {"params": FwdParams(kv_blocksize=64, num_stages=3), "pingpong": False},
+    }
+    rows = []
+    for documents in [*sorted({s // length for length in (128, 256, 512, 1024, 2048) if length <= s}, reverse=True), 0]:
+        sets = input_sets(b, s, h, kv, d)
+        if documents:  # equal documents, a whole number of 128-row tiles each
+            case = f"{documents} equal documents, {(s // documents // 128 + 1) / 2:g} blocks per tile"
+            sets = [(*one, equal_documents(b, s, documents)) for one in sets]
+            pairs = b * documents * (s // documents) ** 2 / 2
+        else:
+            case, documents = "4 random documents", 4
+            sets, counts = document_sets(b, s, h, kv, d, documents)
+            pairs = sum(counts) / len(counts)
+        flops = 4.0 * h * d * pairs
+        variants = []
+        for name, options in forwards.items():
+            attend = functools.partial(mosaic_module.mosaic_forward, scale=d**-0.5, bounds=(None, 0), **options)
+            variants += variants_of(case, name, lambda q, k, v, ids, attend=attend: attend(q, k, v, ids)[0], sets, flops)[:1]
+        variants += variants_of(case, "mosaic", ids_attend(AttentionConfig("mosaic"), documents), sets, flops)[1:]
+        variants += variants_of(case, "cudnn packed layout", baseline(documents), sets, flops)
+        rows += run_section("i", variants, args.samples, args.per_sample)
+    set_ratios(rows, lambda r: find(rows, r.case, "cudnn packed layout", r.pass_), "cuDNN packed layout")
+    return rows
+
+
 def grid(quick: bool, tiny: bool = False) -> list[tuple[str, dict[str, Any]]]:
     """(name, shape and mask) cases: head dims 64/128/256, odd lengths, 1-4 segments, GQA 1-8."""
     # Together: every head dim, odd lengths, 1-4 segments and varlen, GQA 1/2/4/8, causal or not;
@@ -697,7 +738,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     checks: list[Check] = []
     start = time.perf_counter()
-    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e, "f": section_f, "g": section_g, "h": section_h}
+    sections = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e, "f": section_f, "g": section_g, "h": section_h, "i": section_i}
     for name in only:  # in the order given: a run cut short keeps the sections that came first
         if name == "check":
             impls = ["pallas", *extra_impls(), "cudnn", "xla"]

@@ -33,6 +33,7 @@ for name in "$@"; do
     attention_f) step attention_f 300 python3 bench/bench_attention.py --only f --samples 7 ;;
     attention_g) step attention_g 300 python3 bench/bench_attention.py --only g --samples 7 ;;
     attention_h) step attention_h 300 python3 bench/bench_attention.py --only h --samples 7 ;;
+    attention_i) step attention_i 400 python3 bench/bench_attention.py --only i --samples 7 ;;
     attention_d) step attention_d 240 python3 bench/bench_attention.py --only d --samples 7 ;;
     attention_e) step attention_e 420 python3 bench/bench_attention.py --only e --samples 7 ;;
     attention_check) step attention_check 300 python3 bench/bench_attention.py --only check --quick ;;
