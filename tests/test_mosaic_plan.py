@@ -153,7 +153,7 @@ def test_plan_masks_a_documents_diagonal_by_position_only() -> None:
 
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     st.integers(0, 3), st.integers(0, 3), st.sampled_from([(None, 0), (20, 5), (None, None), (7, None)]), st.booleans(), st.booleans(),
     st.integers(0, 2**31 - 1),
