@@ -594,14 +594,14 @@ def section_i(args: argparse.Namespace) -> list[Row]:
         "mosaic kv64 plain": {"params": FwdParams(kv_blocksize=64, num_stages=3), "pingpong": False},
     }
     rows = []
-    for documents in [*sorted({s // length for length in (128, 256, 512, 1024, 2048) if length <= s}, reverse=True), 0]:
-        sets = input_sets(b, s, h, kv, d)
-        if documents:  # equal documents, a whole number of 128-row tiles each
-            case = f"{documents} equal documents, {(s // documents // 128 + 1) / 2:g} blocks per tile"
-            sets = [(*one, equal_documents(b, s, documents)) for one in sets]
-            pairs = b * documents * (s // documents) ** 2 / 2
+    # Equal documents of 128 to 2048 tokens (a whole number of 128-row tiles each), then None: 4 random ones.
+    for equal in [s // length for length in (128, 256, 512, 1024, 2048) if length <= s] + [None]:
+        if equal:
+            documents, case = equal, f"{equal} equal documents, {(s // equal // 128 + 1) / 2:g} blocks per tile"
+            sets = [(*one, equal_documents(b, s, equal)) for one in input_sets(b, s, h, kv, d)]
+            pairs = b * equal * (s // equal) ** 2 / 2
         else:
-            case, documents = "4 random documents", 4
+            documents, case = 4, "4 random documents"
             sets, counts = document_sets(b, s, h, kv, d, documents)
             pairs = sum(counts) / len(counts)
         flops = 4.0 * h * d * pairs

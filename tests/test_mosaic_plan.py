@@ -151,8 +151,6 @@ def test_plan_masks_a_documents_diagonal_by_position_only() -> None:
     np.testing.assert_array_equal(c - a, [0, 1, 0, 1, 2, 3, 0, 0])  # the diagonal is masked: by position
 
 
-
-
 @settings(max_examples=25, deadline=None)
 @given(
     st.integers(0, 3), st.integers(0, 3), st.sampled_from([(None, 0), (20, 5), (None, None), (7, None)]), st.booleans(), st.booleans(),
@@ -164,11 +162,13 @@ def test_block_mask_is_the_dense_mask(
     """One block pair's mask as the kernels compute it (:func:`visibility`, interpreted) equals
     the dense mask's block, over bounds, padded keys and ids with padding (0 and negative)
     and repeated, unsorted ids."""
+    from ejlabel.kernels.attention.mosaic import pad_operands
     from ejlabel.kernels.attention.mosaic.kernel import tile_segments, visibility
 
     rows, cols, seq = 16, 8, 64
     ids = jnp.asarray(np.random.default_rng(seed).integers(-2, 4, (1, seq)), jnp.int32)
-    kernel_ids = jnp.maximum(ids, 0)[0]  # as pad_operands clamps them
+    x = jnp.zeros((1, seq, 1, 64), jnp.bfloat16)
+    kernel_ids = pad_operands(x, x, x, ids, scale=1.0, bounds=bounds, block_k=128, interpret=True).segment_ids[0]  # as the kernels get them
     kv_len = 41 if padded_keys else None
     shape = mplan.Shape(1.0, bounds, kv_len, 1, True, interpret=True)
     visible = dense_visibility(seq, seq, False, bounds, ids, kv_len)[0]
