@@ -45,7 +45,8 @@ Sections:
   2 and 1 equal documents per row (a 128-row tile visits 1, 1.5, 2.5, 4.5 and 8.5 key blocks
   on average) and with 4 random ones, ids an argument: the Mosaic forward (default, not
   persistent, 64-key blocks on the plain schedule) and forward+backward, cuDNN's packed layout
-  beside each.
+  beside each; then 4 layers in one call, as a model calls them (XLA computes the plans, and
+  the packed layout's offsets, once for all the layers that share the ids).
 - ``check``: values and gradients of each implementation against a float32 reference (highest
   matmul precision) over a grid of head dims, odd lengths, 1-4 segments and GQA ratios.
 
@@ -57,8 +58,8 @@ all of its variants, rotating three random input sets; medians of ``--samples`` 
 ``sum(out * probe)`` for a random ``probe``. A variant that fails prints its reason and the run
 goes on. The markdown tables come last. Each section's rows go to
 ``bench/results/bench_attention.<section>.json`` as soon as the section ends
-(``bench/_results.py``); a section e limited by ``--match`` goes to
-``bench_attention.e.<match>.json``, a ``--quick`` check grid to ``bench_attention.check.quick.json``
+(``bench/_results.py``); a section e or i limited by ``--match`` goes to
+``bench_attention.<section>.<match>.json``, a ``--quick`` check grid to ``bench_attention.check.quick.json``
 and a ``--tiny`` run to ``.tiny`` files, so a partial run never replaces a whole section's figures.
 """
 
@@ -588,11 +589,8 @@ def section_i(args: argparse.Namespace) -> list[Row]:
     from ejlabel.kernels.attention import mosaic as mosaic_module
 
     b, s, h, kv, d = (1, 256, 2, 1, 64) if args.tiny else (8, 2048, 12, 4, 64)
-    forwards = {
-        "mosaic": {"params": FwdParams()},
-        "mosaic not persistent": {"params": FwdParams(), "persistent": False},
-        "mosaic kv64 plain": {"params": FwdParams(kv_blocksize=64, num_stages=3), "pingpong": False},
-    }
+    forwards = {"mosaic": {"params": FwdParams()}, "mosaic not persistent": {"params": FwdParams(), "persistent": False},
+                "mosaic kv64 plain": {"params": FwdParams(kv_blocksize=64, num_stages=3), "pingpong": False}}
     rows = []
     # Equal documents of 128 to 2048 tokens (a whole number of 128-row tiles each), then None: 4 random ones.
     for equal in [s // length for length in (128, 256, 512, 1024, 2048) if length <= s] + [None]:
@@ -604,16 +602,29 @@ def section_i(args: argparse.Namespace) -> list[Row]:
             documents, case = 4, "4 random documents"
             sets, counts = document_sets(b, s, h, kv, d, documents)
             pairs = sum(counts) / len(counts)
-        flops = 4.0 * h * d * pairs
-        variants = []
+        if args.match not in case:
+            continue
+        flops, variants = 4.0 * h * d * pairs, []
         for name, options in forwards.items():
             attend = functools.partial(mosaic_module.mosaic_forward, scale=d**-0.5, bounds=(None, 0), **options)
             variants += variants_of(case, name, lambda q, k, v, ids, attend=attend: attend(q, k, v, ids)[0], sets, flops)[:1]
         variants += variants_of(case, "mosaic", ids_attend(AttentionConfig("mosaic"), documents), sets, flops)[1:]
         variants += variants_of(case, "cudnn packed layout", baseline(documents), sets, flops)
         rows += run_section("i", variants, args.samples, args.per_sample)
+    case = "4 random documents, 4 layers in one call"
+    if args.match in case:
+        sets, counts = document_sets(b, s, h, kv, d, 4)
+        flops, stack = 4 * 4.0 * h * d * sum(counts) / len(counts), lambda attend: functools.partial(stacked, attend, 4)
+        variants = variants_of(case, "mosaic", stack(ids_attend(AttentionConfig("mosaic"), 4)), sets, flops)
+        variants += variants_of(case, "cudnn packed layout", stack(baseline(4)), sets, flops)
+        rows += run_section("i", variants, args.samples, args.per_sample)
     set_ratios(rows, lambda r: find(rows, r.case, "cudnn packed layout", r.pass_), "cuDNN packed layout")
     return rows
+
+
+def stacked(attend: Callable[..., jax.Array], layers: int, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array) -> jax.Array:
+    """``layers`` attention calls in a row, each one's output the next one's queries."""
+    return functools.reduce(lambda x, _: attend(x, k, v, ids), range(layers), q)
 
 
 def grid(quick: bool, tiny: bool = False) -> list[tuple[str, dict[str, Any]]]:
@@ -728,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-sample", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the first three correctness cases only")
     parser.add_argument("--tiny", action="store_true", help="small shapes: a smoke run of the script itself (CPU)")
-    parser.add_argument("--match", default="", help="section e: only the shapes whose name holds this text")
+    parser.add_argument("--match", default="", help="sections e and i: only the cases whose name holds this text")
     args = parser.parse_args(argv)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(SECTIONS)
@@ -772,7 +783,7 @@ def row_record(row: Row) -> dict[str, Any]:
 def save(args: argparse.Namespace, section: str, rows: list[dict[str, Any]]) -> None:
     """One section's rows to ``bench/results/`` (file names in the module docstring)."""
     name = f"bench_attention.{section}"
-    if section == "e" and args.match:
+    if section in ("e", "i") and args.match:
         name += "." + re.sub(r"[^a-z0-9]+", "_", args.match.lower()).strip("_")
     if args.tiny or (section == "check" and args.quick):
         name += ".tiny" if args.tiny else ".quick"
