@@ -171,16 +171,16 @@ def interpreted_values_and_gradients(
 
 
 def check_interpreted_backward(races: Callable[[], bool], group: int = 2, pingpong: bool = False) -> None:
-    """Four tiles over three programs (one walks two), a query head group of ``group``, three
-    documents and padding, in the interpreter: values and gradients against the reference, no
+    """Three tiles of ``group`` query heads (a head group) over three programs (each walks
+    several), three documents and padding, in the interpreter: values and gradients against the reference, no
     races, and padding rows exactly 0. Some tiles visit masked blocks on both sides of an
     unmasked run (asserted): the producer and the consumers must agree on the order of the walk.
     The interpreter's race detector must find no access that the kernels' barriers leave
     unordered. ``pingpong``: both backward kernels' consumers take turns."""
-    seq, dim = 512, 64
+    seq, dim = 384, 64
     q, k, v = qkv(1, seq, group, 1, dim, jnp.bfloat16, seed=13)
     position = jnp.arange(seq)
-    ids = jnp.where(position < seq - 11, 1 + (position >= 60) + (position >= 90), 0)[None].astype(jnp.int32)
+    ids = jnp.where(position < seq - 11, 1 + (position >= 30) + (position >= 340), 0)[None].astype(jnp.int32)
     shape = mosaic_plan.Shape(0.125, window_bounds(True, None), None, group, True, True)
     for transpose in (False, True):  # dq and forward walk key blocks of 64; dk/dv, query blocks of 64
         lo, hi, a, c, u_lo, u_hi = np.asarray(mosaic_plan.visit_plan(seq, seq, 128, 64, shape, ids, 1, transpose=transpose))[:, 0]

@@ -95,6 +95,7 @@ def test_fp8_forward_lowers_to_mosaic_gpu(segments: bool, pingpong: bool) -> Non
     assert "x2x128x384xf8E4M3FN" in text
 
 
+@pytest.mark.slow
 def test_interpreted_fp8_forward() -> None:
     # GQA, causal, segment ids with padding, a length of no whole tiles, head dim 96 (padded).
     q, k, v = qkv(1, 150, 2, 1, 96, jnp.bfloat16, seed=3)

@@ -176,6 +176,7 @@ def test_ray_picks_the_same_configs_as_a_local_run(cluster: Any, tmp_path: Path,
     assert list(worker_cache.iterdir()) == []  # only the driver writes
 
 
+@pytest.mark.slow
 def test_a_dead_worker_is_replaced_its_call_retried_and_a_rerun_resumes(cluster: Any, tmp_path: Path, worker_cache: Path) -> None:
     marker = tmp_path / "died"
     program = _program((8, 16), {"die_once": marker})
@@ -202,6 +203,7 @@ def test_a_dead_worker_is_replaced_its_call_retried_and_a_rerun_resumes(cluster:
     assert "tuned 0 distinct calls (0 labels)" in again.stdout and "3 already tuned; 0 errors" in again.stdout
 
 
+@pytest.mark.slow
 def test_calls_that_fail_twice_are_reported_and_the_others_stored(cluster: Any, tmp_path: Path, worker_cache: Path) -> None:
     raises, dies = tmp_path / "raises", tmp_path / "dies"
     program = _program((8,), {"raise": raises, "die": dies})
