@@ -386,8 +386,7 @@ def test_interpreted_pipelined_forward(races: Callable[[], bool]) -> None:
     assert not races()
     assert rel_error(out, reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=0.125)) < 1e-2
     # The saved log-sum-exp (base 2) of every row that sees a key, against float32 scores.
-    f32 = [t.astype(jnp.float32) for t in (q, k, v)]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", f32[0], f32[1]) * 0.125
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * 0.125
     position = jnp.arange(seq)
     visible = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0) & (position[:, None] >= position[None, :])
     want = jax.nn.logsumexp(jnp.where(visible[:, None], scores, -jnp.inf), axis=-1) / np.log(2.0)
