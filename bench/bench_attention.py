@@ -594,16 +594,15 @@ def section_i(args: argparse.Namespace) -> list[Row]:
     rows = []
     # Equal documents of 128 to 2048 tokens (a whole number of 128-row tiles each), then None: 4 random ones.
     for equal in [s // length for length in (128, 256, 512, 1024, 2048) if length <= s] + [None]:
-        if equal:
-            documents, case = equal, f"{equal} equal documents, {(s // equal // 128 + 1) / 2:g} blocks per tile"
-            sets = [(*one, equal_documents(b, s, equal)) for one in input_sets(b, s, h, kv, d)]
-            pairs = b * equal * (s // equal) ** 2 / 2
-        else:
-            documents, case = 4, "4 random documents"
-            sets, counts = document_sets(b, s, h, kv, d, documents)
-            pairs = sum(counts) / len(counts)
+        case = f"{equal} equal documents, {(s // equal // 128 + 1) / 2:g} blocks per tile" if equal else "4 random documents"
         if args.match not in case:
             continue
+        if equal:
+            documents, sets = equal, [(*one, equal_documents(b, s, equal)) for one in input_sets(b, s, h, kv, d)]
+            pairs = b * equal * (s // equal) ** 2 / 2
+        else:
+            documents, (sets, counts) = 4, document_sets(b, s, h, kv, d, 4)
+            pairs = sum(counts) / len(counts)
         flops, variants = 4.0 * h * d * pairs, []
         for name, options in forwards.items():
             attend = functools.partial(mosaic_module.mosaic_forward, scale=d**-0.5, bounds=(None, 0), **options)

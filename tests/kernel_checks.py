@@ -120,6 +120,26 @@ def qkv(batch: int, seq: int, heads: int, kv_heads: int, dim: int, dtype: Any, s
     return tuple(jax.random.normal(kk, s, jnp.float32).astype(dtype) for kk, s in zip(keys, shapes))
 
 
+def dense_visibility(seq_q: int, seq_kv: int, causal: bool, window: Any, segment_ids: jax.Array | None, kv_len: int | None) -> np.ndarray:
+    """``[batch (1 without ids), seq_q, seq_kv]`` bool: which (query, key) pairs see each other
+    under causal bounds or a window, padded keys past ``kv_len`` and segment ids (ids <= 0 see
+    nothing)."""
+    left, right = window_bounds(causal, window)
+    i, j = np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :]
+    visible = np.ones((seq_q, seq_kv), bool)
+    if right is not None:
+        visible &= j <= i + right
+    if left is not None:
+        visible &= j >= i - left
+    if kv_len is not None:
+        visible &= j < kv_len
+    visible = np.broadcast_to(visible, (1 if segment_ids is None else segment_ids.shape[0], seq_q, seq_kv)).copy()
+    if segment_ids is not None:
+        ids = np.asarray(segment_ids)
+        visible &= (ids[:, :seq_q, None] == ids[:, None, :seq_kv]) & (ids[:, :seq_q, None] > 0)
+    return visible
+
+
 def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window: Any, segment_ids: Any, scale: float) -> jax.Array:
     """The XLA implementation's masked softmax in float32."""
     f32 = [t.astype(jnp.float32) for t in (q, k, v)]
@@ -172,8 +192,8 @@ def interpreted_values_and_gradients(
 
 def check_interpreted_backward(races: Callable[[], bool], group: int = 2, pingpong: bool = False) -> None:
     """Three tiles of ``group`` query heads (a head group) over three programs (each walks
-    several), three documents and padding, in the interpreter: values and gradients against the reference, no
-    races, and padding rows exactly 0. Some tiles visit masked blocks on both sides of an
+    several), three documents and padding, in the interpreter: values and gradients against the
+    reference, no races, and padding rows exactly 0. Some tiles visit masked blocks on both sides of an
     unmasked run (asserted): the producer and the consumers must agree on the order of the walk.
     The interpreter's race detector must find no access that the kernels' barriers leave
     unordered. ``pingpong``: both backward kernels' consumers take turns."""

@@ -34,7 +34,7 @@ from ejlabel.kernels.attention.mosaic import plan as mplan
 from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
 from kernel_checks import attention_reference as reference
 from kernel_checks import (
-    check_interpreted_backward, documents, gpu, interpreted_values_and_gradients, kernel_hashes, lower_for_cuda, needs_gpu, needs_hopper, qkv,
+    check_interpreted_backward, dense_visibility, documents, gpu, interpreted_values_and_gradients, kernel_hashes, lower_for_cuda, needs_gpu, needs_hopper, qkv,
     rel_error,
 )
 from conftest import REPO_ROOT
@@ -387,8 +387,7 @@ def test_interpreted_pipelined_forward(races: Callable[[], bool]) -> None:
     assert rel_error(out, reference(q, k, v, causal=True, window=None, segment_ids=ids, scale=0.125)) < 1e-2
     # The saved log-sum-exp (base 2) of every row that sees a key, against float32 scores.
     scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * 0.125
-    position = jnp.arange(seq)
-    visible = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0) & (position[:, None] >= position[None, :])
+    visible = dense_visibility(seq, seq, True, None, ids, None)
     want = jax.nn.logsumexp(jnp.where(visible[:, None], scores, -jnp.inf), axis=-1) / np.log(2.0)
     seen = np.broadcast_to(np.asarray(ids[:, None] > 0), want.shape)
     np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(want)[seen], atol=2e-3)

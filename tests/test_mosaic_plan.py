@@ -17,25 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ejlabel.kernels.attention.masks import window_bounds
 from ejlabel.kernels.attention.mosaic import plan as mplan
-from kernel_checks import documents
-
-
-
-def dense_visibility(seq_q: int, seq_kv: int, causal: bool, window: Any, segment_ids: jax.Array | None, kv_len: int | None) -> np.ndarray:
-    left, right = window_bounds(causal, window)
-    i, j = np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :]
-    visible = np.ones((seq_q, seq_kv), bool)
-    if right is not None:
-        visible &= j <= i + right
-    if left is not None:
-        visible &= j >= i - left
-    if kv_len is not None:
-        visible &= j < kv_len
-    visible = np.broadcast_to(visible, (1 if segment_ids is None else segment_ids.shape[0], seq_q, seq_kv)).copy()
-    if segment_ids is not None:
-        ids = np.asarray(segment_ids)
-        visible &= (ids[:, :seq_q, None] == ids[:, None, :seq_kv]) & (ids[:, :seq_q, None] > 0)
-    return visible
+from kernel_checks import dense_visibility, documents
 
 
 @pytest.mark.parametrize("transpose", [False, True])
