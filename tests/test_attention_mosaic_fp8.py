@@ -46,7 +46,9 @@ def check_errors(out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *, ca
 
 
 @settings(max_examples=25, deadline=None)
-@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 40), st.integers(1, 8)), elements=st.floats(-1e4, 1e4, width=32)))
+# Subnormal float32 values are left out: XLA flushes them to zero on the CPU and the GPU
+# (max|x| of a tensor of them is 0), so no computation in JAX sees them.
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 40), st.integers(1, 8)), elements=st.floats(-1e4, 1e4, width=32, allow_subnormal=False)))
 def test_quantize_keeps_e4m3_precision(x: np.ndarray) -> None:
     x8, descale = fp8.quantize(jnp.asarray(x))
     assert x8.dtype == fp8.FP8

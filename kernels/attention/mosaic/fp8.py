@@ -52,7 +52,8 @@ FP8_DIM = 128  # the head dim the 8-bit forward runs at (dims 65..128 are padded
 
 def quantize(x: jax.Array) -> tuple[jax.Array, Float[Array, ""]]:
     """``(x8, descale)`` with ``x8 = x / descale`` in ``float8_e4m3fn`` and ``descale = max|x| /
-    448`` (1 for an all-zero ``x``): one factor per tensor."""
+    448`` (1 for an all-zero ``x``, which includes one of subnormal values: XLA flushes them to
+    zero): one factor per tensor."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     descale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
     return (x.astype(jnp.float32) / descale).astype(FP8), descale
