@@ -1,7 +1,7 @@
 """The items of the Mosaic attention kernels and the order programs take them in
 (kernels/attention/mosaic/work.py), on the CPU: the snake deal hands out every item once and evenly,
-the work order's sections and costliest-first rule (hypothesis), the balance it keeps, and
-where sections apply.
+the ranking's sections and costliest-first rule (hypothesis), the deal by load (hypothesis, and
+packed documents at the model's shape), the balance the order keeps, and where sections apply.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_work_order_puts_the_longest_tiles_first() -> None:
     lo = jnp.array([[0, 0, 1], [0, 0, 0]], jnp.int32)
     hi = jnp.array([[1, 4, 3], [3, 0, 2]], jnp.int32)
     plan = costed_plan(lo, hi)
-    order = np.asarray(mwork.work_order(plan, heads=2, programs=5))
+    order = np.asarray(mwork.rank_items(plan, heads=2, programs=5))
     decoded = [mwork.decode_item(int(item), heads=2, tiles=3) for item in order]
     cost = [int(hi[b, t] - lo[b, t]) for b, _, t in decoded]
     assert cost == sorted(cost, reverse=True)
@@ -62,6 +62,51 @@ def snake_loads(costs: list[int], programs: int) -> list[int]:
         for i in range(int(mwork.snake_count(p, len(costs), programs))):
             loads[p] += costs[int(mwork.snake_position(i, p, programs))] + 1
     return loads
+
+
+# Few examples: each new number of items compiles the deal's operations anew (about a second).
+@given(programs=st.integers(1, 40), rounds=st.integers(1, 8), spread=st.integers(0, 60), seed=st.integers(0, 2**16))
+@settings(max_examples=15, deadline=None)
+def test_balanced_deal_keeps_rounds_and_programs_within_one_item(programs: int, rounds: int, spread: int, seed: int) -> None:
+    # Items already ranked costliest first within each round (as rank_items gives them), the
+    # last round possibly short.
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers((rounds - 1) * programs + 1, rounds * programs + 1))
+    cost = np.concatenate([np.sort(rng.integers(1, spread + 2, min(programs, count - r * programs)))[::-1] for r in range(rounds)])
+    ranked = rng.permutation(count).astype(np.int32)  # item ids; their costs are cost[position]
+    cost_of = np.empty(count, np.int64)
+    cost_of[ranked] = cost
+    order = np.asarray(mwork.balance_rounds(jnp.asarray(ranked), jnp.asarray(cost), programs))
+    assert sorted(order.tolist()) == list(range(count))
+    i, p = np.meshgrid(np.arange(rounds), np.arange(programs), indexing="ij")
+    position = np.asarray(mwork.snake_position(jnp.asarray(i), jnp.asarray(p), programs))
+    dealt = position < count
+    assert np.array_equal(dealt.sum(axis=0), np.asarray(mwork.snake_count(jnp.arange(programs), count, programs)))
+    # A round's items stay in that round (the blocks in flight together are the same).
+    for r in range(rounds):
+        assert set(order[position[r][dealt[r]]].tolist()) == set(ranked[r * programs : (r + 1) * programs].tolist())
+    # Each round's costliest item goes to the least loaded program: loads stay within one item.
+    loads = np.where(dealt, cost_of[np.where(dealt, order[np.minimum(position, count - 1)], 0)], 0).sum(axis=0)
+    assert loads.max() - loads.min() <= cost.max()
+
+
+def test_work_order_balances_packed_documents_at_the_model_shape() -> None:
+    # The dk/dv kernel's items at the packed model's shape (B8 S2048, 4 key/value heads, 4
+    # random documents a row; 512 items on 132 programs): the snake alone leaves the busiest
+    # program far above the mean, the deal by load close to it.
+    from ejlabel.examples import random_documents
+    from ejlabel.kernels.attention.mosaic.plan import TILE, Shape, visit_plan
+
+    batch, seq, heads, kv_heads, programs = 8, 2048, 12, 4, 132
+    shape = Shape(scale=1.0, bounds=(None, 0), kv_len=None, group=heads // kv_heads, segmented=True)
+    plan = visit_plan(seq, seq, TILE, 64, shape, random_documents(jax.random.key(101), batch, seq, 4), batch, transpose=True)
+    cost = np.asarray(plan[1] - plan[0]).reshape(-1)
+    row_bytes = heads * seq * (2 * 64 * 2 + 8)
+    ratios = []
+    for order in (mwork.rank_items(plan, kv_heads, programs, batch_row_bytes=row_bytes), mwork.work_order(plan, kv_heads, programs, batch_row_bytes=row_bytes)):
+        loads = snake_loads([int(cost[item // kv_heads]) for item in np.asarray(order)], programs)
+        ratios.append(max(loads) / (sum(loads) / programs))
+    assert ratios[0] > 1.3 and ratios[1] < 1.2, ratios
 
 
 @given(
@@ -80,7 +125,7 @@ def test_work_order_deals_sections_of_rows(batch: int, tiles: int, heads: int, p
     row_bytes = 1000
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mwork, "L2_SECTION_BYTES", rows_per_section * row_bytes + row_bytes // 2)
-        order = np.asarray(mwork.work_order(plan, heads, programs, batch_row_bytes=row_bytes))
+        order = np.asarray(mwork.rank_items(plan, heads, programs, batch_row_bytes=row_bytes))
     decoded = [mwork.decode_item(int(item), heads=heads, tiles=tiles) for item in order]
     assert sorted(decoded) == [(b, h, t) for b in range(batch) for h in range(heads) for t in range(tiles)]
     length = 2 * programs * max(round(rows_per_section * tiles * heads / (2 * programs)), 1)

@@ -1,9 +1,11 @@
 """The items of a Mosaic attention kernel (one tile of one head of one batch row) and the order
 in which persistent programs take them.
 
-At most one program runs per SM and walks several items (:class:`Items`), taken in snake order
+At most one program runs per SM and walks several items (:class:`Items`), taken round by round
 from a list (:func:`work_order`) cut into sections whose blocks stay in L2, the costliest items
-first within each. :func:`deal_items` gives a kernel its items and their list.
+first within each; where programs walk few items, each round goes to the programs by the load
+they already carry (:func:`balance_rounds`). :func:`deal_items` gives a kernel its items and
+their list.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from jaxtyping import Array, Int
 from .plan import Visit, while_tracing
 
 __all__ = [
-    "L2_SECTION_BYTES", "Items", "deal_items", "decode_item", "program_count", "section_length", "snake_count", "snake_position", "work_order",
+    "BALANCED_MAX_ROUNDS", "L2_SECTION_BYTES", "Items", "balance_rounds", "deal_items", "decode_item", "program_count", "rank_items",
+    "section_length", "snake_count", "snake_position", "work_order",
 ]
 
 
@@ -101,11 +104,14 @@ def section_length(programs: int, row_items: int, batch_row_bytes: int, count: i
     return 2 * programs * max(round(rows * row_items / (2 * programs)), 1)
 
 
-def work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: int = 0) -> Int[Array, "items"]:
-    """Item ids (see :class:`Items`): in sections that keep the blocks in flight in L2, each
-    section's items with the most planned blocks first; a constant of the program when the plan
-    is one (positions only, see :func:`visit_plan`) and the items few enough
-    (:func:`while_tracing`).
+# Up to this many rounds of items per program, each round is dealt by the programs' loads so far
+# (:func:`balance_rounds`); with more, the snake alone keeps programs within a few percent.
+BALANCED_MAX_ROUNDS = 8
+
+
+def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: int = 0) -> Int[Array, "items"]:
+    """Item ids (see :class:`Items`) in sections that keep the blocks in flight in L2, each
+    section's items with the most planned blocks first.
 
     ``batch_row_bytes``: what the items of one batch row stream (its keys and values, say).
     Costliest first over every row, a round of 132 items held one tile of each of 132 heads at
@@ -120,18 +126,74 @@ def work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
     length = section_length(programs, tiles * heads, batch_row_bytes, count)
+    cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
+    # The sort runs over row tiles (every head of one tile of one row; on the device each
+    # sorted element costs time before the kernel starts), each in the section of its first
+    # item: sections of whole row tiles would drift from whole pairs of rounds, and the
+    # balance with them (B16 S1024 H16 D128 forward and backward: 1.03 ms against 0.90 with
+    # sections cut at items; the dk/dv kernel's items moved).
+    section = jnp.arange(batch * tiles, dtype=jnp.int32) * heads // length
+    # One key: section first, then the most blocks (costs lie in [0, most)).
+    most = jnp.max(cost, initial=0) + 1
+    row_tiles = jnp.argsort(section * most - cost, stable=True).astype(jnp.int32)
+    return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
+
+
+def balance_rounds(ranked: Int[Array, "items"], cost: Int[Array, "items"], programs: int) -> Int[Array, "items"]:
+    """``ranked`` (each round of ``programs`` items costliest first, as :func:`rank_items`
+    gives) re-laid so that program ``p``'s ``i``-th item sits at ``snake_position(i, p)``,
+    each round's ``k``-th costliest item going to the program with the ``k``-th least ``cost``
+    dealt so far (ties: the lower program).
+
+    With few items per program, the snake's fixed pairing left them far apart where item costs
+    are spread wide: packed documents of random lengths (B8 S2048, 4 key/value heads, the
+    dk/dv kernel's 512 items on 132 programs) put the busiest program at 1.29-1.63x the mean
+    planned blocks (12 random rows), by load 1.03-1.24x. After each round the programs' loads
+    lie within the costliest item of the rounds so far of each other (the costliest item goes
+    to the least loaded program, a cheaper one to a busier program). The rounds' items stay the
+    same, so do the blocks in flight together (the sections' L2 reuse). Programs are virtual
+    while dealing: those left without an item in a short last round become the programs the
+    snake gives none (:func:`snake_count`)."""
+    count = ranked.shape[0]
+    rounds = -(-count // programs)
+    slots = rounds * programs
+    # The empty slots of a short last round cost -1: the least, so they go to the busiest programs.
+    cost = jnp.pad(cost.astype(jnp.int32), (0, slots - count), constant_values=-1)
+    program = jnp.arange(programs, dtype=jnp.int32)
+    picks = [program]  # the first round: every load is 0, program v takes the round's v-th item
+    load = jnp.maximum(cost[:programs], 0)
+    for r in range(1, rounds):
+        ahead = (load[None, :] < load[:, None]) | ((load[None, :] == load[:, None]) & (program[None, :] < program[:, None]))
+        pick = r * programs + ahead.sum(axis=1, dtype=jnp.int32)  # the least loaded program takes the round's first item
+        load = load + jnp.maximum(cost[pick], 0)
+        picks.append(pick)
+    # Virtual programs dealt a last item take, in order, the programs the snake deals one, the
+    # others the rest: cumulative sums place them (the snake's side is a constant), no sort.
+    dealt_last = cost[picks[-1]] >= 0
+    slot = jnp.where(dealt_last, jnp.cumsum(dealt_last) - 1, jnp.sum(dealt_last) + jnp.cumsum(~dealt_last) - 1)
+    with jax.ensure_compile_time_eval():
+        real_in_slot = jnp.argsort(snake_position(rounds - 1, program, programs) >= count, stable=True).astype(jnp.int32)
+    real = real_in_slot[slot]
+    positions = jnp.stack([snake_position(r, real, programs) for r in range(rounds)])
+    items = jnp.pad(ranked, (0, slots - count))[jnp.stack(picks)]
+    return jnp.zeros(count, jnp.int32).at[positions.reshape(-1)].set(items.reshape(-1), mode="drop")
+
+
+def work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: int = 0) -> Int[Array, "items"]:
+    """Item ids (see :class:`Items`) at the positions the programs take them from
+    (:func:`snake_position`): ranked in sections (:func:`rank_items`), then, up to
+    :data:`BALANCED_MAX_ROUNDS` rounds, dealt by load (:func:`balance_rounds`); a constant of
+    the program when the plan is one (positions only, see :func:`visit_plan`) and the items
+    few enough (:func:`while_tracing`)."""
+    batch, tiles = plan.shape[1:]
+    count = batch * tiles * heads
     with while_tracing(count):
-        cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
-        # The sort runs over row tiles (every head of one tile of one row; on the device each
-        # sorted element costs time before the kernel starts), each in the section of its first
-        # item: sections of whole row tiles would drift from whole pairs of rounds, and the
-        # balance with them (B16 S1024 H16 D128 forward and backward: 1.03 ms against 0.90 with
-        # sections cut at items; the dk/dv kernel's items moved).
-        section = jnp.arange(batch * tiles, dtype=jnp.int32) * heads // length
-        # One key: section first, then the most blocks (costs lie in [0, most)).
-        most = jnp.max(cost, initial=0) + 1
-        row_tiles = jnp.argsort(section * most - cost, stable=True).astype(jnp.int32)
-        return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
+        ranked = rank_items(plan, heads, programs, batch_row_bytes=batch_row_bytes)
+        if -(-count // programs) > BALANCED_MAX_ROUNDS:
+            return ranked
+        # Each item's planned blocks, plus one for what every item costs (its tile, its results).
+        cost = (plan[1] - plan[0]).reshape(-1)[ranked // heads] + 1
+        return balance_rounds(ranked, cost, programs)
 
 
 def deal_items(
