@@ -9,6 +9,15 @@ the ``__init__`` modules: caches name them ``ejlabel.kernels.<op>:<Class>``. Bes
 packages: the argument checks (:mod:`.checks`), the Pallas helpers every op shares
 (:mod:`.pallas_common`), and ejkernel's sequence and numerics helpers, re-exported here
 (:mod:`.ejkernel_compat`).
+
+Importing this package imports no Pallas. Every process that loads the kernels (the ``ejlabel``
+command among them) registers their configs, checks configs and builds tuning spaces without
+running a kernel, and Pallas with its Triton and Mosaic GPU backends takes longer to import than
+the rest of the package. So an op's ``__init__`` imports its Pallas backend (``triton.py``) in
+the method that dispatches to it, and the ``attention.mosaic`` package imports its kernels in
+its entry points; the facts the configs are checked with live in modules that import only
+``jax`` (:mod:`.pallas_common`, ``attention.defaults``, ``attention.mosaic`` and its
+``budget``).
 """
 
 from .attention import AttentionConfig, AttentionKernel, cu_seqlens_to_segment_ids, flash_attention

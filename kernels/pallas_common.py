@@ -1,5 +1,5 @@
 """Small helpers the Pallas kernels of every op share: backend detection, Triton launch
-parameters, padding, the mask value, a float32-accumulating dot.
+parameters, padding, the mask value, log2(e), a float32-accumulating dot.
 
 The ``triton`` modules of the op packages target Pallas's Triton GPU backend. Off the GPU the
 same ``pallas_call`` runs with ``interpret=True``, so the kernels' logic (tiling, masking,
@@ -7,8 +7,13 @@ online softmax) is tested on the CPU, just slowly. Kernels pad their operands to
 instead of masking loads: it keeps every kernel body free of bounds checks and behaves the same
 on both backends. The exception is an operand whose padding would be a copy as large as the
 kernel's own traffic (the linear cross-entropy's rows kernel, over a chunk of logits): that
-kernel masks its loads and stores. The Mosaic GPU attention kernels use the padding helpers and
-the mask value only.
+kernel masks its loads and stores. The Mosaic GPU attention kernels use the padding helpers,
+the mask value and :data:`LOG2E` only.
+
+The op packages and their XLA paths use some of these outside any kernel (:func:`on_gpu` and
+:func:`next_power_of_2` in config checks, :data:`MASK_VALUE`, :func:`pad_axis`), so this module
+imports no Pallas: :func:`compiler_params` imports Pallas's Triton backend when a kernel asks
+for its launch parameters.
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Shaped
 
 __all__ = [
+    "LOG2E",
     "MASK_VALUE",
     "compiler_params",
     "dot",
@@ -38,8 +43,8 @@ __all__ = [
 # ``exp(MASK - m)`` never produce NaN, even for rows where every entry is masked.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
-
-_LOG2_E = math.log2(math.e)
+# Kernels that work in base 2 scale by it (``exp(x) = exp2(x * LOG2E)``).
+LOG2E = math.log2(math.e)
 
 
 def fast_exp(x: jax.Array) -> jax.Array:
@@ -47,7 +52,7 @@ def fast_exp(x: jax.Array) -> jax.Array:
     ``ex2`` while ``exp`` lowers to libdevice's accurate ``expf``, a dozen instructions (the rows
     kernel ran 11% faster for it). For values rounded to 16 bits or
     summed in float32: the two differ by about 1e-6 relatively (for |x| up to ~20)."""
-    return jnp.exp2(x * _LOG2_E)
+    return jnp.exp2(x * LOG2E)
 
 
 def on_gpu() -> bool:
@@ -60,13 +65,13 @@ def interpret_mode() -> bool:
     return not on_gpu()
 
 
-# The class that carries Triton launch parameters was renamed across JAX releases.
-_COMPILER_PARAMS = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
-
-
 def compiler_params(num_warps: int, num_stages: int) -> Any:
-    """Triton launch parameters, whichever name this JAX release gives their class."""
-    return _COMPILER_PARAMS(num_warps=num_warps, num_stages=num_stages)
+    """Triton launch parameters, whichever name this JAX release gives their class (it was
+    renamed across releases)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    params = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+    return params(num_warps=num_warps, num_stages=num_stages)
 
 
 def next_power_of_2(n: int) -> int:

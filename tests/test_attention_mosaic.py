@@ -29,7 +29,7 @@ from ejlabel.kernels.attention import mosaic as am
 from ejlabel.kernels.attention.arg_specs import GPU_GRID, ArgSpec
 from ejlabel.kernels.attention.masks import window_bounds
 from ejlabel.kernels.attention.mosaic import backward as mbackward
-from ejlabel.kernels.attention.mosaic import kernel as mkernel
+from ejlabel.kernels.attention.mosaic import budget as mbudget
 from ejlabel.kernels.attention.mosaic import plan as mplan
 from ejlabel.kernels.attention.mosaic.experimental import mosaic_attention
 from kernel_checks import attention_reference as reference
@@ -314,8 +314,8 @@ def test_interpreted_persistent_programs_walk_several_tiles(races: Callable[[], 
     seq, dim = 256, 128
     q, k, v = qkv(1, seq, 2, 2, dim, jnp.bfloat16, seed=11)
     ids = jnp.where(jnp.arange(seq) < seq - 9, 1 + (jnp.arange(seq) >= 96) + (jnp.arange(seq) >= 200), 0)[None].astype(jnp.int32)
-    assert mkernel.tile_buffers(128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2 and mkernel.tile_buffers(2 * 128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2
-    assert mkernel.tile_buffers(2 * 128 * dim * 2, 2 * 2 * 128 * dim * 2) == 1  # dq with 128-row key blocks
+    assert mbudget.tile_buffers(128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2 and mbudget.tile_buffers(2 * 128 * dim * 2, 2 * 2 * 64 * dim * 2) == 2
+    assert mbudget.tile_buffers(2 * 128 * dim * 2, 2 * 2 * 128 * dim * 2) == 1  # dq with 128-row key blocks
     probe = jax.random.normal(jax.random.key(12), q.shape, jnp.float32)
     params = (FwdParams(kv_blocksize=64), BwdParams(q_blocksize=64, kv_blocksize=128))
     interpreted_values_and_gradients(q, k, v, ids, params, probe)
@@ -341,7 +341,7 @@ def test_interpreted_backward_above_head_dim_128(races: Callable[[], bool]) -> N
     ids = jnp.where(position < seq - 11, 1 + (position >= 40) + (position >= 80), 0)[None].astype(jnp.int32)
     assert mbackward.dkv_passes(dim) == (("dv",), ("dk",)) and am.tile_blocks(BwdParams(), dim) == (64, 64, None)
     tile, stage = am.TILE * dim * 2, 2 * 64 * dim * 2  # one 128-row tile; a stage of 64-row blocks
-    assert mkernel.ring_stages(None, tile, stage) == 2 and mkernel.ring_stages(None, 2 * tile, stage) == 1
+    assert mbudget.ring_stages(None, tile, stage) == 2 and mbudget.ring_stages(None, 2 * tile, stage) == 1
     probe = jax.random.normal(jax.random.key(16), q.shape, jnp.float32)
     out, grads = interpreted_values_and_gradients(q, k, v, ids, (FwdParams(), BwdParams()), probe)
     assert not races()

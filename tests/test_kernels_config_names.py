@@ -5,6 +5,9 @@ Caches, exported config files and call descriptions name config and kernel class
 ``__init__`` (``ejlabel.kernels.attention:AttentionConfig``, as when the op was one module), so
 configs written before the ops became packages still decode. ``data/caches`` holds an export
 written then, with one entry per op.
+
+Importing the kernels registers those classes without importing Pallas: its backends load when
+a Pallas kernel first runs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import ejlabel.kernels as K
 from ejlabel import BwdParams, FwdParams, PersistentCache, from_json, to_json
 from ejlabel.core.registry import registered_kernels
 from ejlabel.utils.serialize import qualified_name
+
+from conftest import run_python
 
 BEFORE_PACKAGES = Path(__file__).parent / "data" / "caches" / "kernel_configs_before_packages.json"
 
@@ -80,3 +85,29 @@ def test_a_cache_exported_before_the_packages_imports(tmp_path: Path) -> None:
     entries = cache.entries(include_undecodable=True)
     assert [entry.status for entry in entries] == ["ok"] * len(CONFIGS)
     assert {entry.op_id: entry.config for entry in entries} == CONFIGS
+
+
+PALLAS = ("jax.experimental.pallas", "jax._src.pallas.mosaic_gpu", "jax._src.pallas.triton")
+
+
+def test_pallas_loads_when_a_kernel_first_runs_not_at_import() -> None:
+    """A fresh process that imports the kernels and the command (as every ``ejlabel`` command
+    does) has the config classes registered and no Pallas backend loaded; one Pallas attention
+    call, interpreted on the CPU, loads them."""
+    code = f"""
+import json, sys
+import jax.numpy as jnp
+import ejlabel.kernels as K, ejlabel.cli.main
+from ejlabel import BwdParams, FwdParams
+from ejlabel.core.registry import registered_kernels
+
+loaded = lambda: [name for name in {PALLAS!r} if name in sys.modules]
+print(json.dumps(["ejlabel.kernels.attention:AttentionKernel" in registered_kernels(), loaded()]))
+q = jnp.ones((1, 16, 1, 16), jnp.float32)
+cfg = K.AttentionConfig("pallas", FwdParams(16, 16, 4, 1), BwdParams(16, 16, 4, 1))
+K.flash_attention(q, q, q, cfg=cfg).block_until_ready()
+print(json.dumps(loaded()))
+"""
+    imported, ran = (json.loads(line) for line in run_python(code).splitlines()[-2:])
+    assert imported == [True, []], f"registered, and Pallas modules loaded at import: {imported}"
+    assert ran == list(PALLAS)

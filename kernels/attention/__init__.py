@@ -44,7 +44,8 @@ Implementations, chosen by :class:`AttentionConfig.impl`:
 The Pallas and Mosaic implementations have their own backward kernels: the forward keeps its
 output and base-2 log-sum-exp ``[batch, heads, seq]`` (``fwd_with_residuals``) and ``vjp``
 starts from them, as flash attention does. The masks every implementation shares are in
-:mod:`.masks`, the block tables of segment ids in :mod:`.blocks`, named shapes of the tests and
+:mod:`.masks`, the block tables of segment ids in :mod:`.blocks`, the Triton kernels' default
+tiles (which the config checks read too) in :mod:`.defaults`, named shapes of the tests and
 benchmarks in :mod:`.arg_specs`.
 """
 
@@ -67,9 +68,9 @@ from ejlabel import BwdParams, FwdParams, Invocation, Kernel, ShardRule
 from ..checks import check_config, check_floating, check_integer, check_nondecreasing, check_number, check_same_dtype
 from ..pallas_common import on_gpu
 from .cudnn_packed import GROUPED_HEADS, attention_cudnn_packed
+from .defaults import default_fwd
 from .masks import Window, cu_seqlens_to_segment_ids, window_bounds
 from .mosaic import MOSAIC_SCHEDULES, mosaic_backward, mosaic_fits, mosaic_forward, mosaic_supports, on_hopper
-from .triton import default_fwd, triton_backward, triton_forward
 from .xla import attention_plain, attention_xla
 
 __all__ = ["AttentionConfig", "AttentionKernel", "cu_seqlens_to_segment_ids", "flash_attention"]
@@ -176,6 +177,8 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         if cfg.impl == "mosaic":
             schedule = MOSAIC_SCHEDULES[cfg.fwd_schedule]
             return mosaic_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd, **schedule)
+        from .triton import triton_forward
+
         return triton_forward(q, k, v, segment_ids, scale=scale, bounds=bounds, params=cfg.fwd)
 
     def vjp(
@@ -187,8 +190,11 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         segment_ids = _segments(q, k, segment_ids, cu_seqlens)
         scale, bounds = _scale(q, softmax_scale), window_bounds(causal, sliding_window)
-        backward = mosaic_backward if cfg.impl == "mosaic" else triton_backward
-        return backward(q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=cfg.bwd)
+        if cfg.impl == "mosaic":
+            return mosaic_backward(q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=cfg.bwd)
+        from .triton import triton_backward
+
+        return triton_backward(q, k, v, segment_ids, out, lse, g, scale=scale, bounds=bounds, params=cfg.bwd)
 
     def differentiated_by_jax(self, cfg: AttentionConfig) -> bool:
         return cfg.impl not in ("pallas", "mosaic")

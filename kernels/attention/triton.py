@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -33,13 +32,12 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import BwdParams, FwdParams
 
-from ..pallas_common import MASK_VALUE, compiler_params, dot, interpret_mode, next_power_of_2, pad_axis, pad_to
+from ..pallas_common import LOG2E, MASK_VALUE, compiler_params, dot, interpret_mode, next_power_of_2, pad_axis, pad_to
 from .blocks import segment_block_ranges, uniform_block_ranges
+from .defaults import default_bwd, default_fwd
 from .masks import Window, visibility_mask
 
-__all__ = ["Geometry", "default_bwd", "default_fwd", "triton_backward", "triton_forward"]
-
-_LOG2E = math.log2(math.e)
+__all__ = ["Geometry", "triton_backward", "triton_forward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +199,7 @@ def _dq_kernel(
     lo, hi = geo.kv_blocks(i, k_ref.shape[0] // bk)
     lo, hi, unmasked = _narrow(lo, hi, geo.unmasked_kv_blocks(i, lo, hi), table_ref)
     dq = _blocks_loop(lo, hi, unmasked, step, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = (dq * (geo.scale / _LOG2E)).astype(dq_ref.dtype)
+    dq_ref[...] = (dq * (geo.scale / LOG2E)).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(
@@ -232,7 +230,7 @@ def _dkv_kernel(
             return dk + dot(dscores.astype(q.dtype), q, trans_a=True), dv
 
         dk, dv = _blocks_loop(lo, hi, unmasked, step, (dk, dv))
-    dk_ref[...] = (dk * (geo.scale / _LOG2E)).astype(dk_ref.dtype)
+    dk_ref[...] = (dk * (geo.scale / LOG2E)).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -271,7 +269,7 @@ def _pad(
         # Both roles read one array: pad it to the longer of the two padded lengths.
         segment_ids = pad_axis(segment_ids.astype(jnp.int32), 1, max(q.shape[1], k.shape[1]))
     kv_len = seq_kv if segment_ids is None and k.shape[1] != seq_kv else None
-    geo = Geometry(scale * _LOG2E, bounds, block_q, block_k, kv_len, heads // k.shape[2])
+    geo = Geometry(scale * LOG2E, bounds, block_q, block_k, kv_len, heads // k.shape[2])
     if segment_ids is None:
         return _Padded(q, k, v, None, geo, seq_q, dim)
     ranges = segment_block_ranges(segment_ids[:, : q.shape[1]], segment_ids[:, : k.shape[1]], block_q, block_k)
@@ -362,24 +360,12 @@ def _backward_pallas(p: _Padded, out: jax.Array, lse: jax.Array, g: jax.Array, p
     return dq, dk, dv
 
 
-# Defaults from a sweep of every tile shape on the H100 (causal, B4 S4096 H16 D128): four warps
-# beat eight for head dims up to 128.
-def default_fwd(dim: int) -> FwdParams:
-    """The forward's tiles and launch parameters where a config leaves them unset."""
-    return FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4 if dim <= 128 else 8, num_stages=2)
-
-
-def default_bwd(dim: int) -> BwdParams:
-    """The backward kernels' tiles and launch parameters where a config leaves them unset."""
-    return BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4 if dim <= 128 else 8, num_stages=2)
-
-
 def triton_forward(
     q: Float[Array, "batch sq heads dim"], k: Float[Array, "batch skv kv_heads dim"], v: Float[Array, "batch skv kv_heads dim"],
     segment_ids: Int[Array, "batch seq"] | None, *, scale: float, bounds: Window, params: FwdParams,
 ) -> tuple[Float[Array, "batch sq heads dim"], Float[Array, "batch heads sq"]]:
     """``(out, lse)``: the attention output and its base-2 log-sum-exp ``[batch, heads, sq]``;
-    unset fields of ``params`` get :func:`default_fwd`'s."""
+    unset fields of ``params`` get :func:`.defaults.default_fwd`'s."""
     fwd = default_fwd(q.shape[3]).merge(params)
     out, lse = _forward_pallas(_pad(q, k, v, segment_ids, fwd, scale=scale, bounds=bounds), fwd)
     return out[:, : q.shape[1], :, : q.shape[3]], lse[:, :, : q.shape[1]]
@@ -391,7 +377,7 @@ def triton_backward(
     g: Float[Array, "batch sq heads dim"], *, scale: float, bounds: Window, params: BwdParams,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` from the forward's output and base-2 log-sum-exp and the cotangent ``g``;
-    unset fields of ``params`` get :func:`default_bwd`'s."""
+    unset fields of ``params`` get :func:`.defaults.default_bwd`'s."""
     dim = q.shape[3]
     bwd = default_bwd(dim).merge(params)
     padded = _pad(q, k, v, segment_ids, bwd, scale=scale, bounds=bounds)

@@ -33,7 +33,6 @@ from ejlabel import Invocation, Kernel, ShardRule
 from ..checks import check_config, check_fields_positive, check_floating, check_ignore_index, check_integer, check_labels
 from ..pallas_common import on_gpu
 from .labels import nan_where_out_of_range, wrapped
-from .triton import cross_entropy_triton, cross_entropy_triton_backward
 from .xla import cross_entropy_xla
 
 __all__ = ["CrossEntropyConfig", "CrossEntropyKernel", "softmax_cross_entropy"]
@@ -91,6 +90,8 @@ class CrossEntropyKernel(Kernel[CrossEntropyConfig, jax.Array]):
     ) -> tuple[Float[Array, "tokens"], Float[Array, "tokens"]]:
         # Only the Pallas path gets here (from `run` for a forward alone): the XLA one is
         # differentiated by JAX.
+        from .triton import cross_entropy_triton
+
         vocab = logits.shape[1]
         labels = labels if ignore_index is not None else wrapped(labels, vocab)
         loss, lse = cross_entropy_triton(logits, labels, ignore_index, **_tiles(cfg))
@@ -100,6 +101,8 @@ class CrossEntropyKernel(Kernel[CrossEntropyConfig, jax.Array]):
         self, lse: Float[Array, "tokens"], out: Float[Array, "tokens"], g: Float[Array, "tokens"], logits: Float[Array, "tokens vocab"], *,
         labels: Int[Array, "tokens"], cfg: CrossEntropyConfig, ignore_index: int | None = -100,
     ) -> tuple[jax.Array]:
+        from .triton import cross_entropy_triton_backward
+
         del out
         labels = labels if ignore_index is not None else wrapped(labels, logits.shape[1])
         return (cross_entropy_triton_backward(logits, labels, ignore_index, lse, g, **_tiles(cfg)),)

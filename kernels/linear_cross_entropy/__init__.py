@@ -62,7 +62,6 @@ from ejlabel import Invocation, Kernel, ShardRule
 from ..checks import check_config, check_fields_positive, check_floating, check_ignore_index, check_integer, check_labels, check_number
 from ..pallas_common import on_gpu
 from .loss import Loss, TokenPass
-from .triton import triton_tokens_pass
 from .xla import loss_xla
 from .xla_chunked import backward_chunked, forward_chunked
 from .xla_chunked_tokens import tokens_pass
@@ -229,7 +228,11 @@ class LinearCrossEntropyKernel(Kernel[LinearCrossEntropyConfig, jax.Array]):
 
 def _gradient_pass(cfg: LinearCrossEntropyConfig) -> Callable[..., TokenPass]:
     """The token-chunked pass that computes the loss with its gradient, by implementation."""
-    return triton_tokens_pass if cfg.impl == "chunked_tokens_triton" else tokens_pass
+    if cfg.impl != "chunked_tokens_triton":
+        return tokens_pass
+    from .triton import triton_tokens_pass
+
+    return triton_tokens_pass
 
 
 def _fitting(sizes: tuple[int, ...], length: int) -> list[int]:

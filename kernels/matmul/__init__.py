@@ -25,7 +25,6 @@ from ejlabel import Invocation, Kernel, ShardRule
 
 from ..checks import check_config, check_fields_positive, check_floating
 from ..pallas_common import on_gpu
-from .triton import matmul_triton
 from .xla import matmul_xla
 
 __all__ = ["MatmulConfig", "MatmulKernel", "matmul"]
@@ -65,6 +64,8 @@ class MatmulConfig:
 def _matmul(a: Float[Array, "*batch m k"], b: Float[Array, "*batch k n"], cfg: MatmulConfig) -> Float[Array, "*batch m n"]:
     if cfg.impl == "xla":
         return matmul_xla(a, b)
+    from .triton import matmul_triton
+
     batch = a.shape[:-2]
     flat = matmul_triton(
         a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]),

@@ -22,7 +22,6 @@ from ejlabel import Invocation, Kernel, ShardRule
 
 from ..checks import check_config, check_fields_positive, check_floating, check_number
 from ..pallas_common import next_power_of_2, on_gpu
-from .triton import norm_triton, norm_triton_backward
 from .xla import norm_xla
 
 __all__ = ["LayerNormKernel", "NormConfig", "RMSNormKernel", "layer_norm", "rms_norm"]
@@ -62,12 +61,16 @@ class _NormKernel(Kernel[NormConfig, jax.Array]):
         w, b = self._params(x, params)
         if cfg.impl == "xla":
             return norm_xla(x, w, b, eps)
+        from .triton import norm_triton
+
         return norm_triton(x, w, b, eps, block_rows=cfg.block_rows, num_warps=cfg.num_warps)
 
     def custom_vjp(
         self, primals: tuple[Any, ...], cfg: NormConfig, kwargs: dict[str, Any], cotangents: tuple[Any, ...]
     ) -> tuple[jax.Array, ...]:
         # Only the Pallas path gets here: the XLA one is differentiated by JAX.
+        from .triton import norm_triton_backward
+
         x, *params = primals
         (g,) = cotangents
         w, b = self._params(x, params)

@@ -50,9 +50,14 @@ TMA reads a tile's rows past the end as zeros and does not write them back (see
 
 The forward kernel is in :mod:`.forward`, the backward ones in :mod:`.backward`, the pieces
 they share (layouts, the mask, the producer's and consumers' walks, the launch) in
-:mod:`.kernel`. This module checks what the kernels take, pads the operands, and binds the
-entry points :func:`mosaic_forward` and :func:`mosaic_backward`, whose gradient the attention
-kernel wires (``AttentionKernel.fwd_with_residuals`` and ``vjp``). Schedules kept for
+:mod:`.kernel`, the shared-memory budget in :mod:`.budget`. This module checks what the kernels
+take, pads the operands, and binds the entry points :func:`mosaic_forward` and
+:func:`mosaic_backward`, whose gradient the attention kernel wires
+(``AttentionKernel.fwd_with_residuals`` and ``vjp``). Importing it imports no Pallas: the
+attention op reads its facts (:data:`MOSAIC_SCHEDULES`, :func:`mosaic_supports`,
+:func:`mosaic_fits`, :func:`on_hopper`) to check and offer configs, and the kernels (with
+Pallas's Mosaic GPU backend) are imported by the entry points when they first run and by
+:func:`mosaic_available` (which :func:`on_hopper` asks on a Hopper GPU). Schedules kept for
 experiments (a differentiable entry point with every knob) are in
 :mod:`.experimental`, which nothing in the product imports. The 8-bit forward for inference
 (e4m3 operands, the forward kernel with its ``descale``) is bound in :mod:`.fp8`; the tuner never
@@ -73,11 +78,9 @@ from jaxtyping import Array, Float, Int
 
 from ejlabel import BwdParams, FwdParams
 
-from ...pallas_common import pad_axis
+from ...pallas_common import LOG2E, pad_axis
 from ..masks import Window
-from .backward import dkv_call, dkv_passes, dq_call
-from .forward import forward_call
-from .kernel import LOG2E, SMEM_BYTES, plgpu, ring_stages
+from .budget import SMEM_BYTES, ring_stages
 from .plan import TILE, WG_ROWS, Shape, visit_plan
 
 __all__ = [
@@ -112,16 +115,20 @@ _MAX_DIM = 256
 
 
 def mosaic_available() -> bool:
-    """Whether this JAX has the Mosaic GPU backend of Pallas."""
+    """Whether this JAX has the Mosaic GPU backend of Pallas (asking imports it, with
+    :mod:`.kernel`)."""
+    from .kernel import plgpu
+
     return plgpu is not None
 
 
 def on_hopper() -> bool:
-    """Whether the default device is a Hopper GPU (compute capability 9.x), where wgmma runs."""
-    if plgpu is None or jax.default_backend() != "gpu":
+    """Whether the default device is a Hopper GPU (compute capability 9.x), where wgmma runs,
+    and this JAX has the backend to run it."""
+    if jax.default_backend() != "gpu":
         return False
     capability = str(getattr(jax.devices()[0], "compute_capability", ""))
-    return capability.startswith("9.")
+    return capability.startswith("9.") and mosaic_available()
 
 
 def padded_head_dim(dim: int) -> int:
@@ -192,6 +199,8 @@ def pad_operands(
 def _forward_padded(
     p: Padded, *, block_k: int, stages: int | None, pingpong: bool = False, persistent: bool = True, pipelined: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
+    from .forward import forward_call
+
     batch, rows, cols = p.q.shape[0], p.rows, p.cols
     plan = visit_plan(rows, cols, TILE, block_k, p.shape, p.segment_ids, batch, transpose=False)
     return forward_call(
@@ -239,7 +248,7 @@ def mosaic_fits(dim: int, fwd: FwdParams, bwd: BwdParams) -> bool:
 def check_operands(q: jax.Array, k: jax.Array) -> None:
     """Raise unless this JAX has the kernels and they take ``q``'s dtype and head dimension."""
     del k  # its dtype and head dim are q's (the attention op checks them)
-    if plgpu is None:
+    if not mosaic_available():
         raise NotImplementedError("this JAX has no Pallas Mosaic GPU backend")
     if not mosaic_supports(q.dtype, q.shape[3]):
         raise ValueError(f"q: the mosaic kernels take bfloat16 or float16 with head dim <= {_MAX_DIM}, got {q.dtype} dim {q.shape[3]}")
@@ -306,6 +315,8 @@ def mosaic_backward(
     :func:`.backward.dq_call`); ``pingpong_dkv``: the dk/dv kernel's do (see
     :func:`.backward.dkv_call`). Unset, both take turns up to head dim
     :data:`BACKWARD_PINGPONG_MAX_DIM`."""
+    from .backward import dkv_call, dkv_passes, dq_call
+
     check_operands(q, k)
     block_q, block_k, stages = tile_blocks(params, q.shape[3])
     p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)

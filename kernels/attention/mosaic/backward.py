@@ -20,11 +20,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from ...pallas_common import pad_axis
+from ...pallas_common import LOG2E, pad_axis
+from .budget import ring_stages, tile_buffers
 from .kernel import (
-    CONSUMER_REGISTERS, LOG2E, PRODUCER_REGISTERS, cast, col_layout, consume_items, key_segments, key_value_items,
-    key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
-    smem_tile, tile_buffers, tile_ready, tile_segments, visibility,
+    CONSUMER_REGISTERS, PRODUCER_REGISTERS, cast, col_layout, consume_items, key_segments, key_value_items,
+    key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, row_layout,
+    smem_tile, tile_ready, tile_segments, visibility,
 )
 from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
 from .work import deal_items

@@ -13,10 +13,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ...pallas_common import MASK_VALUE
+from .budget import fits_exactly, ring_stages, tile_buffers
 from .kernel import (
-    CONSUMER_REGISTERS, LN2, PRODUCER_REGISTERS, cast, consume_items, fits_exactly, key_segments, key_value_items,
-    key_value_streams, launch, mma_beside, mma_into, mma_new, plgpu, produce_items, ring_stages, row_layout,
-    smem_tile, tile_buffers, tile_ready, tile_segments, visibility,
+    CONSUMER_REGISTERS, LN2, PRODUCER_REGISTERS, cast, consume_items, key_segments, key_value_items,
+    key_value_streams, launch, mma_beside, mma_into, mma_new, plgpu, produce_items, row_layout,
+    smem_tile, tile_ready, tile_segments, visibility,
 )
 from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
 

@@ -1,9 +1,11 @@
 """The pieces every Mosaic GPU attention kernel shares (see :mod:`ejlabel.kernels.attention.mosaic`).
 
 Register layouts and loads, the attention mask of a block, the producer's and the consumers'
-walks over a program's items, the shared-memory budget, the wgmma products, the compiler and
-interpreter parameters, and the launch. The kernels themselves are in :mod:`.forward`
-and :mod:`.backward`.
+walks over a program's items, the wgmma products, the compiler and interpreter parameters, and
+the launch. The kernels themselves are in :mod:`.forward` and :mod:`.backward`, the
+shared-memory budget they size their buffers with in :mod:`.budget`. Importing this module
+imports Pallas's Mosaic GPU backend: the package imports it only when a kernel runs or
+:func:`~ejlabel.kernels.attention.mosaic.mosaic_available` is asked.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from .plan import CONSUMERS, Mask, Shape, Visit
 from .work import Items, deal_items
 
 __all__ = [
-    "CONSUMER_REGISTERS", "LN2", "LOG2E", "PRODUCER_REGISTERS", "SMEM_BYTES", "cast", "col_layout", "consume_items", "fits_exactly",
+    "CONSUMER_REGISTERS", "LN2", "PRODUCER_REGISTERS", "cast", "col_layout", "consume_items",
     "interpret_params", "key_segments", "key_value_items", "key_value_streams", "launch", "load_smem", "mma_beside", "mma_into", "mma_new", "mma_sum", "plgpu",
-    "produce_items", "ring_stages", "row_layout", "smem_tile", "tile_buffers", "tile_ready", "tile_segments", "visibility",
+    "produce_items", "row_layout", "smem_tile", "tile_ready", "tile_segments", "visibility",
 ]
 
 try:  # The Mosaic GPU backend may be missing from a JAX build; the modules still import.
@@ -38,7 +40,6 @@ if plgpu is not None:
     # Every layer's launch of a kernel shares one compiled module (see .modules).
     share_modules_across_call_sites()
 
-LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
@@ -227,18 +228,6 @@ def key_value_items(plan: jax.Array, heads: int, persistent: bool, shape: Shape,
     return deal_items(plan, heads, persistent, shape.interpret, segmented=segmented, kv_heads=k.shape[2], batch_row_bytes=streamed)
 
 
-def fits_exactly(*buffer_bytes: int) -> bool:
-    """Whether a kernel's buffers of these sizes (every one of them) fit in shared memory, each
-    aligned to 1 KiB as Pallas places them, with 1 KiB to spare for the barriers."""
-    return sum(-(-n // 1024) * 1024 for n in buffer_bytes) + 1024 <= _SMEM_LIMIT
-
-
-def tile_buffers(tile_bytes: int, ring_bytes: int) -> int:
-    """Buffers for a program's tile: two (the next item's tile loads during this one) when they
-    fit in shared memory beside the ring, else one."""
-    return 2 if 2 * tile_bytes + ring_bytes <= SMEM_BYTES else 1
-
-
 def consume_items(
     items: Items, order_ref: Any, plan_ref: Any, buffers: int, ready: Any, load: Any, process: Any, *, staged_apart: bool = False,
 ) -> None:
@@ -415,21 +404,6 @@ def interpret_params() -> Any:
 # 240 rather than 232 per consumer cut the dk/dv kernel's spills at head dim 128 by a fifth.
 CONSUMER_REGISTERS = 240
 PRODUCER_REGISTERS = 24
-
-
-def ring_stages(stages: int | None, tile_bytes: int, stage_bytes: int) -> int:
-    """``stages`` if set, else the ring's default depth for a kernel that holds ``tile_bytes``
-    of resident tiles and streams ``stage_bytes`` per stage: two stages where they fit beside
-    one buffer of the tiles, else one. So up to head dim 128 every kernel gets two; above, the
-    forward (one 128-row tile, 64-key blocks) and the ``dv`` walk (the key tile alone) get two,
-    the dq kernel and the ``dk`` walk (two 128-row tiles) one."""
-    if stages:
-        return stages
-    return 2 if tile_bytes + 2 * stage_bytes <= SMEM_BYTES else 1
-
-
-_SMEM_LIMIT = 227 * 1024  # Hopper's per-block limit of shared memory
-SMEM_BYTES = _SMEM_LIMIT - 4096  # less room for barriers and id rings, where those are not counted
 
 
 # The source location every op of a kernel carries (see :func:`launch`): the Mosaic module's
