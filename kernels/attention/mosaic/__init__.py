@@ -25,7 +25,8 @@ base 2 for the backward), written for what the Triton backend cannot express:
   plan is a constant of the program. The plans, the kinds of mask and the walk live in
   :mod:`.plan`.
 - **Persistent programs.** At most one program per SM, each walking several tiles (dealt in
-  sections whose blocks stay in L2, the costliest first within each, see :mod:`.work`);
+  sections whose blocks stay in L2, the costliest first within each, and where a program
+  walks few tiles, each round by the programs' load so far, see :mod:`.work`);
   the ring runs on from one tile to the next, and the next tile loads while the last one's
   results are written (:class:`.work.Items`).
 

@@ -36,8 +36,9 @@ class Items:
     producer streams the next item's blocks while the consumers finish the current one, the
     next tile loads while the current results are written, and each item's place and plan are
     read one item ahead (8.6 us per tile measured with the first two of these). ``order [count]``
-    lists the items (see :func:`work_order`); programs take them in snake order (``p``, then
-    ``2P - 1 - p``, ...), so every program gets a similar mix of long and short items.
+    lists the items (see :func:`work_order`); programs take them from the snake's positions
+    (``p``, then ``2P - 1 - p``, ...), where the order puts a similar mix of long and short
+    items for every program: the snake's own pairing, or with few rounds a deal by load.
     """
 
     count: int
@@ -147,8 +148,8 @@ def balance_rounds(ranked: Int[Array, "items"], cost: Int[Array, "items"], progr
 
     With few items per program, the snake's fixed pairing left them far apart where item costs
     are spread wide: packed documents of random lengths (B8 S2048, 4 key/value heads, the
-    dk/dv kernel's 512 items on 132 programs) put the busiest program at 1.29-1.63x the mean
-    planned blocks (12 random rows), by load 1.03-1.24x. After each round the programs' loads
+    dk/dv kernel's 512 items on 132 programs) put the busiest program at 1.25-1.54x the mean
+    planned blocks (12 random sets of ids), by load 1.04-1.19x. After each round the programs' loads
     lie within the costliest item of the rounds so far of each other (the costliest item goes
     to the least loaded program, a cheaper one to a busier program). The rounds' items stay the
     same, so do the blocks in flight together (the sections' L2 reuse). Programs are virtual
