@@ -64,9 +64,12 @@ def snake_loads(costs: list[int], programs: int) -> list[int]:
     return loads
 
 
-# Few examples: each new number of items compiles the deal's operations anew (about a second).
+# Jitted: each new number of items compiles the deal anew, once rather than op by op.
+balance_rounds = jax.jit(mwork.balance_rounds, static_argnums=2)
+
+
 @given(programs=st.integers(1, 40), rounds=st.integers(1, 8), spread=st.integers(0, 60), seed=st.integers(0, 2**16))
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=25, deadline=None)
 def test_balanced_deal_keeps_rounds_and_programs_within_one_item(programs: int, rounds: int, spread: int, seed: int) -> None:
     # Items already ranked costliest first within each round (as rank_items gives them), the
     # last round possibly short.
@@ -76,7 +79,7 @@ def test_balanced_deal_keeps_rounds_and_programs_within_one_item(programs: int, 
     ranked = rng.permutation(count).astype(np.int32)  # item ids; their costs are cost[position]
     cost_of = np.empty(count, np.int64)
     cost_of[ranked] = cost
-    order = np.asarray(mwork.balance_rounds(jnp.asarray(ranked), jnp.asarray(cost), programs))
+    order = np.asarray(balance_rounds(jnp.asarray(ranked), jnp.asarray(cost), programs))
     assert sorted(order.tolist()) == list(range(count))
     i, p = np.meshgrid(np.arange(rounds), np.arange(programs), indexing="ij")
     position = np.asarray(mwork.snake_position(jnp.asarray(i), jnp.asarray(p), programs))
@@ -99,11 +102,17 @@ def test_work_order_balances_packed_documents_at_the_model_shape() -> None:
 
     batch, seq, heads, kv_heads, programs = 8, 2048, 12, 4, 132
     shape = Shape(scale=1.0, bounds=(None, 0), kv_len=None, group=heads // kv_heads, segmented=True)
-    plan = visit_plan(seq, seq, TILE, 64, shape, random_documents(jax.random.key(101), batch, seq, 4), batch, transpose=True)
-    cost = np.asarray(plan[1] - plan[0]).reshape(-1)
     row_bytes = heads * seq * (2 * 64 * 2 + 8)
+
+    @jax.jit
+    def plan_and_orders(ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        plan = visit_plan(seq, seq, TILE, 64, shape, ids, batch, transpose=True)
+        return plan, mwork.rank_items(plan, kv_heads, programs, batch_row_bytes=row_bytes), mwork.work_order(plan, kv_heads, programs, batch_row_bytes=row_bytes)
+
+    plan, ranked, dealt = plan_and_orders(random_documents(jax.random.key(101), batch, seq, 4))
+    cost = np.asarray(plan[1] - plan[0]).reshape(-1)
     ratios = []
-    for order in (mwork.rank_items(plan, kv_heads, programs, batch_row_bytes=row_bytes), mwork.work_order(plan, kv_heads, programs, batch_row_bytes=row_bytes)):
+    for order in (ranked, dealt):
         loads = snake_loads([int(cost[item // kv_heads]) for item in np.asarray(order)], programs)
         ratios.append(max(loads) / (sum(loads) / programs))
     assert ratios[0] > 1.3 and ratios[1] < 1.2, ratios
