@@ -19,6 +19,7 @@ from kernel_checks import kernel_hashes, lower_for_cuda
 pytestmark = pytest.mark.skipif(not am.mosaic_available(), reason="this JAX has no Pallas Mosaic GPU backend")
 
 
+@pytest.mark.slow  # the probes' entry point, not the product's: lowering both for CUDA takes 10-40 s
 def test_defaults_run_the_products_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The experimental entry point with its defaults and ``flash_attention`` on the Mosaic
     implementation lower to the same three modules (forward, dq, dk/dv)."""

@@ -64,10 +64,6 @@ def snake_loads(costs: list[int], programs: int) -> list[int]:
     return loads
 
 
-# Jitted: each new number of items compiles the deal anew, once rather than op by op.
-balance_rounds = jax.jit(mwork.balance_rounds, static_argnums=2)
-
-
 @given(programs=st.integers(1, 40), rounds=st.integers(1, 8), spread=st.integers(0, 60), seed=st.integers(0, 2**16))
 @settings(max_examples=15, deadline=None)
 def test_balanced_deal_keeps_rounds_and_programs_within_one_item(programs: int, rounds: int, spread: int, seed: int) -> None:
@@ -79,7 +75,7 @@ def test_balanced_deal_keeps_rounds_and_programs_within_one_item(programs: int, 
     ranked = rng.permutation(count).astype(np.int32)  # item ids; their costs are cost[position]
     cost_of = np.empty(count, np.int64)
     cost_of[ranked] = cost
-    order = np.asarray(balance_rounds(jnp.asarray(ranked), jnp.asarray(cost), programs))
+    order = np.asarray(mwork.balance_rounds(jnp.asarray(ranked), jnp.asarray(cost), programs))
     assert sorted(order.tolist()) == list(range(count))
     i, p = np.meshgrid(np.arange(rounds), np.arange(programs), indexing="ij")
     position = np.asarray(mwork.snake_position(jnp.asarray(i), jnp.asarray(p), programs))

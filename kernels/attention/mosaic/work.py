@@ -11,6 +11,7 @@ their list.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -140,6 +141,9 @@ def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
     return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
 
 
+# Jitted: a plan known while tracing deals its items then, in one compiled step rather than op by
+# op (2.5 s to 0.5 s the first time at 512 items); inside a traced call it is part of the program.
+@functools.partial(jax.jit, static_argnames="programs")
 def balance_rounds(ranked: Int[Array, "items"], cost: Int[Array, "items"], programs: int) -> Int[Array, "items"]:
     """``ranked`` (each round of ``programs`` items costliest first, as :func:`rank_items`
     gives) re-laid so that program ``p``'s ``i``-th item sits at ``snake_position(i, p)``,
