@@ -28,19 +28,18 @@ from bench_attention import (
     stacked, variants_of,
 )
 from ejlabel.kernels import AttentionConfig
+from ejlabel.kernels.attention.arg_specs import PACKED
 from ejlabel.kernels.attention.mosaic import on_hopper, work
-
-DOCUMENTS = 4
 
 
 def deal_rows(layers: int, samples: int, per_sample: int) -> list[Row]:
     """Forward+backward of ``layers`` packed attention calls: the deal by load, the snake, and
     cuDNN's packed layout, timed side by side."""
-    b, s, h, kv, d = 8, 2048, 12, 4, 64
-    sets, pairs = document_sets(b, s, h, kv, d, DOCUMENTS)
+    b, s, h, kv, d, documents = PACKED.batch, PACKED.seq, PACKED.heads, PACKED.kv_heads, PACKED.dim, PACKED.documents
+    sets, pairs = document_sets(b, s, h, kv, d, documents)
     flops = layers * 4.0 * h * d * statistics.fmean(pairs)
-    case = f"packed B{b} S{s} H{h}/{kv} D{d} x{DOCUMENTS} random docs, {layers} layer{'s' if layers > 1 else ''} in one call"
-    mosaic, cudnn = ids_attend(AttentionConfig("mosaic"), DOCUMENTS), baseline(DOCUMENTS)
+    case = f"packed B{b} S{s} H{h}/{kv} D{d} x{documents} random docs, {layers} layer{'s' if layers > 1 else ''} in one call"
+    mosaic, cudnn = ids_attend(AttentionConfig("mosaic"), documents), baseline(documents)
     if layers > 1:
         mosaic, cudnn = functools.partial(stacked, mosaic, layers), functools.partial(stacked, cudnn, layers)
     variants = variants_of(case, "mosaic, deal by load", mosaic, sets, flops)[1:]

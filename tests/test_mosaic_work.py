@@ -94,19 +94,20 @@ def test_work_order_balances_packed_documents_at_the_model_shape() -> None:
     # random documents a row; 512 items on 132 programs): the snake alone leaves the busiest
     # program far above the mean, the deal by load close to it.
     from ejlabel.examples import random_documents
+    from ejlabel.kernels.attention.arg_specs import PACKED
     from ejlabel.kernels.attention.mosaic.plan import TILE, Shape, visit_plan
 
-    batch, seq, heads, kv_heads, programs = 8, 2048, 12, 4, 132
+    batch, seq, heads, kv_heads, programs = PACKED.batch, PACKED.seq, PACKED.heads, PACKED.kv_heads, 132
     shape = Shape(scale=1.0, bounds=(None, 0), kv_len=None, group=heads // kv_heads, segmented=True)
-    row_bytes = heads * seq * (2 * 64 * 2 + 8)
+    row_bytes = heads * seq * (2 * PACKED.dim * 2 + 8)  # the dk/dv kernel's streamed bytes of a batch row
 
     @jax.jit
     def plan_and_orders(ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        plan = visit_plan(seq, seq, TILE, 64, shape, ids, batch, transpose=True)
+        plan = visit_plan(seq, seq, TILE, 64, shape, ids, batch, transpose=True)  # 64-row query blocks: the backward's default
         return plan, mwork.rank_items(plan, kv_heads, programs, batch_row_bytes=row_bytes), mwork.work_order(plan, kv_heads, programs, batch_row_bytes=row_bytes)
 
-    plan, ranked, dealt = plan_and_orders(random_documents(jax.random.key(101), batch, seq, 4))
-    cost = np.asarray(plan[1] - plan[0]).reshape(-1)
+    plan, ranked, dealt = plan_and_orders(random_documents(jax.random.key(101), batch, seq, PACKED.documents))
+    cost = np.asarray(mwork.planned_blocks(plan))
     ratios = []
     for order in (ranked, dealt):
         loads = snake_loads([int(cost[item // kv_heads]) for item in np.asarray(order)], programs)

@@ -22,8 +22,8 @@ from jaxtyping import Array, Int
 from .plan import Visit, while_tracing
 
 __all__ = [
-    "BALANCED_MAX_ROUNDS", "L2_SECTION_BYTES", "Items", "balance_rounds", "deal_items", "decode_item", "program_count", "rank_items",
-    "section_length", "snake_count", "snake_position", "work_order",
+    "BALANCED_MAX_ROUNDS", "L2_SECTION_BYTES", "Items", "balance_rounds", "deal_items", "decode_item", "planned_blocks", "program_count",
+    "rank_items", "section_length", "snake_count", "snake_position", "work_order",
 ]
 
 
@@ -111,6 +111,12 @@ def section_length(programs: int, row_items: int, batch_row_bytes: int, count: i
 BALANCED_MAX_ROUNDS = 8
 
 
+def planned_blocks(plan: jax.Array) -> Int[Array, "row_tiles"]:
+    """``[batch * tiles]``: the blocks each row tile's plan visits (``hi - lo``), an item's cost
+    (the same for every head of the tile)."""
+    return (plan[1] - plan[0]).reshape(-1)
+
+
 def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: int = 0) -> Int[Array, "items"]:
     """Item ids (see :class:`Items`) in sections that keep the blocks in flight in L2, each
     section's items with the most planned blocks first.
@@ -128,7 +134,7 @@ def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
     length = section_length(programs, tiles * heads, batch_row_bytes, count)
-    cost = (plan[1] - plan[0]).reshape(-1)  # [batch * tiles]: the same for every head
+    cost = planned_blocks(plan)
     # The sort runs over row tiles (every head of one tile of one row; on the device each
     # sorted element costs time before the kernel starts), each in the section of its first
     # item: sections of whole row tiles would drift from whole pairs of rounds, and the
@@ -197,7 +203,7 @@ def work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
         if -(-count // programs) > BALANCED_MAX_ROUNDS:
             return ranked
         # Each item's planned blocks, plus one for what every item costs (its tile, its results).
-        cost = (plan[1] - plan[0]).reshape(-1)[ranked // heads] + 1
+        cost = planned_blocks(plan)[ranked // heads] + 1
         return balance_rounds(ranked, cost, programs)
 
 
