@@ -139,6 +139,25 @@ def test_backward_takes_turns_by_default_up_to_dim_64(dim: int) -> None:
         assert lowered() != lowered(pingpong_dq=False, pingpong_dkv=False)
 
 
+@pytest.mark.parametrize(("dim", "stages"), [(64, 1), (256, None)])
+def test_backward_turns_need_two_ring_stages(dim: int, stages: int | None) -> None:
+    """With a one-stage ring (asked for, or the dq kernel's own above dim 128) consumers taking
+    turns would wait on each other forever: asked for, they raise; by default there are none."""
+    q = jax.ShapeDtypeStruct((1, 200, 2, dim), jnp.bfloat16)
+    params = (FwdParams(), BwdParams(num_stages=stages))
+
+    def lowered(**schedule: bool) -> str:
+        loss = lambda q, k, v: mosaic_attention(q, k, v, causal=True, params=params, **schedule).astype(jnp.float32).sum()  # noqa: E731
+        return lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)
+
+    with pytest.raises(ValueError, match="pingpong: .* two ring stages at least, got stages=1"):
+        lowered(pingpong_dq=True)
+    if stages == 1:
+        with pytest.raises(ValueError, match="pingpong: .* got stages=1"):
+            lowered(pingpong_dkv=True)
+        assert lowered() == lowered(pingpong_dq=False, pingpong_dkv=False)
+
+
 @pytest.mark.parametrize("window", [None, (64, 16)])
 def test_positional_plans_and_orders_are_constants(window: tuple[int, int] | None) -> None:
     """Without segment ids the visiting plans and the items' order depend on sizes only: the

@@ -315,14 +315,17 @@ def mosaic_backward(
     of it above head dim 128). ``pingpong_dq``: the dq kernel's consumers take turns (see
     :func:`.backward.dq_call`); ``pingpong_dkv``: the dk/dv kernel's do (see
     :func:`.backward.dkv_call`). Unset, both take turns up to head dim
-    :data:`BACKWARD_PINGPONG_MAX_DIM`."""
+    :data:`BACKWARD_PINGPONG_MAX_DIM` unless ``params`` asks for one stage; set with one stage,
+    they raise ValueError."""
     from .backward import dkv_call, dkv_passes, dq_call
 
     check_operands(q, k)
     block_q, block_k, stages = tile_blocks(params, q.shape[3])
     p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
     batch, dim, rows, cols = p.q.shape[0], p.q.shape[3], p.rows, p.cols
-    turns = dim <= BACKWARD_PINGPONG_MAX_DIM
+    # Turns need two ring stages (:func:`.backward.check_turns`); every kernel's default ring
+    # has two up to dim 128.
+    turns = dim <= BACKWARD_PINGPONG_MAX_DIM and stages != 1
     pingpong_dq = turns if pingpong_dq is None else pingpong_dq
     pingpong_dkv = turns if pingpong_dkv is None else pingpong_dkv
     do, out = p.like_q(g.astype(p.q.dtype)), p.like_q(out)

@@ -31,7 +31,7 @@ from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
 from .work import deal_items
 
 __all__ = [
-    "SOFTMAX_BESIDE_DP_MAX_DIM", "dkv_call", "dkv_passes", "dq_call", "dq_tiles", "softmax_delta",
+    "SOFTMAX_BESIDE_DP_MAX_DIM", "check_turns", "dkv_call", "dkv_passes", "dq_call", "dq_tiles", "softmax_delta",
 ]
 
 
@@ -41,6 +41,15 @@ __all__ = [
 # the softmax beside dP, 848 with it before, and causal B2 S4096 H8 D256 fwd+bwd ran 2.45 ms
 # against 1.83 (H100).
 SOFTMAX_BESIDE_DP_MAX_DIM = 128
+
+
+def check_turns(pingpong: bool, stages: int) -> None:
+    """Raise unless a kernel whose consumers take turns has two ring stages at least: offset by
+    half a step, the two consumers work on consecutive blocks, and with one stage the one ahead
+    waits for a block that the one behind, waiting to meet it, never frees (both kernels hung so,
+    on the GPU and in the interpreter)."""
+    if pingpong and stages < 2:
+        raise ValueError(f"pingpong: the consumers take turns over two ring stages at least, got stages={stages}")
 
 
 def dq_tiles(dim: int, dtype: Any, block_k: int, stages: int) -> tuple[int, bool]:
@@ -86,6 +95,7 @@ def dq_call(
     items, order = key_value_items(plan, heads, persistent, shape, segmented, k)
     row_bytes = dim * jnp.dtype(dtype).itemsize
     stages = ring_stages(stages, 2 * TILE * row_bytes, 2 * block_k * row_bytes)
+    check_turns(pingpong, stages)
     buffers, computes_delta = dq_tiles(dim, dtype, block_k, stages)
     out_or_delta = out if computes_delta else softmax_delta(out, do, lse.shape[2])
 
@@ -261,6 +271,7 @@ def dkv_call(
     )
     tile_bytes = (2 if with_dk else 1) * TILE * row_bytes  # key (and value) rows of one tile
     stages = ring_stages(stages, tile_bytes, 2 * block_q * row_bytes)
+    check_turns(pingpong, stages)
     ring_bytes = stages * 2 * block_q * row_bytes
     buffers = tile_buffers(tile_bytes, ring_bytes)
 
