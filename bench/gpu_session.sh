@@ -36,6 +36,8 @@ for name in "$@"; do
     attention_i) step attention_i 400 python3 bench/bench_attention.py --only i --samples 7 ;;
     attention_d) step attention_d 240 python3 bench/bench_attention.py --only d --samples 7 ;;
     attention_e) step attention_e 420 python3 bench/bench_attention.py --only e --samples 7 ;;
+    # Each backward kernel alone, the whole backward and cuDNN's backward alone.
+    backward) step backward 400 python3 bench/bench_backward.py --samples 9 ;;
     # The Mosaic kernels' deal of items by load against the snake, packed, 1 and 4 layers.
     workorder) step work_order 400 python3 bench/bench_work_order.py --samples 9 ;;
     attention_check) step attention_check 300 python3 bench/bench_attention.py --only check --quick ;;
