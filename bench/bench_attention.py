@@ -86,6 +86,7 @@ from ejlabel import BwdParams, FwdParams, Invocation
 from ejlabel.examples import PLAIN_CUDNN_PACKED_OPS, PLAIN_OPS, random_documents
 from ejlabel.kernels import attention as attention_module
 from ejlabel.kernels.attention import AttentionConfig, AttentionKernel, flash_attention
+from ejlabel.kernels.attention.arg_specs import CAUSAL, HEAD_DIM_256, MODEL_SHAPES, PACKED, ArgSpec
 
 BWD_FLOP_FACTOR = 2.5
 SECTIONS = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "check")
@@ -271,12 +272,18 @@ def plain_causal(
     return rows
 
 
+def dims(spec: ArgSpec) -> tuple[int, int, int, int, int, int]:
+    """``(batch, seq, heads, kv heads, dim, documents)`` of a named call (:mod:`.arg_specs`)."""
+    return spec.batch, spec.seq, spec.heads, spec.kv_heads, spec.dim, spec.documents
+
+
 def section_a(args: argparse.Namespace) -> list[Row]:
-    return plain_causal("a", args, *((1, 256, 2, 64) if args.tiny else (4, 4096, 16, 128)))
+    b, s, h, _, d, _ = (1, 256, 2, 2, 64, 0) if args.tiny else dims(CAUSAL)
+    return plain_causal("a", args, b, s, h, d)
 
 
 def section_b(args: argparse.Namespace) -> list[Row]:
-    b, s, h, d = (4, 256, 2, 64) if args.tiny else (4, 4096, 16, 128)
+    b, s, h, _, d, _ = (4, 256, 2, 2, 64, 0) if args.tiny else dims(CAUSAL)
     sets = input_sets(b, s, h, h, d)
     causal_flops = 4.0 * b * h * d * s * s / 2
     segments = equal_documents(b, s, 4)
@@ -318,7 +325,7 @@ def section_c(args: argparse.Namespace) -> list[Row]:
     """Packed documents as the example model calls attention: the ids are an argument of the
     timed call (each input set its own 4 documents of random lengths per row), so every plan,
     mask and layout is computed inside it, as in a training step."""
-    b, s, h, kv, d, documents = (1, 256, 3, 1, 64, 4) if args.tiny else (8, 2048, 12, 4, 64, 4)
+    b, s, h, kv, d, documents = (1, 256, 3, 1, 64, 4) if args.tiny else dims(PACKED)
     sets, pairs = document_sets(b, s, h, kv, d, documents)
     flops = 4.0 * h * d * sum(pairs) / len(pairs)  # visible work, averaged over the input sets
     case = f"packed B{b} S{s} H{h}/{kv} D{d} x{documents} random docs"
@@ -360,35 +367,24 @@ def section_d(args: argparse.Namespace) -> list[Row]:
     # Beside the defaults, the backward's ring at one stage in all its kernels, as before the dv
     # walk took two.
     others = {"mosaic 1-stage bwd": AttentionConfig("mosaic", bwd=BwdParams(num_stages=1))} if "mosaic" in extra_impls() else {}
-    return plain_causal("d", args, *((1, 256, 2, 256) if args.tiny else (2, 4096, 8, 256)), others)
-
-
-# (name, batch, seq, heads, kv_heads, dim, flash_attention's mask arguments): the calls of
-# models other than the sections' shapes, short and long, grouped, windowed, odd, packed.
-_SHAPES_E = (
-    ("causal", 8, 2048, 12, 4, 64, {}),
-    ("full", 4, 2048, 16, 16, 128, {"causal": False}),
-    ("causal, window 1024", 4, 8192, 16, 16, 128, {"sliding_window": (1024, 0)}),
-    ("causal, short rows", 64, 256, 8, 8, 64, {}),
-    ("causal GQA 4:1", 4, 4096, 16, 4, 128, {}),  # at 16:1 the Triton backward compiled for 267 s on the H100
-    ("causal, odd length", 8, 1000, 16, 16, 128, {}),
-    ("8 segments", 4, 4096, 12, 4, 64, {"documents": 8}),
-    ("4 segments", 2, 4096, 8, 4, 256, {"documents": 4}),
-)
+    b, s, h, _, d, _ = (1, 256, 2, 2, 256, 0) if args.tiny else dims(HEAD_DIM_256)
+    return plain_causal("d", args, b, s, h, d, others)
 
 
 def section_e(args: argparse.Namespace) -> list[Row]:
-    """Mosaic against Triton (and cuDNN where it takes the call) at every shape of _SHAPES_E,
-    default tiles: where the Triton implementation still wins on Hopper, if anywhere."""
+    """Mosaic against Triton (and cuDNN where it takes the call) at the calls of other models
+    (:data:`.arg_specs.MODEL_SHAPES`), default tiles: where the Triton implementation still wins
+    on Hopper, if anywhere. (At GQA 16:1 the Triton backward compiled for 267 s on the H100: the
+    grouped call is 4:1.)"""
     variants = []
-    for name, b, s, h, kv, d, mask in _SHAPES_E:
+    for spec in MODEL_SHAPES:
+        name = spec.name
         if args.match not in name:
             continue
-        if args.tiny:
-            b, s, h, kv, d = 1, 128, 2, 1, min(d, 64)
-        mask = dict(mask)
-        documents = mask.pop("documents", 0)
-        mask.setdefault("causal", True)
+        b, s, h, kv, d, documents = (1, 128, 2, 1, min(spec.dim, 64), spec.documents) if args.tiny else dims(spec)
+        mask: dict[str, Any] = {"causal": spec.causal}
+        if spec.window is not None:
+            mask["sliding_window"] = spec.window
         if documents:
             mask["segment_ids"] = equal_documents(b, s, documents)
         left = (mask.get("sliding_window") or (None,))[0]
@@ -407,10 +403,11 @@ def section_e(args: argparse.Namespace) -> list[Row]:
 def schedule_shapes(tiny: bool) -> dict[str, tuple[int, int, int, int, int, int]]:
     """Sections f and g's shapes, ``(batch, seq, heads, kv heads, dim, documents)``: section a's,
     the example model's causal one and its packed one (4 random documents per row)."""
+    model = MODEL_SHAPES[0]
     shapes = {
-        "causal B4 S4096 H16 D128": (4, 4096, 16, 16, 128, 0),
-        "causal B8 S2048 H12/4 D64": (8, 2048, 12, 4, 64, 0),
-        "packed B8 S2048 H12/4 D64 x4 random docs": (8, 2048, 12, 4, 64, 4),
+        f"causal B{CAUSAL.batch} S{CAUSAL.seq} H{CAUSAL.heads} D{CAUSAL.dim}": dims(CAUSAL),
+        f"causal B{model.batch} S{model.seq} H{model.heads}/{model.kv_heads} D{model.dim}": dims(model),
+        f"packed B{PACKED.batch} S{PACKED.seq} H{PACKED.heads}/{PACKED.kv_heads} D{PACKED.dim} x{PACKED.documents} random docs": dims(PACKED),
     }
     return {name: (1, 256, 2, 1, 64, docs) for name, (*_, docs) in shapes.items()} if tiny else shapes
 
@@ -523,7 +520,7 @@ def section_h(args: argparse.Namespace) -> list[Row]:
     from ejlabel.kernels.attention import mosaic as mosaic_module
     from ejlabel.kernels.attention.mosaic import fp8
 
-    b, s, h, d = (1, 256, 2, 128) if args.tiny else (4, 4096, 16, 128)
+    b, s, h, _, d, _ = (1, 256, 2, 2, 128, 0) if args.tiny else dims(CAUSAL)
     rows = []
     for causal in (True, False):
         case = f"{'causal' if causal else 'full'} B{b} S{s} H{h} D{d}"
@@ -588,7 +585,7 @@ def section_i(args: argparse.Namespace) -> list[Row]:
         return [Row("i", "-", "mosaic", "fwd", note="FAILED: no Mosaic GPU kernels here")]
     from ejlabel.kernels.attention import mosaic as mosaic_module
 
-    b, s, h, kv, d = (1, 256, 2, 1, 64) if args.tiny else (8, 2048, 12, 4, 64)
+    b, s, h, kv, d, _ = (1, 256, 2, 1, 64, 0) if args.tiny else dims(PACKED)
     forwards = {"mosaic": {"params": FwdParams()}, "mosaic not persistent": {"params": FwdParams(), "persistent": False},
                 "mosaic kv64 plain": {"params": FwdParams(kv_blocksize=64, num_stages=3), "pingpong": False}}
     rows = []
