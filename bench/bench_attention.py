@@ -210,7 +210,8 @@ def variants_of(case: str, impl: str, attend: Callable[..., jax.Array], sets: Se
 
 
 def run_section(section: str, variants: list[Variant], samples: int, per_sample: int) -> list[Row]:
-    """Compile each variant (dropping those that fail, with their reason), then time the rest
+    """Compile each variant on every input set (dropping those that fail, with their reason; a
+    set whose tree differs, a closure say, is a jit cache entry of its own), then time the rest
     interleaved."""
     rows: dict[int, Row] = {}
     steps: dict[str, Callable[[], Any]] = {}
@@ -219,7 +220,8 @@ def run_section(section: str, variants: list[Variant], samples: int, per_sample:
         rows[index] = row
         try:
             start = time.perf_counter()
-            jax.block_until_ready(variant.fn(*variant.sets[0]))
+            for one in variant.sets:
+                jax.block_until_ready(variant.fn(*one))
             print(f"[{section}] compiled {variant.case} | {variant.impl} | {variant.pass_} in {time.perf_counter() - start:.1f} s", flush=True)
         except Exception as err:
             row.note = f"FAILED: {reason(err)}"
