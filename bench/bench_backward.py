@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 from _results import write_results
-from bench_attention import Row, Variant, baseline, document_sets, find, markdown, row_record, run_section, set_ratios
+from bench_attention import Row, Variant, baseline, dims, document_sets, find, markdown, row_record, run_section, set_ratios
 from ejlabel import BwdParams, FwdParams
 from ejlabel.kernels.attention.arg_specs import CAUSAL, HEAD_DIM_256, MODEL_SHAPES, PACKED, ArgSpec
 from ejlabel.kernels.attention.mosaic import BACKWARD_PINGPONG_MAX_DIM, TILE, mosaic_backward, mosaic_forward, on_hopper, pad_operands
@@ -115,7 +115,7 @@ def case_rows(name: str, spec: ArgSpec, samples: int, per_sample: int) -> list[R
     """The kernels alone, the whole backward and cuDNN's at one shape, timed side by side."""
     from ejlabel.kernels.attention.mosaic.backward import dkv_passes
 
-    sets, pairs = document_sets(spec.batch, spec.seq, spec.heads, spec.kv_heads, spec.dim, spec.documents or 0)
+    sets, pairs = document_sets(*dims(spec))
     prepared_sets = [prepared(spec, *one) for one in sets]
     inputs, static = [(arrays,) for arrays, _, _ in prepared_sets], prepared_sets[0][2]
     # Each closure is its own jit cache entry (its residuals' jaxpr is part of its tree).

@@ -24,7 +24,7 @@ import jax
 
 from _results import write_results
 from bench_attention import (
-    Row, baseline, document_sets, find, ids_attend, kernel_variant, markdown, row_record, run_section, set_ratios,
+    Row, baseline, dims, document_sets, find, ids_attend, kernel_variant, markdown, row_record, run_section, set_ratios,
     stacked, variants_of,
 )
 from ejlabel.kernels import AttentionConfig
@@ -35,7 +35,7 @@ from ejlabel.kernels.attention.mosaic import on_hopper, work
 def deal_rows(layers: int, samples: int, per_sample: int) -> list[Row]:
     """Forward+backward of ``layers`` packed attention calls: the deal by load, the snake, and
     cuDNN's packed layout, timed side by side."""
-    b, s, h, kv, d, documents = PACKED.batch, PACKED.seq, PACKED.heads, PACKED.kv_heads, PACKED.dim, PACKED.documents
+    b, s, h, kv, d, documents = dims(PACKED)
     sets, pairs = document_sets(b, s, h, kv, d, documents)
     flops = layers * 4.0 * h * d * statistics.fmean(pairs)
     case = f"packed B{b} S{s} H{h}/{kv} D{d} x{documents} random docs, {layers} layer{'s' if layers > 1 else ''} in one call"
