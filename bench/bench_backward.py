@@ -6,7 +6,7 @@ dk/dv kernel (``k q^T``, ``v dO^T``, ``P^T dO``, ``dS^T q``), which above head d
 (``dv``: two products a step; ``dk``: three; :func:`.backward.dkv_passes`). Each kernel is timed
 alone, on operands padded and with ``delta`` made outside the timed call and its plan made in it
 (as the backward makes it: a constant without segment ids), under its default schedule and with
-its consumers' turns flipped (where its ring has the two stages turns need). The whole backward
+its consumers' turns flipped (every case's ring gives turns the two slots they need). The whole backward
 (``mosaic_backward``) and cuDNN's backward (the ``jax.vjp`` of ``jax.nn.dot_product_attention``,
 at the packed shape of cuDNN's packed layout, on its forward's residuals) are timed in the same
 run. A kernel's TFLOP/s counts its own products (each ``2 x pairs x dim`` per head); a
@@ -126,13 +126,10 @@ def case_rows(name: str, spec: ArgSpec, samples: int, per_sample: int) -> list[R
     kernels: list[tuple[str, Callable[..., Any], int]] = []  # (name, fn, products a step)
     for pingpong in (turns, not turns):
         schedule = ("turns" if pingpong else "no turns") + (" (default)" if pingpong == turns else "")
-        # Turns need two ring stages: above head dim 128 the dq kernel's and the dk walk's have one.
-        if not (pingpong and spec.dim > 128):
-            kernels.append((f"dq kernel, {schedule}", dq_kernel(static, pingpong), 3))
+        kernels.append((f"dq kernel, {schedule}", dq_kernel(static, pingpong), 3))
         for grads in dkv_passes(spec.dim):
-            if not (pingpong and grads == ("dk",)):
-                walk = "dk/dv kernel" if len(grads) == 2 else f"dk/dv kernel, {grads[0]} walk"
-                kernels.append((f"{walk}, {schedule}", dkv_kernel(static, grads, pingpong), WALK_PRODUCTS[grads]))
+            walk = "dk/dv kernel" if len(grads) == 2 else f"dk/dv kernel, {grads[0]} walk"
+            kernels.append((f"{walk}, {schedule}", dkv_kernel(static, grads, pingpong), WALK_PRODUCTS[grads]))
     variants = [Variant(case, kernel, "bwd kernel", jax.jit(fn), inputs, products * forward_flops / 2) for kernel, fn, products in kernels]
     variants += [
         Variant(case, "mosaic backward (default)", "bwd", jax.jit(whole_backward), inputs, 2.5 * forward_flops),

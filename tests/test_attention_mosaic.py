@@ -94,7 +94,7 @@ def test_sequences_are_not_copied_to_whole_tiles_on_the_gpu(seq: int, copied: bo
     assert not any(f"x{whole_tiles}x4x128x" in line for line in padded)  # nor to whole 128-row tiles
 
 
-@pytest.mark.parametrize(("dim", "kv_heads", "segments"), [(64, 2, True), (128, 4, False), (256, 2, True)])
+@pytest.mark.parametrize(("dim", "kv_heads", "segments"), [(64, 2, True), (128, 4, False), (256, 2, True), (256, 1, False)])
 def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool) -> None:
     q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.float16)
     k = jax.ShapeDtypeStruct((1, 200, kv_heads, dim), jnp.float16)
@@ -109,7 +109,7 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool) 
     assert "cp.reduce.async.bulk" not in text  # no reduce-adds: no kernel shares a gradient
     # delta = sum_d out * dO: in the dq kernel where its tiles fit twice with the output's
     # (head dim 64), else one contraction before the kernels.
-    assert mbackward.dq_tiles(dim, jnp.float16, am.tile_blocks(BwdParams(), dim)[1], 2) == {64: (2, True), 128: (2, False), 256: (1, False)}[dim]
+    assert mbackward.dq_tiles(dim, jnp.float16, am.tile_blocks(BwdParams(), dim)[1], (2, 2)) == {64: (2, True), 128: (2, False), 256: (1, False)}[dim]
     assert ("stablehlo.dot_general" in text) == (dim > 64)
 
 
@@ -139,16 +139,18 @@ def test_backward_takes_turns_by_default_up_to_dim_64(dim: int) -> None:
         assert lowered() != lowered(pingpong_dq=False, pingpong_dkv=False)
 
 
-@pytest.mark.parametrize(("dim", "stages"), [(64, 1), (256, None)])
-def test_backward_turns_need_two_ring_stages(dim: int, stages: int | None) -> None:
-    """With a one-stage ring (asked for, or the dq kernel's own above dim 128) consumers taking
-    turns would wait on each other forever: asked for, they raise; by default there are none."""
+@pytest.mark.parametrize(("dim", "stages", "segments"), [(64, 1, False), (256, None, True)])
+def test_backward_turns_need_two_ring_stages(dim: int, stages: int | None, segments: bool) -> None:
+    """With a one-stage ring (asked for, or the dq kernel's own above dim 128 with segment ids)
+    consumers taking turns would wait on each other forever: asked for, they raise; by default
+    there are none."""
     q = jax.ShapeDtypeStruct((1, 200, 2, dim), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
     params = (FwdParams(), BwdParams(num_stages=stages))
 
     def lowered(**schedule: bool) -> str:
-        loss = lambda q, k, v: mosaic_attention(q, k, v, causal=True, params=params, **schedule).astype(jnp.float32).sum()  # noqa: E731
-        return lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)
+        loss = lambda q, k, v, seg: mosaic_attention(q, k, v, causal=True, segment_ids=seg, params=params, **schedule).astype(jnp.float32).sum()  # noqa: E731
+        return lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, seg)
 
     with pytest.raises(ValueError, match="pingpong: .* two ring stages at least, got stages=1"):
         lowered(pingpong_dq=True)
@@ -240,6 +242,20 @@ def test_rejects_what_it_cannot_run() -> None:
     assert am.mosaic_supports(jnp.bfloat16, 256) and not am.mosaic_supports(jnp.bfloat16, 320)
     # Above head dim 128 the dq kernel and the dk walk fit one stage of the default tiles, not two.
     assert am.mosaic_fits(256, FwdParams(), BwdParams()) and not am.mosaic_fits(256, FwdParams(), BwdParams(num_stages=2))
+
+
+def test_ring_depths_give_held_blocks_a_second_slot_where_it_fits() -> None:
+    # Head dim 256: the dq kernel and the dk walk hold two 128-row tiles and stream 64-row
+    # blocks of 32 KiB, two kinds a step. Their row terms (log-sum-exp, delta) take 512 bytes
+    # each; segment ids add two more such buffers, and then the second slot no longer fits.
+    row = 256 * 2
+    tiles, block, rows = 2 * am.TILE * row, 64 * row, (4 * 128, 4 * 128)
+    assert mbudget.ring_depths(None, tiles, block, block, *rows) == (2, 1)
+    assert mbudget.ring_depths(None, tiles, block, block, *rows, 4 * 128, 4 * 128) == (1, 1)
+    assert mbudget.ring_depths(None, tiles // 2, block, block, *rows) == (2, 2)  # the dv walk's key tile alone
+    assert mbudget.ring_depths(1, tiles // 2, block, block) == (1, 1)  # asked for: every stream
+    row = 128 * 2
+    assert mbudget.ring_depths(None, 2 * am.TILE * row, 64 * row, 64 * row, *rows) == (2, 2)
 
 
 @pytest.mark.parametrize("hopper", [True, False])
@@ -347,6 +363,18 @@ def test_interpreted_backward(races: Callable[[], bool]) -> None:
     # of their own). Above head dim 64, where those blocks share the segment ids' loop, the
     # persistent-programs test above walks several tiles.
     check_interpreted_backward(races, group=2, pingpong=True)
+
+
+@pytest.mark.slow
+def test_interpreted_backward_with_blocks_freed_mid_step(races: Callable[[], bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The ring head dim 256 gets without segment ids (two slots of the blocks a step holds to
+    # its end, keys or queries; one of those it frees mid-step, values or dO), here at head dim
+    # 64 with both kernels' consumers taking turns: the slots freed mid-step are refilled while
+    # the other consumer is half a step behind, which the race detector checks.
+    monkeypatch.setattr(mbackward, "ring_depths", lambda *_: (2, 1))
+    jax.clear_caches()  # no trace of the default ring reused
+    check_interpreted_backward(races, group=2, pingpong=True)
+    jax.clear_caches()
 
 
 @pytest.mark.slow
@@ -505,7 +533,7 @@ def test_gpu_other_tiles(dim: int, params: tuple[FwdParams, BwdParams]) -> None:
 @needs_gpu
 @needs_hopper
 @pytest.mark.parametrize("schedule", ["pingpong_dq", "pingpong_dkv"])
-@pytest.mark.parametrize(("dim", "segments"), [(64, True), (128, False), (128, True)])
+@pytest.mark.parametrize(("dim", "segments"), [(64, True), (128, False), (128, True), (256, False)])
 def test_gpu_backward_schedules(dim: int, segments: bool, schedule: str) -> None:
     # Each kernel with its consumers taking turns: gradients against the reference and the default backward's, and the other
     # kernel's gradients exactly as the default backward gives them.

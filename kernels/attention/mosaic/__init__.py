@@ -12,7 +12,9 @@ base 2 for the backward), written for what the Triton backend cannot express:
 - **A ring of shared-memory stages.** The producer streams the blocks the tile must visit into
   ``stages`` slots; a "ready" barrier per slot (completed by the TMA engine) and a "consumed"
   barrier per slot (two arrivals, one per consumer) keep the two sides in step. Keys and values
-  have separate barriers so the next key block can land while the current ``P V`` runs.
+  have separate barriers so the next key block can land while the current ``P V`` runs. Where
+  two full stages do not fit (the backward at head dim 256), the blocks a step holds to its end
+  get two slots and those it frees mid-step one (:func:`.budget.ring_depths`).
 - **A visiting plan instead of a mask over everything.** Outside the kernel, each tile gets the
   range ``[lo, hi)`` of blocks it must visit (from causal bounds, windows, padded keys and
   segment ids), inside it the run ``[a, c)`` of blocks that every row sees whole, and around
@@ -324,7 +326,8 @@ def mosaic_backward(
     p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
     batch, dim, rows, cols = p.q.shape[0], p.q.shape[3], p.rows, p.cols
     # Turns need two ring stages (:func:`.backward.check_turns`); every kernel's default ring
-    # has two up to dim 128.
+    # has two up to dim 128 (and two slots of the blocks a step holds up to dim 256 without
+    # segment ids, but turns are not the default there).
     turns = dim <= BACKWARD_PINGPONG_MAX_DIM and stages != 1
     pingpong_dq = turns if pingpong_dq is None else pingpong_dq
     pingpong_dkv = turns if pingpong_dkv is None else pingpong_dkv

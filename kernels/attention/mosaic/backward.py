@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from ...pallas_common import LOG2E, pad_axis
-from .budget import ring_stages, tile_buffers
+from .budget import ring_depths, tile_buffers
 from .kernel import (
     CONSUMER_REGISTERS, PRODUCER_REGISTERS, cast, col_layout, consume_items, key_segments, key_value_items,
     key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, row_layout,
@@ -44,20 +44,23 @@ SOFTMAX_BESIDE_DP_MAX_DIM = 128
 
 
 def check_turns(pingpong: bool, stages: int) -> None:
-    """Raise unless a kernel whose consumers take turns has two ring stages at least: offset by
-    half a step, the two consumers work on consecutive blocks, and with one stage the one ahead
-    waits for a block that the one behind, waiting to meet it, never frees (both kernels hung so,
-    on the GPU and in the interpreter)."""
+    """Raise unless a kernel whose consumers take turns has two slots at least of the blocks a
+    step holds to its end (``stages``; see :func:`.budget.ring_depths`): offset by half a step,
+    the two consumers work on consecutive blocks, and with one slot the one ahead waits for a
+    block that the one behind, waiting to meet it, never frees (both kernels hung so, on the GPU
+    and in the interpreter). A block freed mid-step, before the consumers' second meeting, needs
+    no second slot: the one behind has freed it when the one ahead meets it."""
     if pingpong and stages < 2:
         raise ValueError(f"pingpong: the consumers take turns over two ring stages at least, got stages={stages}")
 
 
-def dq_tiles(dim: int, dtype: Any, block_k: int, stages: int) -> tuple[int, bool]:
-    """``(buffers, computes_delta)`` of the dq kernel's tiles: the kernel reads the forward's
-    output tile beside ``q`` and ``dO`` and computes ``delta`` itself only where the three
-    still fit twice beside the ring (see :func:`dq_call`); else ``delta`` comes in."""
+def dq_tiles(dim: int, dtype: Any, block_k: int, depths: tuple[int, int]) -> tuple[int, bool]:
+    """``(buffers, computes_delta)`` of the dq kernel's tiles beside a ring of these ``(keys,
+    values)`` depths: the kernel reads the forward's output tile beside ``q`` and ``dO`` and
+    computes ``delta`` itself only where the three still fit twice beside the ring (see
+    :func:`dq_call`); else ``delta`` comes in."""
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    ring_bytes = stages * 2 * block_k * row_bytes
+    ring_bytes = sum(depths) * block_k * row_bytes
     if tile_buffers(3 * TILE * row_bytes, ring_bytes) == 2:
         return 2, True
     return tile_buffers(2 * TILE * row_bytes, ring_bytes), False
@@ -94,9 +97,11 @@ def dq_call(
     segmented = segment_ids is not None
     items, order = key_value_items(plan, heads, persistent, shape, segmented, k)
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    stages = ring_stages(stages, 2 * TILE * row_bytes, 2 * block_k * row_bytes)
-    check_turns(pingpong, stages)
-    buffers, computes_delta = dq_tiles(dim, dtype, block_k, stages)
+    # Row terms (log-sum-exp, delta) and ids of one tile buffer, the keys' ids per key slot.
+    small = (4 * CONSUMERS * WG_ROWS,) * 2 + ((4 * CONSUMERS * WG_ROWS, 4 * 2 * block_k) if segmented else ())
+    key_depth, value_depth = ring_depths(stages, 2 * TILE * row_bytes, block_k * row_bytes, block_k * row_bytes, *small)
+    check_turns(pingpong, key_depth)
+    buffers, computes_delta = dq_tiles(dim, dtype, block_k, (key_depth, value_depth))
     out_or_delta = out if computes_delta else softmax_delta(out, do, lse.shape[2])
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, in_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
@@ -105,7 +110,8 @@ def dq_call(
         dq_ref = refs.pop(0)
         delta_out_ref = refs.pop(0) if computes_delta else None
         scratch, barriers = refs
-        q_smem, do_smem, k_ring, v_ring, lse_smem, delta_smem, qseg_smem, kseg_ring, *rest = scratch
+        q_smem, do_smem, k_ring, v_ring, lse_smem, delta_smem, *rest = scratch
+        qseg_smem, kseg_ring = (rest.pop(0), rest.pop(0)) if segmented else (None, None)
         o_smem = rest[0] if computes_delta else None
         q_ready, k_ready, v_ready, k_used, v_used, kseg_ready, *turns = barriers
         wg = lax.axis_index("wg")
@@ -168,20 +174,20 @@ def dq_call(
                     return (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
 
                 def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: Mask) -> jax.Array:
-                    slot = lax.rem(t, stages)
+                    slot, value_slot = lax.rem(t, key_depth), lax.rem(t, value_depth)
                     segments = segments_of(slot, kind)
                     plgpu.barrier_wait(k_ready.at[slot])
                     s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
                     probabilities = functools.partial(probabilities_of, s, j, kind, segments)
                     if dim <= SOFTMAX_BESIDE_DP_MAX_DIM:
-                        plgpu.barrier_wait(v_ready.at[slot])
+                        plgpu.barrier_wait(v_ready.at[value_slot])
                         # The softmax runs while the tensor cores compute dP.
-                        dp, p = mma_new(shape, my_do, v_ring.at[slot], transpose_b=True, between=probabilities)
+                        dp, p = mma_new(shape, my_do, v_ring.at[value_slot], transpose_b=True, between=probabilities)
                     else:
                         p = probabilities()
-                        plgpu.barrier_wait(v_ready.at[slot])
-                        dp = mma_new(shape, my_do, v_ring.at[slot], transpose_b=True)
-                    plgpu.barrier_arrive(v_used.at[slot])
+                        plgpu.barrier_wait(v_ready.at[value_slot])
+                        dp = mma_new(shape, my_do, v_ring.at[value_slot], transpose_b=True)
+                    plgpu.barrier_arrive(v_used.at[value_slot])
                     ds = scores_gradient(p, dp)
                     if pingpong:
                         plgpu.barrier_arrive(turns[0])  # dS done
@@ -212,28 +218,30 @@ def dq_call(
 
             streams_of = key_value_streams(
                 k_ref, v_ref, seg_ref, (k_ring, v_ring, kseg_ring), (k_ready, v_ready, k_used, v_used, kseg_ready), block_k, shape.group,
-                values_first=stages == 1,  # see _produce
+                values_first=key_depth == 1,  # see _produce
             )
-            produce_items(items, order_ref, plan_ref, stages, streams_of, [k_used, v_used])
+            produce_items(items, order_ref, plan_ref, streams_of, [(k_used, key_depth), (v_used, value_depth)])
 
     copies = 5 if segmented else 4
     scratch = (
         smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
         smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
-        smem_tile((stages, block_k, dim), dtype),
-        smem_tile((stages, block_k, dim), dtype),
+        smem_tile((key_depth, block_k, dim), dtype),
+        smem_tile((value_depth, block_k, dim), dtype),
         plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.float32),
         plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.float32),
-        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32),
-        plgpu.SMEM((stages, block_k), jnp.int32),
-    ) + ((smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),) if computes_delta else ())
+    )
+    if segmented:
+        scratch += (plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32), plgpu.SMEM((key_depth, block_k), jnp.int32))
+    if computes_delta:
+        scratch += (smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),)
     barriers = (
         plgpu.Barrier(num_arrivals=copies, num_barriers=buffers * CONSUMERS),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=key_depth),
+        plgpu.Barrier(num_barriers=value_depth),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=key_depth),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=value_depth),
+        plgpu.Barrier(num_barriers=key_depth),
     ) + ((plgpu.Barrier(num_arrivals=CONSUMERS),) if pingpong else ())
     operands = (q, k, v, do, lse, out_or_delta, plan, order) + ((segment_ids,) if segmented else ())
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype),) + ((jax.ShapeDtypeStruct(lse.shape, jnp.float32),) if computes_delta else ())
@@ -270,9 +278,11 @@ def dkv_call(
         plan, kv_heads, persistent, shape.interpret, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8),
     )
     tile_bytes = (2 if with_dk else 1) * TILE * row_bytes  # key (and value) rows of one tile
-    stages = ring_stages(stages, tile_bytes, 2 * block_q * row_bytes)
-    check_turns(pingpong, stages)
-    ring_bytes = stages * 2 * block_q * row_bytes
+    # Row terms per query slot (log-sum-exp, delta), the query slots' ids and one tile's.
+    small = (4 * 2 * block_q,) * (1 + with_dk) + ((4 * 2 * block_q, 4 * CONSUMERS * WG_ROWS) if segmented else ())
+    query_depth, do_depth = ring_depths(stages, tile_bytes, block_q * row_bytes, block_q * row_bytes, *small)
+    check_turns(pingpong, query_depth)
+    ring_bytes = (query_depth + do_depth) * block_q * row_bytes
     buffers = tile_buffers(tile_bytes, ring_bytes)
 
     def body(q_ref: Any, k_ref: Any, v_ref: Any, do_ref: Any, lse_ref: Any, delta_ref: Any, plan_ref: Any, order_ref: Any, *refs: Any) -> None:
@@ -283,7 +293,8 @@ def dkv_call(
         scratch = list(scratch)
         k_smem = scratch.pop(0)
         v_smem = scratch.pop(0) if with_dk else None
-        kseg_smem, q_ring, do_ring, lse_ring, delta_ring, qseg_ring = scratch
+        q_ring, do_ring, lse_ring, delta_ring, *segment_rings = scratch
+        kseg_smem, qseg_ring = segment_rings if segmented else (None, None)
         kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used, *turns = barriers
         wg = lax.axis_index("wg")
 
@@ -314,7 +325,7 @@ def dkv_call(
 
                 def step(r: jax.Array, j: jax.Array, t: jax.Array, acc: dict[str, jax.Array], kind: Mask) -> dict[str, jax.Array]:
                     acc = dict(acc)
-                    slot = lax.rem(t, stages)
+                    slot, do_slot = lax.rem(t, query_depth), lax.rem(t, do_depth)
                     for barrier in (lse_ready,) + ((delta_ready,) if with_dk else ()) + ((qseg_ready,) if segmented else ()):
                         plgpu.barrier_wait(barrier.at[slot])
                     plgpu.barrier_wait(q_ready.at[slot])
@@ -329,17 +340,17 @@ def dkv_call(
                     # dP before the dV product (delta loaded only now): P and dP in float32 die
                     # into 16-bit P and dS before dV and dK accumulate. Spills at head dim 128:
                     # 108-128 bytes per thread, 120-188 the other way round.
-                    plgpu.barrier_wait(do_ready.at[slot])
+                    plgpu.barrier_wait(do_ready.at[do_slot])
                     if with_dk:
-                        dp_t = mma_new(shape, my_v, do_ring.at[slot], transpose_b=True)
+                        dp_t = mma_new(shape, my_v, do_ring.at[do_slot], transpose_b=True)
                         delta = load_smem(shape, delta_ring.at[slot], col_layout())
                         ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
                     if pingpong:
                         plgpu.barrier_arrive(turns[0])  # dS done
                         plgpu.barrier_wait(turns[0])  # the other consumer's products are issued
                     if "dv" in acc:
-                        acc["dv"] = mma_into(shape, acc["dv"], p_t.astype(dtype), do_ring.at[slot])
-                    plgpu.barrier_arrive(do_used.at[slot])
+                        acc["dv"] = mma_into(shape, acc["dv"], p_t.astype(dtype), do_ring.at[do_slot])
+                    plgpu.barrier_arrive(do_used.at[do_slot])
                     if with_dk:
                         acc["dk"] = mma_into(shape, acc["dk"], ds_t, q_ring.at[slot])
                     plgpu.barrier_arrive(q_used.at[slot])
@@ -392,25 +403,25 @@ def dkv_call(
                     streams.insert(1, (lambda j, r: seg_ref.at[b, block(j)], qseg_ring, qseg_ready, None))
                 if with_dk:
                     streams.insert(1, (lambda j, r: delta_ref.at[b, head(r), block(j)], delta_ring, delta_ready, None))
-                return streams[-1:] + streams[:-1] if stages == 1 else streams  # dO first: see _produce
+                return streams[-1:] + streams[:-1] if query_depth == 1 else streams  # dO first: see _produce
 
-            produce_items(items, order_ref, plan_ref, stages, streams_of, [q_used, do_used], repeats=group)
+            produce_items(items, order_ref, plan_ref, streams_of, [(q_used, query_depth), (do_used, do_depth)], repeats=group)
 
     tile = smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype)
     scratch = (tile,) * (2 if with_dk else 1) + (
-        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32),
-        smem_tile((stages, block_q, dim), dtype),
-        smem_tile((stages, block_q, dim), dtype),
-        plgpu.SMEM((stages, block_q), jnp.float32),
-        plgpu.SMEM((stages, block_q), jnp.float32),
-        plgpu.SMEM((stages, block_q), jnp.int32),
+        smem_tile((query_depth, block_q, dim), dtype),
+        smem_tile((do_depth, block_q, dim), dtype),
+        plgpu.SMEM((query_depth, block_q), jnp.float32),
+        plgpu.SMEM((query_depth, block_q), jnp.float32),
     )
-    ring = functools.partial(plgpu.Barrier, num_barriers=stages)
+    if segmented:
+        scratch += (plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32), plgpu.SMEM((query_depth, block_q), jnp.int32))
+    queries = functools.partial(plgpu.Barrier, num_barriers=query_depth)
     barriers = (
         plgpu.Barrier(num_arrivals=1 + with_dk + segmented, num_barriers=buffers * CONSUMERS),
-        ring(), ring(), ring(), ring(), ring(),
-        ring(num_arrivals=CONSUMERS),
-        ring(num_arrivals=CONSUMERS),
+        queries(), plgpu.Barrier(num_barriers=do_depth), queries(), queries(), queries(),
+        queries(num_arrivals=CONSUMERS),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=do_depth),
     ) + ((plgpu.Barrier(num_arrivals=CONSUMERS),) if pingpong else ())
     operands = (q, k, v, do, lse, delta, plan, order) + ((segment_ids,) if segmented else ())
     out_type = tuple(jax.ShapeDtypeStruct(k.shape, dtype) for _ in grads)

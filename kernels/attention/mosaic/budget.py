@@ -9,7 +9,7 @@ without importing the kernels, so it is arithmetic alone, importing nothing.
 
 from __future__ import annotations
 
-__all__ = ["SMEM_BYTES", "fits_exactly", "ring_stages", "tile_buffers"]
+__all__ = ["SMEM_BYTES", "fits_exactly", "ring_depths", "ring_stages", "tile_buffers"]
 
 _SMEM_LIMIT = 227 * 1024  # Hopper's per-block limit of shared memory
 SMEM_BYTES = _SMEM_LIMIT - 4096  # less room for barriers and id rings, where those are not counted
@@ -32,7 +32,29 @@ def ring_stages(stages: int | None, tile_bytes: int, stage_bytes: int) -> int:
     of resident tiles and streams ``stage_bytes`` per stage: two stages where they fit beside
     one buffer of the tiles, else one. So up to head dim 128 every kernel gets two; above, the
     forward (one 128-row tile, 64-key blocks) and the ``dv`` walk (the key tile alone) get two,
-    the dq kernel and the ``dk`` walk (two 128-row tiles) one."""
+    the dq kernel and the ``dk`` walk (two 128-row tiles) one, where :func:`ring_depths` gives
+    the half of the stage they hold through a step a second slot."""
     if stages:
         return stages
     return 2 if tile_bytes + 2 * stage_bytes <= SMEM_BYTES else 1
+
+
+def ring_depths(stages: int | None, tile_bytes: int, held_bytes: int, freed_bytes: int, *small_bytes: int) -> tuple[int, int]:
+    """``(held, freed)``: the depths of a ring whose blocks come in two kinds, those a step holds
+    to its end (the keys of the dq kernel, the queries of the ``dk`` walk) and those it frees
+    mid-step (the values, ``dO``), beside ``tile_bytes`` of resident tiles and the
+    ``small_bytes`` buffers (row terms, ids).
+
+    ``stages`` if set, for both; else :func:`ring_stages` of the whole stage; where that gives
+    one, two of the held blocks and one of the freed where they fit exactly (see
+    :func:`fits_exactly`): the freed block loads during the rest of its step and the held one a
+    whole step ahead, where with one slot each the next held block could load only once the
+    step had ended. At head dim 256 (two 128-row tiles, 64-row blocks of 32 KiB) that fits
+    without segment ids, with 1 KiB to spare."""
+    if stages:
+        return stages, stages
+    if ring_stages(None, tile_bytes, held_bytes + freed_bytes) == 2:
+        return 2, 2
+    if fits_exactly(tile_bytes, 2 * held_bytes, freed_bytes, *small_bytes):
+        return 2, 1
+    return 1, 1

@@ -175,17 +175,18 @@ def key_value_streams(
 
 
 def _produce(
-    visit: Visit, stages: int,
-    streams: list[tuple[Any, Any, Any, Any]], *, offset: jax.Array, repeats: int = 1,
+    visit: Visit, streams: list[tuple[Any, Any, Any, Any]], *, offset: jax.Array, repeats: int = 1,
 ) -> jax.Array:
     """The producer warpgroup's part of one item: for every planned block, TMA each stream's
     block into its ring; returns the steps taken.
 
     ``streams``: ``(source(j, r) -> gmem ref, ring, ready barriers, consumed barriers)``; a slot
     is refilled only after both consumers arrived on its consumed barrier (streams with None
-    there are freed with the stream before them), in the order of ``streams``. With one stage
-    the kernels put first the stream their consumers free mid-step (values in the dq kernel,
-    ``dO`` in the dk walk), so its next block loads during the rest of the step, not after it:
+    there are freed with the stream before them, and have as many slots), in the order of
+    ``streams``. A ring's depth is its leading dimension: step ``t`` fills slot ``t % depth``
+    (rings of one kernel may differ, see :func:`.budget.ring_depths`). With one stage the
+    kernels put first the stream their consumers free mid-step (values in the dq kernel, ``dO``
+    in the dk walk), so its next block loads during the rest of the step, not after it:
     fwd+bwd 2.8% faster at causal B2 S4096 H8 D256 on the H100.
     The planned blocks are walked ``repeats`` times, ``r`` counting the walks (the query heads
     of a group in the backward). ``offset`` counts the steps of the program's earlier items:
@@ -195,12 +196,13 @@ def _produce(
 
     def body(t: jax.Array, carry: Any) -> Any:
         step = offset + t
-        slot = lax.rem(step, stages)
         r, j = (jnp.int32(0), visit.block(t)) if repeats == 1 else (lax.div(t, n), visit.block(lax.rem(t, n)))
         for source, ring, ready, consumed in streams:
+            depth = ring.shape[0]
+            slot = lax.rem(step, depth)
             if consumed is not None:
                 with jax.named_scope("slot_wait"):
-                    pl.when(step >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
+                    pl.when(step >= depth)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
             plgpu.copy_gmem_to_smem(source(j, r), ring.at[slot], ready.at[slot])
         return carry
 
@@ -209,16 +211,17 @@ def _produce(
     return steps
 
 
-def _drain(consumed: list[Any], stages: int, steps: jax.Array) -> None:
-    """Wait for the consumers' last ``stages`` consumptions, so every barrier phase is observed
-    before the program's shared memory goes away (the interpreter checks it; on the GPU it is free)."""
+def _drain(consumed: list[tuple[Any, int]], steps: jax.Array) -> None:
+    """Wait for the consumers' last consumptions of each ``(barrier, depth)``, so every barrier
+    phase is observed before the program's shared memory goes away (the interpreter checks it;
+    on the GPU it is free)."""
+    for barrier, depth in consumed:
 
-    def body(t: jax.Array, carry: Any) -> Any:
-        for barrier in consumed:
-            plgpu.barrier_wait(barrier.at[lax.rem(t, stages)])
-        return carry
+        def body(t: jax.Array, carry: Any, barrier: Any = barrier, depth: int = depth) -> Any:
+            plgpu.barrier_wait(barrier.at[lax.rem(t, depth)])
+            return carry
 
-    lax.fori_loop(jnp.maximum(steps - stages, 0), steps, body, None)
+        lax.fori_loop(jnp.maximum(steps - depth, 0), steps, body, None)
 
 
 def key_value_items(plan: jax.Array, heads: int, persistent: bool, shape: Shape, segmented: bool, k: jax.Array) -> tuple[Items, jax.Array]:
@@ -285,19 +288,20 @@ def consume_items(
 
 
 def produce_items(
-    items: Items, order_ref: Any, plan_ref: Any, stages: int, streams_of: Any, consumed: list[Any], repeats: int = 1,
+    items: Items, order_ref: Any, plan_ref: Any, streams_of: Any, consumed: list[tuple[Any, int]], repeats: int = 1,
 ) -> None:
     """The producer warpgroup's walk: ``streams_of(b, h)`` gives an item's streams (see
-    :func:`_produce`), ``consumed`` the barriers the consumers free ring slots on."""
+    :func:`_produce`), ``consumed`` the barriers the consumers free ring slots on, each with
+    its ring's depth."""
 
     def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         t0, visit = carry[0], Visit(*carry[1:])
         upcoming = items.visit(order_ref, plan_ref, i + 1)
-        t1 = t0 + _produce(visit, stages, streams_of(visit.b, visit.h), offset=t0, repeats=repeats)
+        t1 = t0 + _produce(visit, streams_of(visit.b, visit.h), offset=t0, repeats=repeats)
         return (t1, *upcoming)
 
     steps = lax.fori_loop(0, items.mine(), body, (jnp.int32(0), *items.visit(order_ref, plan_ref, 0)))[0]
-    _drain(consumed, stages, steps)
+    _drain(consumed, steps)
 
 
 def _operand(x: Any) -> jax.Array:
