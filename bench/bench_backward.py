@@ -1,18 +1,22 @@
 """Where the Mosaic attention backward's time goes: each of its kernels alone, beside the whole
-backward and cuDNN's backward alone, at the shapes the open goals name.
+backward and cuDNN's backward alone, at the shapes the open goals name and at head dim 256 with
+packed documents.
 
 ``mosaic_backward`` runs a dq kernel (products ``q k^T``, ``dO v^T``, ``dS k`` per step) and a
 dk/dv kernel (``k q^T``, ``v dO^T``, ``P^T dO``, ``dS^T q``), which above head dim 128 walks twice
 (``dv``: two products a step; ``dk``: three; :func:`.backward.dkv_passes`). Each kernel is timed
 alone, on operands padded and with ``delta`` made outside the timed call and its plan made in it
 (as the backward makes it: a constant without segment ids), under its default schedule and with
-its consumers' turns flipped (every case's ring gives turns the two slots they need). The whole backward
-(``mosaic_backward``) and cuDNN's backward (the ``jax.vjp`` of ``jax.nn.dot_product_attention``,
-at the packed shape of cuDNN's packed layout, on its forward's residuals) are timed in the same
-run. A kernel's TFLOP/s counts its own products (each ``2 x pairs x dim`` per head); a
-backward's, the visible work (2.5x the forward), and their ratio is against cuDNN's.
+its consumers' turns flipped (every case's ring gives turns the two slots they need). The whole
+backward (``mosaic_backward``) and cuDNN's backward (the ``jax.vjp`` of
+``jax.nn.dot_product_attention``, with packed documents of cuDNN's packed layout, on its
+forward's residuals) are timed in the same run; above head dim 128 also our backward with a
+one-stage ring in every kernel (what the dq kernel and the ``dk`` walk ran before
+:func:`.budget.ring_depths`). A kernel's TFLOP/s counts its own products (each ``2 x pairs x
+dim`` per head); a backward's, the visible work (2.5x the forward), and their ratio is against
+cuDNN's.
 
-    python3 bench/bench_backward.py [--samples 9] [--only d128,d64,packed,d256]   # a Hopper GPU
+    python3 bench/bench_backward.py [--samples 9] [--only d128,d64,packed,d256,d256packed]   # a Hopper GPU
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from ejlabel.kernels.attention.mosaic import BACKWARD_PINGPONG_MAX_DIM, TILE, mo
 from ejlabel.kernels.attention.mosaic.plan import Shape, visit_plan
 from ejlabel.kernels.pallas_common import pad_axis
 
-CASES: dict[str, ArgSpec] = {"d128": CAUSAL, "d64": MODEL_SHAPES[0], "packed": PACKED, "d256": HEAD_DIM_256}
+CASES: dict[str, ArgSpec] = {
+    "d128": CAUSAL, "d64": MODEL_SHAPES[0], "packed": PACKED, "d256": HEAD_DIM_256,
+    "d256packed": next(spec for spec in MODEL_SHAPES if spec.dim == 256 and spec.documents),
+}
 BLOCK = 64  # the backward's default blocks: 64 keys in the dq kernel, 64 queries in the dk/dv kernel
 CAUSAL_BOUNDS = (None, 0)
 
@@ -98,9 +105,12 @@ def dkv_kernel(static: Static, grads: tuple[str, ...], pingpong: bool) -> Callab
     return run
 
 
-def whole_backward(x: dict[str, Any]) -> Any:
-    q = x["q"]
-    return mosaic_backward(q, x["k"], x["v"], x["ids"], x["out"], x["lse"], x["probe"], scale=q.shape[3] ** -0.5, bounds=CAUSAL_BOUNDS, params=BwdParams())
+def whole_backward(params: BwdParams) -> Callable[[dict[str, Any]], Any]:
+    def run(x: dict[str, Any]) -> Any:
+        q = x["q"]
+        return mosaic_backward(q, x["k"], x["v"], x["ids"], x["out"], x["lse"], x["probe"], scale=q.shape[3] ** -0.5, bounds=CAUSAL_BOUNDS, params=params)
+
+    return run
 
 
 def cudnn_backward(vjp: Any, probe: jax.Array) -> Any:
@@ -131,8 +141,11 @@ def case_rows(name: str, spec: ArgSpec, samples: int, per_sample: int) -> list[R
             walk = "dk/dv kernel" if len(grads) == 2 else f"dk/dv kernel, {grads[0]} walk"
             kernels.append((f"{walk}, {schedule}", dkv_kernel(static, grads, pingpong), WALK_PRODUCTS[grads]))
     variants = [Variant(case, kernel, "bwd kernel", jax.jit(fn), inputs, products * forward_flops / 2) for kernel, fn, products in kernels]
+    backwards = {"mosaic backward (default)": BwdParams()}
+    if spec.dim > 128:  # where the default ring gives held blocks two slots, freed ones one
+        backwards["mosaic backward, one-stage ring"] = BwdParams(num_stages=1)
+    variants += [Variant(case, name, "bwd", jax.jit(whole_backward(params)), inputs, 2.5 * forward_flops) for name, params in backwards.items()]
     variants += [
-        Variant(case, "mosaic backward (default)", "bwd", jax.jit(whole_backward), inputs, 2.5 * forward_flops),
         Variant(case, "cudnn backward" + (" (packed layout)" if spec.documents else ""), "bwd", jax.jit(cudnn_backward), cudnn_inputs, 2.5 * forward_flops),
     ]
     rows = run_section(name, variants, samples, per_sample)

@@ -139,11 +139,11 @@ def test_backward_takes_turns_by_default_up_to_dim_64(dim: int) -> None:
         assert lowered() != lowered(pingpong_dq=False, pingpong_dkv=False)
 
 
-@pytest.mark.parametrize(("dim", "stages", "segments"), [(64, 1, False), (256, None, True)])
+@pytest.mark.parametrize(("dim", "stages", "segments"), [(64, 1, False), (256, 1, True)])
 def test_backward_turns_need_two_ring_stages(dim: int, stages: int | None, segments: bool) -> None:
-    """With a one-stage ring (asked for, or the dq kernel's own above dim 128 with segment ids)
-    consumers taking turns would wait on each other forever: asked for, they raise; by default
-    there are none."""
+    """With a one-stage ring (asked for: every default ring has two slots of the blocks a step
+    holds) consumers taking turns would wait on each other forever: asked for, they raise; by
+    default there are none."""
     q = jax.ShapeDtypeStruct((1, 200, 2, dim), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
     params = (FwdParams(), BwdParams(num_stages=stages))
@@ -246,16 +246,18 @@ def test_rejects_what_it_cannot_run() -> None:
 
 def test_ring_depths_give_held_blocks_a_second_slot_where_it_fits() -> None:
     # Head dim 256: the dq kernel and the dk walk hold two 128-row tiles and stream 64-row
-    # blocks of 32 KiB, two kinds a step. Their row terms (log-sum-exp, delta) take 512 bytes
-    # each; segment ids add two more such buffers, and then the second slot no longer fits.
+    # blocks of 32 KiB, two kinds a step. Their row terms (log-sum-exp, delta) take one buffer
+    # of 1 KiB, segment ids another (kernel.ids_smem); one more buffer and the second slot no
+    # longer fits, each buffer taking a whole KiB.
     row = 256 * 2
-    tiles, block, rows = 2 * am.TILE * row, 64 * row, (4 * 128, 4 * 128)
-    assert mbudget.ring_depths(None, tiles, block, block, *rows) == (2, 1)
-    assert mbudget.ring_depths(None, tiles, block, block, *rows, 4 * 128, 4 * 128) == (1, 1)
-    assert mbudget.ring_depths(None, tiles // 2, block, block, *rows) == (2, 2)  # the dv walk's key tile alone
+    tiles, block = 2 * am.TILE * row, 64 * row
+    assert mbudget.ring_depths(None, tiles, block, block, 1024) == (2, 1)
+    assert mbudget.ring_depths(None, tiles, block, block, 1024, 1024) == (2, 1)  # with segment ids
+    assert mbudget.ring_depths(None, tiles, block, block, 1024, 512, 512) == (1, 1)
+    assert mbudget.ring_depths(None, tiles // 2, block, block, 1024) == (2, 2)  # the dv walk's key tile alone
     assert mbudget.ring_depths(1, tiles // 2, block, block) == (1, 1)  # asked for: every stream
     row = 128 * 2
-    assert mbudget.ring_depths(None, 2 * am.TILE * row, 64 * row, 64 * row, *rows) == (2, 2)
+    assert mbudget.ring_depths(None, 2 * am.TILE * row, 64 * row, 64 * row, 1024) == (2, 2)
 
 
 @pytest.mark.parametrize("hopper", [True, False])

@@ -326,8 +326,8 @@ def mosaic_backward(
     p = pad_operands(q, k, v, segment_ids, scale=scale, bounds=bounds, block_k=block_k, interpret=interpret)
     batch, dim, rows, cols = p.q.shape[0], p.q.shape[3], p.rows, p.cols
     # Turns need two ring stages (:func:`.backward.check_turns`); every kernel's default ring
-    # has two up to dim 128 (and two slots of the blocks a step holds up to dim 256 without
-    # segment ids, but turns are not the default there).
+    # has two up to dim 128, and above two slots of the blocks a step holds (turns are not the
+    # default there).
     turns = dim <= BACKWARD_PINGPONG_MAX_DIM and stages != 1
     pingpong_dq = turns if pingpong_dq is None else pingpong_dq
     pingpong_dkv = turns if pingpong_dkv is None else pingpong_dkv

@@ -23,7 +23,7 @@ from jaxtyping import Array, Float
 from ...pallas_common import LOG2E, pad_axis
 from .budget import ring_depths, tile_buffers
 from .kernel import (
-    CONSUMER_REGISTERS, PRODUCER_REGISTERS, cast, col_layout, consume_items, key_segments, key_value_items,
+    CONSUMER_REGISTERS, PRODUCER_REGISTERS, cast, col_layout, consume_items, ids_smem, ids_views, key_segments, key_value_items,
     key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, row_layout,
     smem_tile, tile_ready, tile_segments, visibility,
 )
@@ -97,8 +97,8 @@ def dq_call(
     segmented = segment_ids is not None
     items, order = key_value_items(plan, heads, persistent, shape, segmented, k)
     row_bytes = dim * jnp.dtype(dtype).itemsize
-    # Row terms (log-sum-exp, delta) and ids of one tile buffer, the keys' ids per key slot.
-    small = (4 * CONSUMERS * WG_ROWS,) * 2 + ((4 * CONSUMERS * WG_ROWS, 4 * 2 * block_k) if segmented else ())
+    # Row terms (log-sum-exp, delta) of one tile buffer; ids of one tile buffer and two key slots.
+    small = (2 * 4 * CONSUMERS * WG_ROWS,) + ((4 * (CONSUMERS + 2) * block_k,) if segmented else ())
     key_depth, value_depth = ring_depths(stages, 2 * TILE * row_bytes, block_k * row_bytes, block_k * row_bytes, *small)
     check_turns(pingpong, key_depth)
     buffers, computes_delta = dq_tiles(dim, dtype, block_k, (key_depth, value_depth))
@@ -110,8 +110,9 @@ def dq_call(
         dq_ref = refs.pop(0)
         delta_out_ref = refs.pop(0) if computes_delta else None
         scratch, barriers = refs
-        q_smem, do_smem, k_ring, v_ring, lse_smem, delta_smem, *rest = scratch
-        qseg_smem, kseg_ring = (rest.pop(0), rest.pop(0)) if segmented else (None, None)
+        q_smem, do_smem, k_ring, v_ring, row_terms, *rest = scratch
+        lse_smem, delta_smem = row_terms.at[0], row_terms.at[1]
+        tile_ids, kseg_ring = ids_views(rest.pop(0), buffers) if segmented else (None, None)
         o_smem = rest[0] if computes_delta else None
         q_ready, k_ready, v_ready, k_used, v_used, kseg_ready, *turns = barriers
         wg = lax.axis_index("wg")
@@ -137,7 +138,7 @@ def dq_call(
                 else:
                     plgpu.copy_gmem_to_smem(in_ref.at[b, h, rows], delta_smem.at[buf, wg], ready)
                 if segmented:
-                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[buf, wg], ready)
+                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], tile_ids(buf, wg), ready)
 
             def own_delta(visit: Visit, buf: jax.Array) -> jax.Array:
                 """This item's rows of ``delta`` from its output and ``dO`` tiles, also sent
@@ -157,7 +158,7 @@ def dq_call(
                 my_q, my_do = q_smem.at[buf, wg], do_smem.at[buf, wg]
                 lse = load_smem(shape, lse_smem.at[buf, wg], row_layout())
                 delta = own_delta(visit, buf) if computes_delta else load_smem(shape, delta_smem.at[buf, wg], row_layout())
-                q_seg = tile_segments(shape, qseg_smem.at[buf, wg]) if segmented else None
+                q_seg = tile_segments(shape, tile_ids(buf, wg)) if segmented else None
                 segments_of = functools.partial(key_segments, shape, (kseg_ready, kseg_ring) if segmented else None, q_seg=q_seg)
 
                 def probabilities_of(s: jax.Array, j: jax.Array, kind: Mask, segments: Any) -> jax.Array:
@@ -228,11 +229,10 @@ def dq_call(
         smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),
         smem_tile((key_depth, block_k, dim), dtype),
         smem_tile((value_depth, block_k, dim), dtype),
-        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.float32),
-        plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((2, buffers, CONSUMERS, WG_ROWS), jnp.float32),  # log-sum-exp, delta
     )
     if segmented:
-        scratch += (plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32), plgpu.SMEM((key_depth, block_k), jnp.int32))
+        scratch += (ids_smem(buffers, key_depth, block_k),)
     if computes_delta:
         scratch += (smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype),)
     barriers = (
@@ -278,8 +278,8 @@ def dkv_call(
         plan, kv_heads, persistent, shape.interpret, segmented=segmented, kv_heads=kv_heads, batch_row_bytes=heads * seq_q * (2 * row_bytes + 8),
     )
     tile_bytes = (2 if with_dk else 1) * TILE * row_bytes  # key (and value) rows of one tile
-    # Row terms per query slot (log-sum-exp, delta), the query slots' ids and one tile's.
-    small = (4 * 2 * block_q,) * (1 + with_dk) + ((4 * 2 * block_q, 4 * CONSUMERS * WG_ROWS) if segmented else ())
+    # Row terms per query slot (log-sum-exp, delta); ids of one tile buffer and two query slots.
+    small = (2 * 4 * 2 * block_q,) + ((4 * (CONSUMERS + 2) * block_q,) if segmented else ())
     query_depth, do_depth = ring_depths(stages, tile_bytes, block_q * row_bytes, block_q * row_bytes, *small)
     check_turns(pingpong, query_depth)
     ring_bytes = (query_depth + do_depth) * block_q * row_bytes
@@ -293,8 +293,9 @@ def dkv_call(
         scratch = list(scratch)
         k_smem = scratch.pop(0)
         v_smem = scratch.pop(0) if with_dk else None
-        q_ring, do_ring, lse_ring, delta_ring, *segment_rings = scratch
-        kseg_smem, qseg_ring = segment_rings if segmented else (None, None)
+        q_ring, do_ring, row_terms, *ids = scratch
+        lse_ring, delta_ring = row_terms.at[0], row_terms.at[1]
+        tile_ids, qseg_ring = ids_views(ids[0], buffers) if segmented else (None, None)
         kv_ready, q_ready, do_ready, lse_ready, delta_ready, qseg_ready, q_used, do_used, *turns = barriers
         wg = lax.axis_index("wg")
 
@@ -314,14 +315,14 @@ def dkv_call(
                 if with_dk:
                     plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], v_smem.at[buf, wg], ready)
                 if segmented:
-                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[buf, wg], ready)
+                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], tile_ids(buf, wg), ready)
 
             def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
                 b, hk = visit.b, visit.h
                 row0 = visit.row0(wg)
                 my_k = k_smem.at[buf, wg]
                 my_v = v_smem.at[buf, wg] if with_dk else None
-                k_seg = tile_segments(shape, kseg_smem.at[buf, wg]) if segmented else None
+                k_seg = tile_segments(shape, tile_ids(buf, wg)) if segmented else None
 
                 def step(r: jax.Array, j: jax.Array, t: jax.Array, acc: dict[str, jax.Array], kind: Mask) -> dict[str, jax.Array]:
                     acc = dict(acc)
@@ -411,11 +412,10 @@ def dkv_call(
     scratch = (tile,) * (2 if with_dk else 1) + (
         smem_tile((query_depth, block_q, dim), dtype),
         smem_tile((do_depth, block_q, dim), dtype),
-        plgpu.SMEM((query_depth, block_q), jnp.float32),
-        plgpu.SMEM((query_depth, block_q), jnp.float32),
+        plgpu.SMEM((2, query_depth, block_q), jnp.float32),  # log-sum-exp, delta
     )
     if segmented:
-        scratch += (plgpu.SMEM((buffers, CONSUMERS, WG_ROWS), jnp.int32), plgpu.SMEM((query_depth, block_q), jnp.int32))
+        scratch += (ids_smem(buffers, query_depth, block_q),)
     queries = functools.partial(plgpu.Barrier, num_barriers=query_depth)
     barriers = (
         plgpu.Barrier(num_arrivals=1 + with_dk + segmented, num_barriers=buffers * CONSUMERS),

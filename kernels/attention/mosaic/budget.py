@@ -49,8 +49,8 @@ def ring_depths(stages: int | None, tile_bytes: int, held_bytes: int, freed_byte
     one, two of the held blocks and one of the freed where they fit exactly (see
     :func:`fits_exactly`): the freed block loads during the rest of its step and the held one a
     whole step ahead, where with one slot each the next held block could load only once the
-    step had ended. At head dim 256 (two 128-row tiles, 64-row blocks of 32 KiB) that fits
-    without segment ids, with 1 KiB to spare."""
+    step had ended. At head dim 256 (two 128-row tiles, 64-row blocks of 32 KiB) that fits with
+    the row terms and the segment ids in one buffer each, exactly."""
     if stages:
         return stages, stages
     if ring_stages(None, tile_bytes, held_bytes + freed_bytes) == 2:

@@ -22,12 +22,12 @@ from jax._src import source_info_util  # no public API sets the location ops are
 from jax.experimental import pallas as pl
 
 from .modules import share_modules_across_call_sites
-from .plan import CONSUMERS, Mask, Shape, Visit
+from .plan import CONSUMERS, WG_ROWS, Mask, Shape, Visit
 from .work import Items, deal_items
 
 __all__ = [
     "CONSUMER_REGISTERS", "LN2", "PRODUCER_REGISTERS", "cast", "col_layout", "consume_items",
-    "interpret_params", "key_segments", "key_value_items", "key_value_streams", "launch", "load_smem", "mma_beside", "mma_into", "mma_new", "mma_sum", "plgpu",
+    "ids_smem", "ids_views", "interpret_params", "key_segments", "key_value_items", "key_value_streams", "launch", "load_smem", "mma_beside", "mma_into", "mma_new", "mma_sum", "plgpu",
     "produce_items", "row_layout", "smem_tile", "tile_ready", "tile_segments", "visibility",
 ]
 
@@ -129,6 +129,26 @@ def key_segments(shape: Shape, kseg: tuple[Any, Any] | None, slot: jax.Array, ki
     kseg_ready, kseg_ring = kseg
     plgpu.barrier_wait(kseg_ready.at[slot])
     return (q_seg, load_smem(shape, kseg_ring.at[slot], col_layout())) if kind is Mask.SEGMENTS else None
+
+
+def ids_smem(buffers: int, depth: int, width: int) -> Any:
+    """One shared-memory buffer for the segment ids a backward kernel holds: its tile's own ids
+    (``buffers x CONSUMERS`` rows of ``WG_ROWS``), then a ring of ``depth`` slots of ``width``
+    ids (``width >= WG_ROWS``). One buffer, not two: each is placed at a 1 KiB boundary, and at
+    head dim 256 the ring's second slot of held blocks fits beside one only
+    (:func:`.budget.ring_depths`). :func:`ids_views` reads it."""
+    return plgpu.SMEM((buffers * CONSUMERS + depth, width), jnp.int32)
+
+
+def ids_views(ref: Any, buffers: int) -> tuple[Any, Any]:
+    """``(tile_ids(buf, wg), ring)`` of a buffer from :func:`ids_smem`: the ref of consumer
+    ``wg``'s tile ids in tile buffer ``buf``, and the ring (``[depth, width]``)."""
+    tiles = buffers * CONSUMERS
+
+    def tile_ids(buf: jax.Array, wg: jax.Array) -> Any:
+        return ref.at[buf * CONSUMERS + wg, pl.ds(0, WG_ROWS)]
+
+    return tile_ids, ref.at[pl.ds(tiles, ref.shape[0] - tiles)]
 
 
 def tile_ready(barriers: Any, buf: jax.Array, wg: jax.Array) -> Any:
