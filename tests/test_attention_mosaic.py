@@ -95,17 +95,25 @@ def test_sequences_are_not_copied_to_whole_tiles_on_the_gpu(seq: int, copied: bo
 
 
 @pytest.mark.parametrize(("dim", "kv_heads", "segments"), [(64, 2, True), (128, 4, False), (256, 2, True), (256, 1, False)])
-def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool) -> None:
+def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.float16)
     k = jax.ShapeDtypeStruct((1, 200, kv_heads, dim), jnp.float16)
     seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
+    depths: list[tuple[int, int]] = []
+    chosen = mbackward.ring_depths
+    monkeypatch.setattr(mbackward, "ring_depths", lambda *args: depths.append(chosen(*args)) or depths[-1])
+    jax.clear_caches()  # every kernel traced here, so each asks for its ring
 
     def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None) -> jax.Array:
         return mosaic_attention(q, k, v, causal=True, segment_ids=seg).astype(jnp.float32).sum()
 
+    # Lowering checks each kernel's shared memory against the GPU's, byte for byte.
     text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
     # Forward, then dq and dk/dv kernels; above head dim 128 dv and dk take a kernel each.
     assert text.count("@mosaic_gpu") == (3 if dim <= 128 else 4)
+    # Rings (held blocks, freed blocks) of the dq kernel and each dk/dv walk: at head dim 256 the
+    # held blocks' second slot fits exactly, with segment ids or without (budget.ring_depths).
+    assert depths == ([(2, 2)] * 2 if dim <= 128 else [(2, 1), (2, 2), (2, 1)])
     assert "cp.reduce.async.bulk" not in text  # no reduce-adds: no kernel shares a gradient
     # delta = sum_d out * dO: in the dq kernel where its tiles fit twice with the output's
     # (head dim 64), else one contraction before the kernels.
