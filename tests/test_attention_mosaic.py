@@ -147,14 +147,14 @@ def test_backward_takes_turns_by_default_up_to_dim_64(dim: int) -> None:
         assert lowered() != lowered(pingpong_dq=False, pingpong_dkv=False)
 
 
-@pytest.mark.parametrize(("dim", "stages", "segments"), [(64, 1, False), (256, 1, True)])
-def test_backward_turns_need_two_ring_stages(dim: int, stages: int | None, segments: bool) -> None:
+@pytest.mark.parametrize(("dim", "segments"), [(64, False), (256, True)])
+def test_backward_turns_need_two_ring_stages(dim: int, segments: bool) -> None:
     """With a one-stage ring (asked for: every default ring has two slots of the blocks a step
     holds) consumers taking turns would wait on each other forever: asked for, they raise; by
     default there are none."""
     q = jax.ShapeDtypeStruct((1, 200, 2, dim), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
-    params = (FwdParams(), BwdParams(num_stages=stages))
+    params = (FwdParams(), BwdParams(num_stages=1))
 
     def lowered(**schedule: bool) -> str:
         loss = lambda q, k, v, seg: mosaic_attention(q, k, v, causal=True, segment_ids=seg, params=params, **schedule).astype(jnp.float32).sum()  # noqa: E731
@@ -162,10 +162,9 @@ def test_backward_turns_need_two_ring_stages(dim: int, stages: int | None, segme
 
     with pytest.raises(ValueError, match="pingpong: .* two ring stages at least, got stages=1"):
         lowered(pingpong_dq=True)
-    if stages == 1:
-        with pytest.raises(ValueError, match="pingpong: .* got stages=1"):
-            lowered(pingpong_dkv=True)
-        assert lowered() == lowered(pingpong_dq=False, pingpong_dkv=False)
+    with pytest.raises(ValueError, match="pingpong: .* got stages=1"):
+        lowered(pingpong_dkv=True)
+    assert lowered() == lowered(pingpong_dq=False, pingpong_dkv=False)
 
 
 @pytest.mark.parametrize("window", [None, (64, 16)])
@@ -377,10 +376,10 @@ def test_interpreted_backward(races: Callable[[], bool]) -> None:
 
 @pytest.mark.slow
 def test_interpreted_backward_with_blocks_freed_mid_step(races: Callable[[], bool], monkeypatch: pytest.MonkeyPatch) -> None:
-    # The ring head dim 256 gets without segment ids (two slots of the blocks a step holds to
-    # its end, keys or queries; one of those it frees mid-step, values or dO), here at head dim
-    # 64 with both kernels' consumers taking turns: the slots freed mid-step are refilled while
-    # the other consumer is half a step behind, which the race detector checks.
+    # The ring the dq kernel and the dk walk get at head dim 256 (two slots of the blocks a step
+    # holds to its end, keys or queries; one of those it frees mid-step, values or dO), here at
+    # head dim 64 with both kernels' consumers taking turns: the slots freed mid-step are
+    # refilled while the other consumer is half a step behind, which the race detector checks.
     monkeypatch.setattr(mbackward, "ring_depths", lambda *_: (2, 1))
     jax.clear_caches()  # no trace of the default ring reused
     check_interpreted_backward(races, group=2, pingpong=True)
