@@ -121,6 +121,47 @@ def test_backward_lowers_to_mosaic_gpu(dim: int, kv_heads: int, segments: bool, 
     assert ("stablehlo.dot_general" in text) == (dim > 64)
 
 
+def _jaxprs_in(eqn: Any) -> Any:
+    """The jaxprs among an equation's parameters (a loop's body, a kernel's program)."""
+    from jax.extend import core as jcore
+
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+                yield getattr(sub, "jaxpr", sub)
+
+
+def _eqns(jaxpr: Any) -> Any:
+    """Every equation of ``jaxpr`` and of the jaxprs in its equations, all the way down."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _jaxprs_in(eqn):
+            yield from _eqns(sub)
+
+
+@pytest.mark.parametrize(("dim", "schedule"), [(256, {}), (64, {"pipelined": True})])
+def test_every_walk_picks_its_tiles_in_each_step(dim: int, schedule: dict[str, bool]) -> None:
+    # A loop issuing products must pick its tiles in its own body (kernel.per_step): picked
+    # before it, their wgmma descriptors were held in registers across the walk, and the D256
+    # backward kernels spilled.
+    q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.bfloat16)
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return mosaic_attention(q, k, v, causal=True, **schedule).astype(jnp.float32).sum()
+
+    program = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q).jaxpr
+    kernels = [eqn for eqn in _eqns(program) if eqn.primitive.name in ("mpmd_map", "pallas_call")]  # by JAX release
+    assert len(kernels) == (3 if dim <= 128 else 4)
+    for kernel in kernels:
+        loops = [eqn.params["body_jaxpr"].jaxpr for sub in _jaxprs_in(kernel) for eqn in _eqns(sub) if eqn.primitive.name == "while"]
+        # The walks: the innermost loops issuing products (an item's loop issues some too,
+        # after its walk, on ring slots alone).
+        names = [{eqn.primitive.name for eqn in _eqns(body)} for body in loops]
+        walks = [body for body, used in zip(loops, names) if "wgmma_ref" in used and "while" not in used]
+        assert walks, "a kernel without a walk"
+        assert all(any(eqn.primitive.name == "optimization_barrier" for eqn in body.eqns) for body in walks)
+
+
 @pytest.mark.parametrize(("schedule", "dim", "segments"), [("pingpong_dq", 128, True), ("pingpong_dkv", 128, False)])
 def test_backward_schedules_lower_to_mosaic_gpu(dim: int, segments: bool, schedule: str) -> None:
     q = jax.ShapeDtypeStruct((1, 200, 4, dim), jnp.bfloat16)
@@ -298,6 +339,17 @@ def test_tuning_space_offers_schedules_where_they_won(monkeypatch: pytest.Monkey
             chosen = [c for c in mosaic if c.fwd_schedule == schedule]
             assert all(c.fwd.kv_blocksize == blocks for c in chosen)
             assert len(chosen) == (backward_tiles if schedule in schedules else 0)  # paired with every backward tile
+
+
+def test_tuning_space_above_dim_128_is_the_kernels_tiles_under_two_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_module, "on_gpu", lambda: True)
+    monkeypatch.setattr(attention_module, "on_hopper", lambda: True)
+    kernel = AttentionKernel()
+    q, k, v = qkv(1, 64, 2, 1, 256, jnp.bfloat16)
+    inv = Invocation(kernel, (q, k, v), {"causal": True})
+    mosaic = [c for c in kernel.config_space(inv) if c.impl == "mosaic"]
+    assert [c.fwd_schedule for c in mosaic] == ["pingpong", "pipelined"]
+    assert all(c.fwd == FwdParams() and c.bwd == BwdParams() and kernel.candidate_is_valid(inv, c) for c in mosaic)
 
 
 def test_attention_config_checks_its_schedule() -> None:
@@ -506,11 +558,14 @@ def test_gpu_forward_schedules(schedule: str, segments: bool) -> None:
 @gpu
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize("causal", [True, False])
-def test_gpu_head_dim_256_forward(causal: bool) -> None:
+@pytest.mark.parametrize(("causal", "schedule", "segments"), [(True, "pingpong", False), (False, "pingpong", False), (True, "pipelined", True)])
+def test_gpu_head_dim_256_forward(causal: bool, schedule: str, segments: bool) -> None:
     q, k, v = qkv(2, 700, 4, 2, 256, jnp.bfloat16, seed=11)
-    out, lse = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, None, scale=0.0625, bounds=window_bounds(causal, None), params=FwdParams()))(q, k, v)
-    assert rel_error(out, reference(q, k, v, causal=causal, window=None, segment_ids=None, scale=0.0625)) < 2e-2
+    ids = documents(2, 700, 3, padding=40, seed=3) if segments else None
+    options = am.MOSAIC_SCHEDULES[schedule]
+    forward = jax.jit(lambda q, k, v: am.mosaic_forward(q, k, v, ids, scale=0.0625, bounds=window_bounds(causal, None), params=FwdParams(), **options))
+    out, lse = forward(q, k, v)
+    assert rel_error(out, reference(q, k, v, causal=causal, window=None, segment_ids=ids, scale=0.0625)) < 2e-2
     assert np.all(np.isfinite(np.asarray(lse)))
 
 

@@ -124,6 +124,10 @@ _MOSAIC_FWD_SEGMENTS = ((64, 3, "plain"),)
 # 0.87-0.99x at dim 64: a candidate where it can win, for the tuner to time in context.
 _MOSAIC_FWD_WIDE = ((128, 2, "pipelined"),)
 _MOSAIC_BWD = ((64, 128, None, 2), (128, 64, None, 2), (64, 64, None, 2))
+# Above head dim 128 the kernels take their own tiles, under these schedules: the pipelined one
+# ran the causal B2 S4096 H8 D256 forward in 0.227 ms against ping-pong's 0.270 (H200, one
+# process; 0.339 cuDNN) once each step picked its query tile (.mosaic.kernel.per_step).
+_MOSAIC_FWD_SCHEDULES_256 = ("pingpong", "pipelined")
 
 
 class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
@@ -276,8 +280,8 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
             AttentionConfig("mosaic", FwdParams(kv_blocksize=bk, num_stages=st), BwdParams(*bwd), fwd_schedule=schedule)
             for bk, st, schedule in forwards for bwd in _MOSAIC_BWD
         ]
-        if q.shape[3] > 128:  # none of those fit shared memory: the kernels' own defaults do
-            mosaic = [AttentionConfig("mosaic")]
+        if q.shape[3] > 128:  # none of those fit shared memory: the kernels' own tiles do
+            mosaic = [AttentionConfig("mosaic", fwd_schedule=schedule) for schedule in _MOSAIC_FWD_SCHEDULES_256]
         # Where the Mosaic kernels run, the Triton ones beat them nowhere we measured: over 14 shapes
         # Mosaic ran 1.16x to 1.70x Triton's speed, forward and forward+backward (H100,
         # bench_attention.py sections a-e). Their 30 tiles would only

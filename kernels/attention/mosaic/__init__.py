@@ -216,10 +216,10 @@ def tile_blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int 
     that fit shared memory at this head dimension (128-row blocks up to dim 128, 64-key blocks
     above, since a wgmma's contraction takes 64 elements at least) and, in the backward,
     registers: above dim 64 the dq kernel's tiles of 128 keys spilled 412 bytes per thread and 64
-    keys none (H100: fwd+bwd 5% and 9% faster at dim 128, causal and 4 documents). ptxas's
-    report of 2026-11-28 (``bench/ptxas_report.py``) has 64 keys spilling 104 bytes at dim 128:
-    some later change of the dq kernel brought it, and 128 keys were not timed against it
-    since. Unset stages stay None: each kernel takes :func:`ring_stages` of what it holds."""
+    keys none (H100: fwd+bwd 5% and 9% faster at dim 128, causal and 4 documents). Since each
+    step picks its tiles (:func:`.kernel.per_step`) no kernel spills at dim 128 (ptxas's report
+    of 2026-11-29, ``bench/ptxas_report.py``, causal); 128 keys were not timed again since.
+    Unset stages stay None: each kernel takes :func:`ring_stages` of what it holds."""
     backward = isinstance(params, BwdParams)
     widest = 64 if backward else 128
     block_q = params.q_blocksize or 64

@@ -24,7 +24,7 @@ from ...pallas_common import LOG2E, pad_axis
 from .budget import ring_depths, tile_buffers
 from .kernel import (
     CONSUMER_REGISTERS, PRODUCER_REGISTERS, cast, col_layout, consume_items, ids_smem, ids_views, key_segments, key_value_items,
-    key_value_streams, launch, load_smem, mma_into, mma_new, plgpu, produce_items, row_layout,
+    key_value_streams, launch, load_smem, mma_into, mma_new, per_step, plgpu, produce_items, row_layout,
     smem_tile, tile_ready, tile_segments, visibility,
 )
 from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
@@ -39,7 +39,9 @@ __all__ = [
 # before dP is issued. Beside dP, the probabilities, dP's accumulator and the 64 x 256 float32 dq
 # exceed a consumer's registers: at head dim 256 the kernel spilled 1352 bytes per thread with
 # the softmax beside dP, 848 with it before, and causal B2 S4096 H8 D256 fwd+bwd ran 2.45 ms
-# against 1.83 (H100).
+# against 1.83 (H100). Since each step picks its tiles (kernel.per_step) the registers suffice
+# either way: beside dP the dq kernel ran 0.376 ms against 0.390, but the whole backward 0.980
+# against 0.981 (H200, D256): left as it was.
 SOFTMAX_BESIDE_DP_MAX_DIM = 128
 
 
@@ -155,7 +157,6 @@ def dq_call(
             def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
                 b, h = visit.b, visit.h
                 row0 = visit.row0(wg)
-                my_q, my_do = q_smem.at[buf, wg], do_smem.at[buf, wg]
                 lse = load_smem(shape, lse_smem.at[buf, wg], row_layout())
                 delta = own_delta(visit, buf) if computes_delta else load_smem(shape, delta_smem.at[buf, wg], row_layout())
                 q_seg = tile_segments(shape, tile_ids(buf, wg)) if segmented else None
@@ -176,6 +177,8 @@ def dq_call(
 
                 def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: Mask) -> jax.Array:
                     slot, value_slot = lax.rem(t, key_depth), lax.rem(t, value_depth)
+                    tile = per_step(buf)
+                    my_q, my_do = q_smem.at[tile, wg], do_smem.at[tile, wg]
                     segments = segments_of(slot, kind)
                     plgpu.barrier_wait(k_ready.at[slot])
                     s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
@@ -205,6 +208,7 @@ def dq_call(
                     pl.when(wg == 0)(meet)
 
                 def write() -> None:
+                    my_q = q_smem.at[buf, wg]
                     my_q[...] = (dq * (shape.scale / LOG2E)).astype(dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(my_q, dq_ref.at[b, pl.ds(row0, WG_ROWS), h])
@@ -320,13 +324,13 @@ def dkv_call(
             def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
                 b, hk = visit.b, visit.h
                 row0 = visit.row0(wg)
-                my_k = k_smem.at[buf, wg]
-                my_v = v_smem.at[buf, wg] if with_dk else None
                 k_seg = tile_segments(shape, tile_ids(buf, wg)) if segmented else None
 
                 def step(r: jax.Array, j: jax.Array, t: jax.Array, acc: dict[str, jax.Array], kind: Mask) -> dict[str, jax.Array]:
                     acc = dict(acc)
                     slot, do_slot = lax.rem(t, query_depth), lax.rem(t, do_depth)
+                    tile = per_step(buf)
+                    my_k, my_v = k_smem.at[tile, wg], (v_smem.at[tile, wg] if with_dk else None)
                     for barrier in (lse_ready,) + ((delta_ready,) if with_dk else ()) + ((qseg_ready,) if segmented else ()):
                         plgpu.barrier_wait(barrier.at[slot])
                     plgpu.barrier_wait(q_ready.at[slot])
@@ -339,8 +343,9 @@ def dkv_call(
                         if mask is not None:
                             p_t = jnp.where(mask, p_t, 0.0)
                     # dP before the dV product (delta loaded only now): P and dP in float32 die
-                    # into 16-bit P and dS before dV and dK accumulate. Spills at head dim 128:
-                    # 108-128 bytes per thread, 120-188 the other way round.
+                    # into 16-bit P and dS before dV and dK accumulate. Spills at head dim 128
+                    # before kernel.per_step: 108-128 bytes per thread, 120-188 the other way
+                    # round; none since (causal).
                     plgpu.barrier_wait(do_ready.at[do_slot])
                     if with_dk:
                         dp_t = mma_new(shape, my_v, do_ring.at[do_slot], transpose_b=True)
@@ -371,7 +376,8 @@ def dkv_call(
 
                 def write() -> None:
                     # The tiles just walked hold the results (dv in the key tile when alone).
-                    staging = {"dk": my_k, "dv": my_v if with_dk else my_k}
+                    my_k = k_smem.at[buf, wg]
+                    staging = {"dk": my_k, "dv": v_smem.at[buf, wg] if with_dk else my_k}
                     scales = {"dk": shape.scale / LOG2E, "dv": 1.0}
                     for name in grads:
                         staging[name][...] = (acc[name] * scales[name]).astype(dtype)

@@ -5,6 +5,7 @@ base 2, and saving the log-sum-exp for the backward."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -16,7 +17,7 @@ from ...pallas_common import MASK_VALUE
 from .budget import fits_exactly, ring_stages, tile_buffers
 from .kernel import (
     CONSUMER_REGISTERS, LN2, PRODUCER_REGISTERS, cast, consume_items, key_segments, key_value_items,
-    key_value_streams, launch, mma_beside, mma_into, mma_new, plgpu, produce_items, row_layout,
+    key_value_streams, launch, mma_beside, mma_into, mma_new, per_step, plgpu, produce_items, row_layout,
     smem_tile, tile_ready, tile_segments, visibility,
 )
 from .plan import CONSUMERS, TILE, WG_ROWS, Mask, Shape, Visit, mask_loops, walk
@@ -119,7 +120,11 @@ def forward_call(
             def process(visit: Visit, buf: jax.Array, t0: jax.Array) -> tuple[jax.Array, Any]:
                 b, h = visit.b, visit.h
                 row0 = visit.row0(wg)
-                my_q = q_smem.at[buf, wg]
+
+                def my_q() -> Any:
+                    """The item's query tile, picked in each step (see :func:`.kernel.per_step`)."""
+                    return q_smem.at[per_step(buf), wg]
+
                 q_seg = tile_segments(shape, qseg_smem.at[buf, wg]) if segmented else None
 
                 segments_of = functools.partial(key_segments, shape, (kseg_ready, kseg_ring) if segmented else None, q_seg=q_seg)
@@ -133,7 +138,7 @@ def forward_call(
                     segments = segments_of(slot, kind)
                     with jax.named_scope("k_wait"):
                         plgpu.barrier_wait(k_ready.at[slot])
-                    s = mma_new(shape, my_q, k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
+                    s = mma_new(shape, my_q(), k_ring.at[slot], transpose_b=True, between=meet if pingpong else None)
                     plgpu.barrier_arrive(k_used.at[slot])
                     p16, alpha, m, l = softmax(s, m, l, j=j, kind=kind, segments=segments)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -173,7 +178,7 @@ def forward_call(
                 inv = jnp.where(seen, (1.0 if out_scale is None else out_scale) / safe_l, 0.0)
 
                 def write() -> None:
-                    staging = out_smem.at[wg] if staged_apart else my_q
+                    staging = out_smem.at[wg] if staged_apart else q_smem.at[buf, wg]
                     staging[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_dtype)
                     # Rows that see nothing get any finite value: every use of it is masked.
                     log2_l = jnp.log(safe_l) * (1.0 / LN2)
@@ -275,7 +280,7 @@ class Ring(NamedTuple):
 
 
 def pipelined_walk(
-    shape: Shape, visit: Visit, q: Any, ring: Ring, segments_of: Any, softmax: Any, init: tuple[jax.Array, jax.Array, jax.Array],
+    shape: Shape, visit: Visit, q: Callable[[], Any], ring: Ring, segments_of: Any, softmax: Any, init: tuple[jax.Array, jax.Array, jax.Array],
     t0: jax.Array, *, masks: tuple[Mask, ...], turns: tuple[Any, Any] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One item's walk with a consumer's softmax overlapped with its own products
@@ -284,7 +289,8 @@ def pipelined_walk(
     v_{t-1}`` (:func:`.kernel.mma_beside`), waits for ``S_t`` alone and runs the softmax
     while ``P_{t-1} v_{t-1}`` is on the tensor cores; the last step's product follows the
     walk. Every product is awaited within its step: the loop carries registers only, the
-    probabilities included. ``segments_of``, ``softmax``: :func:`.kernel.key_segments` and
+    probabilities included. ``q()``: the item's query tile, picked in each step
+    (:func:`.kernel.per_step`). ``segments_of``, ``softmax``: :func:`.kernel.key_segments` and
     :func:`online_softmax` bound to the item; ``turns``: ``(take_turn, pass_turn)``, called
     before and after a step issues its products, or None.
 
@@ -297,7 +303,7 @@ def pipelined_walk(
     slower at 64 (``bench/bench_attention.py`` section f), so ping-pong stays the default."""
     out0, m0, l0 = init
     end = t0 + visit.steps
-    p0 = cast(shape, jnp.zeros((WG_ROWS, ring.kv.shape[-2]), q.dtype), plgpu.Layout.WGMMA)
+    p0 = cast(shape, jnp.zeros((WG_ROWS, ring.kv.shape[-2]), ring.kv.dtype), plgpu.Layout.WGMMA)
 
     def step(j: jax.Array, t: jax.Array, carry: Any, kind: Mask) -> Any:
         out, p_prev, m, l = carry
@@ -317,7 +323,7 @@ def pipelined_walk(
             pl.when(~first)(free_keys)  # the first step's second product still reads them
             return softmax(s, m, l, j=j, kind=kind, segments=segments)
 
-        (p16, alpha, m, l), out = mma_beside(shape, q, ring.keys(slot), out, p_prev, values, between=beside, issued=pass_turn)
+        (p16, alpha, m, l), out = mma_beside(shape, q(), ring.keys(slot), out, p_prev, values, between=beside, issued=pass_turn)
         pl.when(first)(free_keys)
         pl.when(~first)(lambda: plgpu.barrier_arrive(ring.v_used.at[prev]))
         return out * lax.broadcast_in_dim(alpha, out.shape, [0]), p16, m, l

@@ -194,7 +194,8 @@ class Visit(NamedTuple):
 # need the segment ids' mask (see mask_loops). The third copy of a step costs registers: at head
 # dim 128 the kernels spilled with it (forward 68 bytes per thread, dq 20, dk/dv 180 against 0,
 # 0, 116 without) and ran 2-3% slower (4 documents of 1024 tokens); at 64 the packed model's
-# shape ran 5-10% faster with it (H100).
+# shape ran 5-10% faster with it (H100). Measured before kernel.per_step freed the registers
+# each walk held for its tiles' descriptors; not measured again since.
 POSITIONS_APART_MAX_DIM = 64
 
 
