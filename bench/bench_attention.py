@@ -368,10 +368,8 @@ def section_c(args: argparse.Namespace) -> list[Row]:
 def section_d(args: argparse.Namespace) -> list[Row]:
     # Beside the defaults, the pipelined forward (the tuning space's other schedule at this head
     # dim) and the backward's ring at one stage in all its kernels, as before the dv walk took two.
-    others = {
-        "mosaic pipelined fwd": AttentionConfig("mosaic", fwd_schedule="pipelined"),
-        "mosaic 1-stage bwd": AttentionConfig("mosaic", bwd=BwdParams(num_stages=1)),
-    } if "mosaic" in extra_impls() else {}
+    pipelined, one_stage = AttentionConfig("mosaic", fwd_schedule="pipelined"), AttentionConfig("mosaic", bwd=BwdParams(num_stages=1))
+    others = {"mosaic pipelined fwd": pipelined, "mosaic 1-stage bwd": one_stage} if "mosaic" in extra_impls() else {}
     b, s, h, _, d, _ = (1, 256, 2, 2, 256, 0) if args.tiny else dims(HEAD_DIM_256)
     return plain_causal("d", args, b, s, h, d, others)
 
