@@ -14,7 +14,9 @@ base 2 for the backward), written for what the Triton backend cannot express:
   barrier per slot (two arrivals, one per consumer) keep the two sides in step. Keys and values
   have separate barriers so the next key block can land while the current ``P V`` runs. Where
   two full stages do not fit (the backward at head dim 256), the blocks a step holds to its end
-  get two slots and those it frees mid-step one (:func:`.budget.ring_depths`).
+  get two slots and those it frees mid-step one (:func:`.budget.ring_depths`). A consumer's
+  own tile stays for the whole walk, but each step picks it anew (:func:`.kernel.per_step`):
+  else the compiler holds its wgmma descriptors in registers across the walk.
 - **A visiting plan instead of a mask over everything.** Outside the kernel, each tile gets the
   range ``[lo, hi)`` of blocks it must visit (from causal bounds, windows, padded keys and
   segment ids), inside it the run ``[a, c)`` of blocks that every row sees whole, and around
