@@ -225,7 +225,7 @@ def dq_call(
                 k_ref, v_ref, seg_ref, (k_ring, v_ring, kseg_ring), (k_ready, v_ready, k_used, v_used, kseg_ready), block_k, shape.group,
                 values_first=key_depth == 1,  # see _produce
             )
-            produce_items(items, order_ref, plan_ref, streams_of, [(k_used, key_depth), (v_used, value_depth)])
+            produce_items(items, order_ref, plan_ref, streams_of, [k_used, v_used])
 
     copies = 5 if segmented else 4
     scratch = (
@@ -412,7 +412,7 @@ def dkv_call(
                     streams.insert(1, (lambda j, r: delta_ref.at[b, head(r), block(j)], delta_ring, delta_ready, None))
                 return streams[-1:] + streams[:-1] if query_depth == 1 else streams  # dO first: see _produce
 
-            produce_items(items, order_ref, plan_ref, streams_of, [(q_used, query_depth), (do_used, do_depth)], repeats=group)
+            produce_items(items, order_ref, plan_ref, streams_of, [q_used, do_used], repeats=group)
 
     tile = smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype)
     scratch = (tile,) * (2 if with_dk else 1) + (

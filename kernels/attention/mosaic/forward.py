@@ -205,7 +205,7 @@ def forward_call(
                 k_ref, v_ref, seg_ref, (k_ring, v_ring, kseg_ring), (k_ready, v_ready, k_used, v_used, kseg_ready), block_k, shape.group,
                 values_transposed=fp8,
             )
-            produce_items(items, order_ref, plan_ref, streams_of, [(k_used, stages), (v_used, stages)])
+            produce_items(items, order_ref, plan_ref, streams_of, [k_used, v_used])
 
     # The 128-byte-swizzled buffers first (each a multiple of 1024 bytes), the small ones last.
     scratch = (smem_tile((buffers, CONSUMERS, WG_ROWS, dim), dtype), smem_tile((2 * stages, block_k, dim), dtype))

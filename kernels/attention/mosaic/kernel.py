@@ -249,11 +249,13 @@ def _produce(
     return steps
 
 
-def _drain(consumed: list[tuple[Any, int]], steps: jax.Array) -> None:
-    """Wait for the consumers' last consumptions of each ``(barrier, depth)``, so every barrier
-    phase is observed before the program's shared memory goes away (the interpreter checks it;
-    on the GPU it is free)."""
-    for barrier, depth in consumed:
+def _drain(consumed: list[Any], steps: jax.Array) -> None:
+    """Wait for the consumers' last consumptions on each barrier array of ``consumed`` (one
+    barrier per slot of its ring, so its length is the ring's depth), so every barrier phase is
+    observed before the program's shared memory goes away (the interpreter checks it; on the GPU
+    it is free)."""
+    for barrier in consumed:
+        depth = barrier.shape[0]
 
         def body(t: jax.Array, carry: Any, barrier: Any = barrier, depth: int = depth) -> Any:
             plgpu.barrier_wait(barrier.at[lax.rem(t, depth)])
@@ -326,11 +328,10 @@ def consume_items(
 
 
 def produce_items(
-    items: Items, order_ref: Any, plan_ref: Any, streams_of: Any, consumed: list[tuple[Any, int]], repeats: int = 1,
+    items: Items, order_ref: Any, plan_ref: Any, streams_of: Any, consumed: list[Any], repeats: int = 1,
 ) -> None:
     """The producer warpgroup's walk: ``streams_of(b, h)`` gives an item's streams (see
-    :func:`_produce`), ``consumed`` the barriers the consumers free ring slots on, each with
-    its ring's depth."""
+    :func:`_produce`), ``consumed`` the barriers the consumers free ring slots on."""
 
     def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         t0, visit = carry[0], Visit(*carry[1:])
