@@ -53,9 +53,11 @@ FP8_DIM = 128  # the head dim the 8-bit forward runs at (dims 65..128 are padded
 def quantize(x: jax.Array) -> tuple[jax.Array, Float[Array, ""]]:
     """``(x8, descale)`` with ``x8 = x / descale`` in ``float8_e4m3fn`` and ``descale = max|x| /
     448`` (1 for an all-zero ``x``, which includes one of subnormal values: XLA flushes them to
-    zero): one factor per tensor."""
+    zero): one factor per tensor. ``descale`` is float32's smallest normal value at least: below
+    it (``max|x|`` under about 5e-36) it would be subnormal, flushed to zero, and ``x / 0`` is no
+    e4m3 value."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    descale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    descale = jnp.where(amax > 0, jnp.maximum(amax / E4M3_MAX, jnp.finfo(jnp.float32).tiny), 1.0)
     return (x.astype(jnp.float32) / descale).astype(FP8), descale
 
 
