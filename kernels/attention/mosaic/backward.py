@@ -176,7 +176,8 @@ def dq_call(
                     return (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
 
                 def step(j: jax.Array, t: jax.Array, dq: jax.Array, kind: Mask) -> jax.Array:
-                    slot, value_slot = lax.rem(t, key_depth), lax.rem(t, value_depth)
+                    # A one-slot ring's slot is a constant: per_step keeps its descriptors in the step too.
+                    slot, value_slot = per_step(lax.rem(t, key_depth)), per_step(lax.rem(t, value_depth))
                     tile = per_step(buf)
                     my_q, my_do = q_smem.at[tile, wg], do_smem.at[tile, wg]
                     segments = segments_of(slot, kind)
@@ -328,7 +329,8 @@ def dkv_call(
 
                 def step(r: jax.Array, j: jax.Array, t: jax.Array, acc: dict[str, jax.Array], kind: Mask) -> dict[str, jax.Array]:
                     acc = dict(acc)
-                    slot, do_slot = lax.rem(t, query_depth), lax.rem(t, do_depth)
+                    # A one-slot ring's slot is a constant: per_step keeps its descriptors in the step too.
+                    slot, do_slot = per_step(lax.rem(t, query_depth)), per_step(lax.rem(t, do_depth))
                     tile = per_step(buf)
                     my_k, my_v = k_smem.at[tile, wg], (v_smem.at[tile, wg] if with_dk else None)
                     for barrier in (lse_ready,) + ((delta_ready,) if with_dk else ()) + ((qseg_ready,) if segmented else ()):
