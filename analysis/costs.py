@@ -69,7 +69,7 @@ _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]
 
 # The attributes the parser skips, read straight from the text: one scan per attribute, each
 # pattern starting with a literal (which the regex engine finds by a fast search; an alternation
-# of the four would be tried at every character, twice as slow).
+# of the four would be tried at every character, slower).
 _GTE_INDEX = re.compile(r"get-tuple-element\([^()\n]*\), index=(\d+)")
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")

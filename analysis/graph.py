@@ -507,9 +507,9 @@ def _add_data_edges(graph: nx.DiGraph, names: list[str], incoming: list[list[fro
     graph's biggest cost. Edges are added grouped by their head, tails in uid order, so the
     adjacency dicts being filled stay close together in memory (several times faster than
     inserting in hash order); for a plain ``DiGraph`` they are written straight into its
-    adjacency dicts, as ``add_edges_from`` itself does, without its per-edge checks (about twice
-    as fast), each site's successor dict looked up once rather than once per edge. Each edge
-    still gets its own attribute dict.
+    adjacency dicts, as ``add_edges_from`` itself does, without its per-edge checks (faster
+    still; ``bench/bench_analysis.py`` times the graph), each site's successor dict looked up
+    once rather than once per edge. Each edge still gets its own attribute dict.
     """
     plain = _plain(graph)
     if plain is None:

@@ -99,7 +99,8 @@ def parse_hlo(text: str) -> HloModule:
         raise HloParseError("empty HLO text", 0, "")
     parser = Parser(text, MAX_ATTRIBUTE_CHARS)
     # The parse allocates one object graph without reference cycles; letting the
-    # cycle collector walk it again and again while it grows costs ~20% of the time.
+    # cycle collector walk it again and again while it grows costs a good share of the time
+    # (bench/bench_analysis.py times the parse).
     collecting = gc.isenabled()
     gc.disable()
     try:

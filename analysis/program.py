@@ -280,7 +280,7 @@ def bracket_depth(text: str) -> tuple[int, int]:
     each); the ``>`` of ``->`` closes nothing. The count never goes below zero, so closing
     brackets (in a string, say) cannot hide the openers after them. Brackets inside strings count
     too: real programs keep them balanced there, so the bound only errs towards refusing hostile
-    text. Vectorised over the UTF-8 bytes, in chunks: a 100 MB text takes about two seconds.
+    text. Vectorised over the UTF-8 bytes, in chunks: linear in the text, and quick.
     """
     data = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
     deepest = deepest_at = 0

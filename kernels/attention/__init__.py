@@ -115,18 +115,18 @@ _BWD_TILES = ((64, 64, 4, 2), (64, 64, 4, 1), (128, 64, 8, 2), (64, 32, 4, 2), (
 # Mosaic GPU tiles: forward (kv block, stages); backward (q block, kv block) with 2 stages.
 _MOSAIC_FWD = ((128, 2), (64, 3))
 # With segment ids the plain schedule on 64-key blocks ran the Mosaic forward fastest at the
-# example model's packed shape (1.08-1.11x the default in three runs on the H100, where
-# ping-pong on those blocks ran 1.05-1.08x; bench_attention.py section f); without them
-# ping-pong led at every shape measured. (kv block, stages, schedule).
+# example model's packed shape (ahead of the default and of ping-pong on those blocks); without
+# them ping-pong led at every shape measured (bench_attention.py section f; figures in
+# bench/RESULTS.md). (kv block, stages, schedule).
 _MOSAIC_FWD_SEGMENTS = ((64, 3, "plain"),)
 # Above head dim 64 the pipelined schedule (each consumer's softmax beside its own products) ran
-# the causal D128 forward 0.99x, 1.03x, 1.00x and 1.04x ping-pong in four runs on the H100, and
-# 0.87-0.99x at dim 64: a candidate where it can win, for the tuner to time in context.
+# the causal D128 forward level with ping-pong or a little ahead, and slower at dim 64
+# (bench_attention.py section f): a candidate where it can win, for the tuner to time in context.
 _MOSAIC_FWD_WIDE = ((128, 2, "pipelined"),)
 _MOSAIC_BWD = ((64, 128, None, 2), (128, 64, None, 2), (64, 64, None, 2))
 # Above head dim 128 the kernels take their own tiles, under these schedules: the pipelined one
-# ran the causal B2 S4096 H8 D256 forward in 0.227 ms against ping-pong's 0.270 (H200, one
-# process; 0.339 cuDNN) once each step picked its query tile (.mosaic.kernel.per_step).
+# ran the causal B2 S4096 H8 D256 forward faster than ping-pong once each step picked its query
+# tile (.mosaic.kernel.per_step; bench_attention.py section d, figures in bench/RESULTS.md).
 _MOSAIC_FWD_SCHEDULES_256 = ("pingpong", "pipelined")
 
 
@@ -282,11 +282,10 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         ]
         if q.shape[3] > 128:  # none of those fit shared memory: the kernels' own tiles do
             mosaic = [AttentionConfig("mosaic", fwd_schedule=schedule) for schedule in _MOSAIC_FWD_SCHEDULES_256]
-        # Where the Mosaic kernels run, the Triton ones beat them nowhere we measured: over 14 shapes
-        # Mosaic ran 1.16x to 1.70x Triton's speed, forward and forward+backward (H100,
-        # bench_attention.py sections a-e). Their 30 tiles would only
-        # cost tuning time (one Triton backward compiled for 267 s at 16:1 grouped heads). Still
-        # selectable by config.
+        # Where the Mosaic kernels run, the Triton ones beat them nowhere we measured: Mosaic ran
+        # faster at every shape, forward and forward+backward (bench_attention.py sections a-e;
+        # figures in bench/RESULTS.md). Their 30 tiles would only cost tuning time (one Triton
+        # backward compiled for minutes at 16:1 grouped heads). Still selectable by config.
         pairs = () if on_hopper() and mosaic_supports(q.dtype, q.shape[3]) else itertools.product(_FWD_TILES, _BWD_TILES)
         pallas = [AttentionConfig("pallas", FwdParams(*fwd), BwdParams(*bwd)) for fwd, bwd in pairs]
         # cuDNN's packed layout where the call gives the most documents in a row, which sizes it.
@@ -299,7 +298,7 @@ class AttentionKernel(Kernel[AttentionConfig, jax.Array]):
         # Before them, where a call gives its packed documents' count, cuDNN's packed layout: it
         # skips the block pairs across documents that the dense mask walks. Each is confirmed
         # against the one kept before it: at the example model's packed shape the Mosaic kernels
-        # now pass cuDNN's packed layout in the step (0.81 ms, H200, bench_model.py --packed).
+        # now pass cuDNN's packed layout in the step (bench_model.py --packed; bench/RESULTS.md).
         q = inv.args[0]
         packed = AttentionConfig("cudnn_packed")
         prior = [packed] if self.candidate_is_valid(inv, packed) else []

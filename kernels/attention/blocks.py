@@ -27,9 +27,9 @@ Cost: the overlap test runs over all ``n_q x n_k`` block pairs, as compares fuse
 reductions (``argmax`` for the first and last overlap). That is a handful of small device
 kernels and no loop: a binary search over sorted running extremes needs fewer operations on
 paper, but as a device loop it syncs with the host at every step (with such loops, the
-segment-id forward ran about 0.8 ms over what its share of the work predicts on the H100,
-B4 S4096 H16 D128, several times the attention itself), and unrolled it is dozens of kernels. ``n_q x n_k`` stays small: 2^21
-pairs per row at 128k tokens with 128 x 64 blocks.
+segment-id forward at B4 S4096 H16 D128 ran over what its share of the work predicts by
+several times the attention itself, on the H100), and unrolled it is dozens of kernels.
+``n_q x n_k`` stays small: 2^21 pairs per row at 128k tokens with 128 x 64 blocks.
 
 Uniform blocks: ``q_uniform[b, i]`` is the id shared by every token of the block when that id is
 positive, else -1 (a block with any padding token, or two segments, is not uniform). A query

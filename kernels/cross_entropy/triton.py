@@ -6,11 +6,13 @@ Each forward program takes ``block_tokens`` rows and walks the vocabulary in chu
 label's logit on the way; a row's logits are read once and the float32 softmax never exists in
 memory. The forward keeps each token's log-sum-exp (``[tokens]`` floats) for the backward, a
 second kernel that writes ``(softmax - onehot) * cotangent`` tile by tile: two reads of the
-logits and one write in all, as XLA's program (H100: 0.87x XLA while the backward recomputed
-the log-sum-exp, a third read). The vocabulary is padded to whole chunks and the padding masked
-out of the log-sum-exp. With ``ignore_index`` set the kernels ignore labels outside the
-vocabulary (loss 0, no gradient); without, such a label picks no logit (loss: the log-sum-exp,
-gradient: the softmax's), as the XLA path's gather reads it, and the caller makes the loss NaN.
+logits and one write in all, as XLA's program (slower than XLA while the backward recomputed
+the log-sum-exp, a third read; ``bench/bench_kernels.py``, cross-entropy, times both against
+each other, figures in ``bench/RESULTS.md``). The vocabulary is padded to whole chunks and the
+padding masked out of the log-sum-exp. With ``ignore_index`` set the kernels ignore labels
+outside the vocabulary (loss 0, no gradient); without, such a label picks no logit (loss: the
+log-sum-exp, gradient: the softmax's), as the XLA path's gather reads it, and the caller makes
+the loss NaN.
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ Implementations, chosen by :class:`LinearCrossEntropyConfig.impl`:
   vocabulary, the gradient computed with the loss while a chunk's logits are at hand and
   factored around the plain program's products (:mod:`.xla_chunked_tokens`).
 - ``"chunked_tokens_triton"``: the same chunks, each chunk's logits read once by a kernel on
-  Pallas's Triton backend that writes the gradient over them (:mod:`.triton`). H100: 1.32-1.33x
-  the plain program at 0.119 of its memory with chunks of 4096 tokens, 1.37-1.38x at 8192,
-  1.23-1.25x at 2048 with 0.078. Interpreted off the GPU (correct, slow).
+  Pallas's Triton backend that writes the gradient over them (:mod:`.triton`): faster than the
+  plain program at a small fraction of its memory, and faster with larger chunks
+  (``bench/bench_linear_cross_entropy.py``; figures in ``bench/RESULTS.md``). Interpreted off
+  the GPU (correct, slow).
 
 No Pallas kernel for the products: the backward's two products reduce over different axes
 (``d_hidden`` over the vocabulary, ``d_weight`` over the tokens), so a kernel walking (token
@@ -32,8 +33,8 @@ x 128 blocks, 128 float32 partials of ``768 x 128`` per vocabulary block: 12.6 G
 reduce-adds, the kind of traffic that made the fused attention backward lose) or rebuilt in a
 second kernel (a fourth pass of the matmul, a third more than the plain program's three).
 ``chunked_tokens`` runs the plain program's three passes with one chunk of logits at a time
-and, factored, two passes over them besides the products (H100: 1.27-1.30x the plain program
-at chunks of 8192 tokens, 1.23-1.31x at 4096, 1.18-1.25x at 2048 with 0.119 of its memory).
+and, factored, two passes over them besides the products (faster than the plain program at a
+fraction of its memory, and faster with larger chunks; same benchmark).
 
 Tokens labelled ``ignore_index`` get loss 0 and no gradient. The reduction (``"mean"`` over the
 tokens that count, ``"sum"`` or ``"none"``) is part of the call: its one home is

@@ -13,9 +13,9 @@ vocab]`` gradient its two products read. Written in XLA that is two passes over 
 its blocks keeps the online max, the sums of exponentials (all, and off the label) and the
 sum of logits (the label's logit is one load); a second walk (the row's 64 KB were just
 read, so from the L2 cache) writes the gradient over ``z``: the output aliases ``z``'s
-buffer, one ``[chunk, vocab]`` array in all. H100: 18-19%
-faster than the XLA passes it replaces (+244 us over a 4096-token chunk's product against
-+302), and half their memory.
+buffer, one ``[chunk, vocab]`` array in all: faster than the XLA passes it replaces, and half
+their memory (``bench/bench_linear_cross_entropy.py``, the rows kernel's rows against the token
+chunks'; figures in ``bench/RESULTS.md``).
 
 Per token, with capped logits ``c = cap(z)`` (``cap * tanh(z / cap)`` or ``z``), the cap's
 derivative ``cg = 1 - (c / cap)^2``, ``p = softmax(c)``, label ``y``, smoothing ``eps`` and
@@ -40,8 +40,8 @@ boxes of at most 256 elements a side, rows 16-byte aligned: a row would need a `
 view padded to 128 rows and a reduction across warps written by hand, and a vocabulary that
 is not a multiple of 8 could not be copied at all. The kernel is bound by its arithmetic per
 element (it ran as fast on an H200, with 1.4x the H100's memory bandwidth; ``exp2`` for
-``exp`` and one load for the label's logit made it 15% faster), never by the
-tensor cores Mosaic GPU exists to reach.
+``exp`` and one load for the label's logit made it faster), never by the tensor cores Mosaic
+GPU exists to reach.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ recomputes the chunks instead.
 Written in XLA, a chunk holds two ``[chunk, vocab]`` arrays, the logits and ``e``: XLA writes
 ``e`` beside the logits, not over them, and fuses it into neither product (three variants
 tried). One XLA pass over the logits would do, shifting each row by its label's logit instead
-of its max (7-9% faster), but that is exact only while the label lies within ~40 nats of the
+of its max (faster), but that is exact only while the label lies within ~40 nats of the
 max, and redoing the other rows costs more than the pass saves in every form XLA offers, a loop
 whose count the host reads or a conditional that copies ``e``; the rows kernel
 (:mod:`.triton`) keeps the max online instead.
@@ -75,11 +75,11 @@ def factored_chunk(
     ``p_y - 1`` with no cancellation before its rounding to ``dtype`` (``g p_y`` rounded with
     ``-g`` added beside it keeps the rounding of ``g p_y``: d_weight 10% off at p = 0.996, 96% at
     p = 0.99998; test_confident_predictions_keep_their_gradient). In an untrained model this
-    entry, ``-(s - e_y)``, is the row's largest and its rounding shows in ``d_hidden`` (H100,
-    [16384, 768] x [768, 32000]: 2.3e-3 of float32 against 1.7e-3 for the plain program, whose
-    ``p_y - 1`` is close to -1, nearly exact in bf16); writing ``p`` instead needs the sum
-    before the dense pass, which ran 2-4% slower. The log-sum-exp is not ``jax.nn.logsumexp``: on
-    the H100 that form ran the whole loss 1.09x slower."""
+    entry, ``-(s - e_y)``, is the row's largest and its rounding shows in ``d_hidden`` (further
+    from float32 than the plain program's, whose ``p_y - 1`` is close to -1, nearly exact in
+    bf16; the error columns of ``bench/bench_linear_cross_entropy.py``); writing ``p`` instead
+    needs the sum before the dense pass, which ran slower. The log-sum-exp is not
+    ``jax.nn.logsumexp``: on the H100 that form ran the whole loss slower."""
     eps, vocab = loss.label_smoothing, z.shape[1]
     capped = loss.logit_soft_cap is not None
     picked = jnp.take_along_axis(z, labels[:, None], axis=-1)[:, 0]

@@ -182,7 +182,9 @@ def pad_operands(
     of 128 rows, keys of ``block_k`` and of 128). On the GPU a sequence is padded only to a
     multiple of 8 rows (:data:`_TMA_ROWS`): TMA reads a tile's rows past the end as zeros and does
     not write them back, which is what padding with zeros to whole tiles gave. At B8 S1000 H16
-    D128 those copies in and out took as long as the forward kernel (H100). The interpreter clamps such slices, so there the sequences are padded to whole tiles.
+    D128 those copies in and out took as long as the forward kernel (``bench/bench_attention.py``
+    section e, its odd-length row; ``bench/RESULTS.md``). The interpreter clamps such slices, so
+    there the sequences are padded to whole tiles.
     The segment ids are padded to whole tiles everywhere: they are small, and the padding's ids
     of 0 are the ids the tiles' tails must see. They are clamped at 0 (ids <= 0 all see
     nothing), which the kernels' mask relies on (:func:`.kernel.tile_segments`)."""
@@ -217,10 +219,11 @@ def tile_blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int 
     """``(q block, kv block, stages)`` from launch parameters; unset block sizes get defaults
     that fit shared memory at this head dimension (128-row blocks up to dim 128, 64-key blocks
     above, since a wgmma's contraction takes 64 elements at least) and, in the backward,
-    registers: above dim 64 the dq kernel's tiles of 128 keys spilled 412 bytes per thread and 64
-    keys none (H100: fwd+bwd 5% and 9% faster at dim 128, causal and 4 documents). Since each
-    step picks its tiles (:func:`.kernel.per_step`) no kernel spills at dim 128 (ptxas's report
-    of 2026-11-29, ``bench/ptxas_report.py``, causal); 128 keys were not timed again since.
+    registers: above dim 64 the dq kernel's tiles of 128 keys spilled and 64 keys did not, and
+    fwd+bwd ran faster on 64 at dim 128, causal and with 4 documents (``bench/ptxas_report.py``
+    for the spills; ``bench/bench_attention.py`` times the backward tiles in section g). Since
+    each step picks its tiles (:func:`.kernel.per_step`) no kernel spills at dim 128 (ptxas's
+    report of 2026-11-29, causal); 128 keys were not timed again since.
     Unset stages stay None: each kernel takes :func:`ring_stages` of what it holds."""
     backward = isinstance(params, BwdParams)
     widest = 64 if backward else 128
@@ -263,7 +266,8 @@ def traced_once(fn: Any) -> Any:
     """``fn`` (whose keyword-only arguments are all static) under ``jax.jit``, so every call site
     with the same shapes, arguments and label reuses one trace and one lowering: a model's
     layers then lower each kernel once (the packed example model, 12 layers, lowered for CUDA
-    with jax 0.11.2 on the CPU: 14.6 s traced and lowered before, 2.2 s after). Calls under
+    with jax 0.11.2 on the CPU in a fraction of the time it took before; a one-off measurement,
+    its figures in git history). Calls under
     other XLA metadata (another label; a call's first site, which also carries its description)
     are traced apart, and their Mosaic modules are still equal. Not in the interpreter: its
     simulated warpgroups hung inside the jitted call (CPU, jax 0.10.2)."""
@@ -287,8 +291,9 @@ def mosaic_forward(
 
     ``pingpong`` alternates the two consumer warpgroups between matrix products and softmax
     (see :func:`.forward.forward_call`). On by default: on the H100 (jax 0.11.2) it ran the
-    causal B4 S4096 H16 D128 forward 1.06x and the packed-documents forward 1.08x faster than
-    the plain schedule, in one interleaved run. ``persistent``: at most one program per SM,
+    causal B4 S4096 H16 D128 forward and the packed-documents forward faster than the plain
+    schedule, in one interleaved run (``bench/bench_attention.py`` section f compares the
+    schedules; figures in ``bench/RESULTS.md``). ``persistent``: at most one program per SM,
     each walking several tiles (see :class:`.work.Items`); False: one per tile.
     ``pipelined``: each consumer overlaps its softmax with its own products
     (:func:`.forward.pipelined_walk`); with ``pingpong``, the consumers also take turns to
@@ -302,8 +307,8 @@ def mosaic_forward(
 
 
 # Up to this head dim the backward kernels' consumers take turns by default: at the example
-# model's D64 shapes that ran fwd+bwd 1.02-1.05x the kernels without turns on the H100 (causal
-# GQA and 4 packed documents, bench_attention.py section g, three runs), and at D128 0.99-1.01x.
+# model's D64 shapes (causal GQA and 4 packed documents) that ran fwd+bwd faster than the
+# kernels without turns, and at D128 level (bench_attention.py section g; bench/RESULTS.md).
 BACKWARD_PINGPONG_MAX_DIM = 64
 
 

@@ -3,10 +3,11 @@ kernel over query tiles and a ``dk, dv`` kernel over key/value tiles.
 
 Two other schedules were built, measured slower and removed (their code is in the history
 before this docstring's commit): a fused backward, whose dk/dv kernel added each step's share
-of ``dq`` to a float32 ``dq`` in global memory with TMA reduce-adds (1.56x the split's time at
-causal B4 S4096 H16 D128, 1.07x at the packed model's shape, H100: the reduce-adds were the
+of ``dq`` to a float32 ``dq`` in global memory with TMA reduce-adds (slower than the split at
+causal B4 S4096 H16 D128 and at the packed model's shape, H100: the reduce-adds were the
 cost), and a dq kernel that issued each step's ``q k^T`` with the previous step's ``dq += dS
-k`` (0.86-0.94x forward+backward in four H100 runs, ``bench/RESULTS.md`` section g).
+k`` (slower forward+backward in every H100 run, ``bench/bench_attention.py`` section g). The
+figures are in ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ __all__ = [
 
 # Up to this head dim the dq kernel's softmax runs while the tensor cores compute dP; above it,
 # before dP is issued. Beside dP, the probabilities, dP's accumulator and the 64 x 256 float32 dq
-# exceed a consumer's registers: at head dim 256 the kernel spilled 1352 bytes per thread with
-# the softmax beside dP, 848 with it before, and causal B2 S4096 H8 D256 fwd+bwd ran 2.45 ms
-# against 1.83 (H100). Since each step picks its tiles (kernel.per_step) the registers suffice
-# either way: beside dP the dq kernel ran 0.376 ms against 0.390, but the whole backward 0.980
-# against 0.981 (H200, D256): left as it was.
+# exceed a consumer's registers: at head dim 256 the kernel spilled more with the softmax beside
+# dP than with it before, and causal B2 S4096 H8 D256 fwd+bwd ran slower (H100). Since each step
+# picks its tiles (kernel.per_step) the registers suffice either way: beside dP the dq kernel
+# ran a little faster, but the whole backward level (H200, D256; bench/bench_backward.py, and
+# bench/ptxas_report.py for the spills; figures in bench/RESULTS.md): left as it was.
 SOFTMAX_BESIDE_DP_MAX_DIM = 128
 
 
@@ -91,8 +92,9 @@ def dq_call(
 
     Where :func:`dq_tiles` says so, each item computes its rows' ``delta`` from its tile of
     ``out`` (loaded beside ``q`` and ``dO``) and writes it out: that replaces a reduction over
-    all of ``out`` and ``dO`` before the kernel (18.6 us a layer at the packed model's shape on
-    the H100). Else that reduction runs first and the kernel loads ``delta``.
+    all of ``out`` and ``dO`` before the kernel, a cost paid in every layer (measured at the
+    packed model's shape on the H100). Else that reduction runs first and the kernel loads
+    ``delta``.
     """
     batch, seq_q, heads, dim = q.shape
     dtype = q.dtype
@@ -345,9 +347,9 @@ def dkv_call(
                         if mask is not None:
                             p_t = jnp.where(mask, p_t, 0.0)
                     # dP before the dV product (delta loaded only now): P and dP in float32 die
-                    # into 16-bit P and dS before dV and dK accumulate. Spills at head dim 128
-                    # before kernel.per_step: 108-128 bytes per thread, 120-188 the other way
-                    # round; none since (causal).
+                    # into 16-bit P and dS before dV and dK accumulate. Before kernel.per_step it
+                    # spilled less at head dim 128 than the other way round; nothing since
+                    # (causal; bench/ptxas_report.py).
                     plgpu.barrier_wait(do_ready.at[do_slot])
                     if with_dk:
                         dp_t = mma_new(shape, my_v, do_ring.at[do_slot], transpose_b=True)

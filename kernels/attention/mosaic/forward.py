@@ -71,8 +71,8 @@ def forward_call(
     # and of the ring's key blocks.
     small = (4 * CONSUMERS * WG_ROWS,) + ((4 * buffers * CONSUMERS * WG_ROWS, 4 * stages * block_k) if segmented else ())
     # Results in a buffer of their own (see consume_items) where they fit, above head dim 64:
-    # there the causal D128 forward ran 0.4-1.7% faster with it, in three interleaved runs on
-    # the H100, and the packed D64 forward 0.5-3.1% slower.
+    # there the causal D128 forward ran slightly faster with it, in three interleaved runs on
+    # the H100, and the packed D64 forward slower (bench_attention.py section f's shapes).
     turns = pipelined and pingpong  # the consumers take turns to issue their products
     # The 8-bit forward's results (16 bits) never fit its query tile.
     staged_apart = fp8 or (dim > 64 and buffers == 2 and fits_exactly(3 * tile_bytes, ring_bytes, *small))
@@ -298,9 +298,10 @@ def pipelined_walk(
     zeros (the carry's start) and the key slot just awaited stands in for the value slot that
     does not exist yet, which adds exact zeros. A product issued under a condition made ptxas
     serialize every wgmma of the kernel (its warning C7514: accumulator registers read
-    between the start and the end of a pipeline stage), which made this walk 16-25% slower
-    than the plain one; issued always, it runs as fast as ping-pong at head dim 128 and
-    slower at 64 (``bench/bench_attention.py`` section f), so ping-pong stays the default."""
+    between the start and the end of a pipeline stage), which made this walk slower than the
+    plain one; issued always, it runs as fast as ping-pong at head dim 128 and slower at 64
+    (``bench/bench_attention.py`` section f; figures in ``bench/RESULTS.md``), so ping-pong
+    stays the default."""
     out0, m0, l0 = init
     end = t0 + visit.steps
     p0 = cast(shape, jnp.zeros((WG_ROWS, ring.kv.shape[-2]), ring.kv.dtype), plgpu.Layout.WGMMA)

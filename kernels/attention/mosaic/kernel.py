@@ -78,11 +78,11 @@ def per_step(index: jax.Array) -> jax.Array:
     them across it: 32 registers per tile at head dim 256, beside accumulators that take most
     of a consumer's 240. The barrier (Mosaic lowers it to an empty inline assembly statement
     with side effects) is re-run at every step, so the descriptors are a few integer adds there.
-    At head dim 256 (causal B2 S4096 H8, H200) this took the dq kernel from 0.554 to 0.390 ms
-    and the ``dk`` walk from 0.502 to 0.372 (each holds two such tiles; their spills fell from
-    828 and 704 bytes per thread to 296 and 156) and the pipelined forward from 0.250 to 0.227;
-    at dim 128 no kernel spills any more, and the times moved within 2% (the pipelined forward's
-    4% the other way: 0.518 to 0.540)."""
+    At head dim 256 (causal B2 S4096 H8, H200) this sped up the dq kernel and the ``dk`` walk
+    (each holds two such tiles; their spills fell) and the pipelined forward; at dim 128 no
+    kernel spills any more, and the times barely moved (the pipelined forward's the other way).
+    ``bench/bench_backward.py`` times the kernels, ``bench/ptxas_report.py --dims 128,256``
+    reports the spills; figures in ``bench/RESULTS.md``."""
     return lax.optimization_barrier(index)
 
 
@@ -105,8 +105,9 @@ def visibility(
     are bound by their instructions: positions compare the column index with a limit of its
     row (the row index shifted by the blocks' starts), and the ids compare for equality alone
     (padding never matches, see :func:`tile_segments`). At the example model's packed shape
-    (4 random documents, H200) this ran the forward 1.34x and forward+backward 1.08x faster
-    than absolute positions and ``(q == k) & (q > 0)``. A loop-invariant ``column - row``
+    (4 random documents, H200; ``bench/bench_attention.py`` section c) this ran the forward and
+    forward+backward faster than absolute positions and ``(q == k) & (q > 0)`` (figures in
+    ``bench/RESULTS.md``). A loop-invariant ``column - row``
     instead sped the forward less and slowed the backward: the dq kernel holds it across its
     walk, in registers it did not have."""
     r = cast(shape, lax.broadcasted_iota(jnp.int32, (rows, cols), 0), plgpu.Layout.WGMMA)
@@ -225,7 +226,8 @@ def _produce(
     (rings of one kernel may differ, see :func:`.budget.ring_depths`). With one stage the
     kernels put first the stream their consumers free mid-step (values in the dq kernel, ``dO``
     in the dk walk), so its next block loads during the rest of the step, not after it:
-    fwd+bwd 2.8% faster at causal B2 S4096 H8 D256 on the H100.
+    fwd+bwd faster at causal B2 S4096 H8 D256 on the H100 (``bench/bench_attention.py``
+    section d's shape).
     The planned blocks are walked ``repeats`` times, ``r`` counting the walks (the query heads
     of a group in the backward). ``offset`` counts the steps of the program's earlier items:
     the ring runs on across items.
@@ -282,9 +284,9 @@ def consume_items(
     results into the buffer's shared memory and starts their copies out. With two buffers the
     next item's tile is requested as soon as this one has arrived (once the previous item's
     results have left the other buffer), so it loads during this item's walk; with one buffer
-    it follows the results. Requesting it early instead of after the walk took the wait for a
-    tile from about 3000 SM cycles per item to 140 (H100, profiled), at the
-    price of waiting for the previous item's results to leave (about 500).
+    it follows the results. Requesting it early instead of after the walk all but removed the
+    wait for a tile (H100, profiled), at the price of a shorter wait for the previous item's
+    results to leave.
     With ``staged_apart`` the results have a shared-memory buffer of their own, so the next
     tile is requested without that wait, and the results' buffer is checked free just before
     the next write, a whole walk later.
@@ -444,7 +446,8 @@ def interpret_params() -> Any:
 
 
 # 24 x 128 + 2 x 240 x 128 = 64512 of the SM's 65536 registers. The producer only issues copies;
-# 240 rather than 232 per consumer cut the dk/dv kernel's spills at head dim 128 by a fifth.
+# 240 rather than 232 per consumer cut the dk/dv kernel's spills at head dim 128
+# (bench/ptxas_report.py).
 CONSUMER_REGISTERS = 240
 PRODUCER_REGISTERS = 24
 

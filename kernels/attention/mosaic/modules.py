@@ -5,11 +5,11 @@ hash of the module's bytecode, and the compiled kernels are cached by that hash.
 stamps every module it lowers with ``mosaic_gpu.dump_basename = "<name>_<n>"``, ``n`` a
 process-wide counter kept for naming dump files, before the hash is taken. Every launch of a
 kernel then gets its own module: the packed example model's 12 attention layers lowered to 36
-modules for 3 kernels on the H100 (jax 0.11.2), compiled one by one (65 s against 2.5 s for
-the plain step). Later JAX releases delete the attribute before
-hashing; :func:`share_modules_across_call_sites` does the same for the releases that do not, by
-wrapping the lowering rule of the Mosaic GPU custom call. The attribute only names dump files
-(``MOSAIC_GPU_DUMP_*`` options), so removing it changes no kernel.
+modules for 3 kernels on the H100 (jax 0.11.2), compiled one by one, many times the plain
+step's compile time (a one-off measurement, its figures in git history). Later JAX releases
+delete the attribute before hashing; :func:`share_modules_across_call_sites` does the same for
+the releases that do not, by wrapping the lowering rule of the Mosaic GPU custom call. The
+attribute only names dump files (``MOSAIC_GPU_DUMP_*`` options), so removing it changes no kernel.
 """
 
 from __future__ import annotations

@@ -105,14 +105,12 @@ def visit_plan(
     ``[u_lo, u_hi)`` are the blocks holding the row block's one segment and no other id
     (:func:`uniform_block_ranges`): there the segment ids mask nothing, so a block that needs a
     mask may take the positions' alone (where the kernels give it a loop, see
-    :func:`mask_loops`). On the H100, head dim 128, a document's diagonal block took 6925
-    cycles with the segment ids' mask, against 4168 for a causal diagonal without segment ids
-    (profiled).
+    :func:`mask_loops`). On the H100, head dim 128, a document's diagonal block took much
+    longer with the segment ids' mask than a causal diagonal without segment ids (profiled).
 
     The positional plan depends on static sizes only, so it is computed while tracing and
     enters the program as a constant (see :func:`while_tracing`): on the device it cost a call
-    a dozen small kernels (about 10 us before the causal forward, 35 us around forward and
-    backward; H100)."""
+    a dozen small kernels, before the causal forward and around forward and backward (H100)."""
     with jax.ensure_compile_time_eval():  # [6, 1, row blocks]
         positional = plan_from_tables(*positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose))
     plan_shape = (positional.shape[0], batch, rows // block_r)
@@ -192,10 +190,10 @@ class Visit(NamedTuple):
 
 # Up to this head dim, blocks masked by positions alone get a loop of their own beside those that
 # need the segment ids' mask (see mask_loops). The third copy of a step costs registers: at head
-# dim 128 the kernels spilled with it (forward 68 bytes per thread, dq 20, dk/dv 180 against 0,
-# 0, 116 without) and ran 2-3% slower (4 documents of 1024 tokens); at 64 the packed model's
-# shape ran 5-10% faster with it (H100). Measured before kernel.per_step freed the registers
-# each walk held for its tiles' descriptors; not measured again since.
+# dim 128 the kernels spilled more with it (bench/ptxas_report.py --segments) and ran slower
+# (4 documents of 1024 tokens); at 64 the packed model's shape ran faster with it (H100; the
+# shapes of bench_attention.py sections b and c). Measured before kernel.per_step freed the
+# registers each walk held for its tiles' descriptors; not measured again since.
 POSITIONS_APART_MAX_DIM = 64
 
 

@@ -31,12 +31,13 @@ __all__ = [
 class Items:
     """A kernel's work as items (one tile of one head of one batch row) dealt to persistent programs.
 
-    With one program per tile, a tile cost a fixed 11.7 us on the H100 (start, its tile's
-    load, filling the ring, writing out), about seven blocks' work, which
-    short documents cannot hide. So ``programs`` (one per SM) each walk several items: the
-    producer streams the next item's blocks while the consumers finish the current one, the
-    next tile loads while the current results are written, and each item's place and plan are
-    read one item ahead (8.6 us per tile measured with the first two of these). ``order [count]``
+    With one program per tile, a tile cost a fixed time (start, its tile's load, filling the
+    ring, writing out), several blocks' work, which short documents cannot hide (H100;
+    ``bench/bench_attention.py`` section i shows what a tile costs beside its blocks). So
+    ``programs`` (one per SM) each walk several items: the producer streams the next item's
+    blocks while the consumers finish the current one, the next tile loads while the current
+    results are written, and each item's place and plan are read one item ahead (the first two
+    of these already cut a tile's fixed cost). ``order [count]``
     lists the items (see :func:`work_order`); programs take them from the snake's positions
     (``p``, then ``2P - 1 - p``, ...), where the order puts a similar mix of long and short
     items for every program: the snake's own pairing, or with few rounds a deal by load.
@@ -124,12 +125,13 @@ def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
     ``batch_row_bytes``: what the items of one batch row stream (its keys and values, say).
     Costliest first over every row, a round of 132 items held one tile of each of 132 heads at
     1024-token documents, so no two programs read the same blocks and the forward waited on HBM
-    (0.266 ms against 0.177 in sections, H100, B16 S1024 H16 D128).
+    (slower than in sections at B16 S1024 H16 D128, section b's documents as rows in
+    ``bench/bench_attention.py``).
     Sections cut the items in id order (batch row, tile, head) into runs of whole pairs of
     rounds (at row tiles' starts), about the rows that fit in :data:`L2_SECTION_BYTES`
     (:func:`section_length`); costliest first within a run of two rounds dealt in snake
     order, every program gets one long and one short item (sections of whole heads instead
-    left programs up to 20% apart, causal S4096). Ties keep id order, as before
+    left programs well apart, causal S4096). Ties keep id order, as before
     sections: the heads of one tile together. ``batch_row_bytes=0``: one section."""
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
@@ -138,8 +140,8 @@ def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
     # The sort runs over row tiles (every head of one tile of one row; on the device each
     # sorted element costs time before the kernel starts), each in the section of its first
     # item: sections of whole row tiles would drift from whole pairs of rounds, and the
-    # balance with them (B16 S1024 H16 D128 forward and backward: 1.03 ms against 0.90 with
-    # sections cut at items; the dk/dv kernel's items moved).
+    # balance with them (B16 S1024 H16 D128 forward and backward ran slower than with sections
+    # cut at items; the dk/dv kernel's items moved).
     section = jnp.arange(batch * tiles, dtype=jnp.int32) * heads // length
     # One key: section first, then the most blocks (costs lie in [0, most)).
     most = jnp.max(cost, initial=0) + 1
@@ -148,7 +150,8 @@ def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
 
 
 # Jitted: a plan known while tracing deals its items then, in one compiled step rather than op by
-# op (2.5 s to 0.5 s the first time at 512 items); inside a traced call it is part of the program.
+# op (several times faster the first time at 512 items); inside a traced call it is part of the
+# program.
 @functools.partial(jax.jit, static_argnames="programs")
 def balance_rounds(ranked: Int[Array, "items"], cost: Int[Array, "items"], programs: int) -> Int[Array, "items"]:
     """``ranked`` (each round of ``programs`` items costliest first, as :func:`rank_items`
@@ -158,13 +161,14 @@ def balance_rounds(ranked: Int[Array, "items"], cost: Int[Array, "items"], progr
 
     With few items per program, the snake's fixed pairing left them far apart where item costs
     are spread wide: packed documents of random lengths (B8 S2048, 4 key/value heads, the
-    dk/dv kernel's 512 items on 132 programs) put the busiest program at 1.25-1.54x the mean
-    planned blocks (12 random sets of ids), by load 1.04-1.19x. After each round the programs' loads
-    lie within the costliest item of the rounds so far of each other (the costliest item goes
-    to the least loaded program, a cheaper one to a busier program). The rounds' items stay the
-    same, so do the blocks in flight together (the sections' L2 reuse). Programs are virtual
-    while dealing: those left without an item in a short last round become the programs the
-    snake gives none (:func:`snake_count`)."""
+    dk/dv kernel's 512 items on 132 programs) put the busiest program far above the mean
+    planned blocks, by load close to it (``bench/bench_work_order.py``, figures in
+    ``bench/RESULTS.md``; ``tests/test_mosaic_work.py`` checks one set of ids). After each
+    round the programs' loads lie within the costliest item of the rounds so far of each other
+    (the costliest item goes to the least loaded program, a cheaper one to a busier program).
+    The rounds' items stay the same, so do the blocks in flight together (the sections' L2
+    reuse). Programs are virtual while dealing: those left without an item in a short last
+    round become the programs the snake gives none (:func:`snake_count`)."""
     count = ranked.shape[0]
     rounds = -(-count // programs)
     slots = rounds * programs
@@ -219,6 +223,6 @@ def deal_items(
     if not segmented and batch * kv_heads <= programs // 2:
         # Every head plans the same blocks: costliest first, each round already holds two tiles
         # of every key/value head, and sections only cost balance (causal S4096: the forward
-        # 1-7% slower in sections).
+        # slower in sections).
         batch_row_bytes = 0
     return Items(count, programs, heads, tiles), work_order(plan, heads, programs, batch_row_bytes=batch_row_bytes)
