@@ -70,17 +70,19 @@ _LOAD_INDEX_OPTIONAL = _LOAD_INDEX is None or _LOAD_INDEX.default is not inspect
 
 def per_step(index: jax.Array) -> jax.Array:
     """``index``, hidden from the compiler's loop-invariant code motion, for a walk's step to
-    pick the item's tile with (``tiles.at[per_step(buf), wg]``) before passing it to a product.
+    pick the item's tile with (``tiles.at[per_step(buf), wg]``), or a ring's slot, before
+    passing it to a product.
 
     A wgmma reads its shared-memory operands through descriptors, one per 16-wide slice of the
     contraction (16 at head dim 256, each 64 bits). Picked once per item, a tile's descriptors
     are the same at every step of its walk, and LLVM computes them all before the loop and holds
     them across it: 32 registers per tile at head dim 256, beside accumulators that take most
-    of a consumer's 240. The barrier (Mosaic lowers it to an empty inline assembly statement
-    with side effects) is re-run at every step, so the descriptors are a few integer adds there.
-    At head dim 256 (causal B2 S4096 H8, H200) this sped up the dq kernel and the ``dk`` walk
-    (each holds two such tiles; their spills fell) and the pipelined forward; at dim 128 no
-    kernel spills any more, and the times barely moved (the pipelined forward's the other way).
+    of a consumer's 240. A one-slot ring's slot (``rem(t, 1)``) is such a constant too. The
+    barrier (Mosaic lowers it to an empty inline assembly statement with side effects) is re-run
+    at every step, so the descriptors are a few integer adds there. At head dim 256 this sped up
+    the dq kernel and the ``dk`` walk (each holds two such tiles and a one-slot ring; their
+    spills all but vanished) and the pipelined forward; at dim 128 no kernel spills, and the
+    times barely moved (the pipelined forward's the other way).
     ``bench/bench_backward.py`` times the kernels, ``bench/ptxas_report.py --dims 128,256``
     reports the spills; figures in ``bench/RESULTS.md``."""
     return lax.optimization_barrier(index)
