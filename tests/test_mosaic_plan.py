@@ -164,3 +164,32 @@ def test_block_mask_is_the_dense_mask(
         expected = visible[q0 : q0 + rows, k0 : k0 + cols]
     mask = visibility(shape, jnp.int32(q0), jnp.int32(k0), rows, cols, segments, transpose=transpose)
     np.testing.assert_array_equal(np.asarray(mask), expected)
+
+
+def test_known_plans_are_folded_by_one_program_and_the_rest_traced() -> None:
+    # A result known while tracing enters the program as a constant, computed by one compiled
+    # program kept for its shapes and static arguments; a traced input, or a result past
+    # MAX_CONSTANT elements, is traced into the caller's program.
+    traced: list[int] = []
+
+    def double_plus(x: jax.Array, *, offset: int) -> jax.Array:
+        traced.append(offset)  # once per trace
+        return 2 * jnp.asarray(x) + offset
+
+    x = np.arange(6, dtype=np.int32)
+    first = mplan.folded(double_plus, x, elements=6, offset=1)
+    again = mplan.folded(double_plus, x + 1, elements=6, offset=1)
+    assert isinstance(first, np.ndarray) and first.tolist() == (2 * x + 1).tolist() and again.tolist() == (2 * x + 3).tolist()
+    assert traced == [1]  # the same shapes and static arguments: compiled once
+    assert mplan.folded(double_plus, x, elements=6, offset=2).tolist() == (2 * x + 2).tolist() and traced == [1, 2]
+    seen: dict[str, Any] = {}
+
+    def outer(y: jax.Array) -> jax.Array:
+        seen["known"] = mplan.folded(double_plus, x, elements=6, offset=1)
+        seen["traced"] = mplan.folded(double_plus, y, elements=6, offset=1)
+        seen["large"] = mplan.folded(double_plus, x, elements=mplan.MAX_CONSTANT + 1, offset=1)
+        return seen["traced"] + seen["known"] + seen["large"]
+
+    assert jax.jit(outer)(x).tolist() == (3 * (2 * x + 1)).tolist()
+    assert isinstance(seen["known"], np.ndarray)
+    assert isinstance(seen["traced"], jax.core.Tracer) and isinstance(seen["large"], jax.core.Tracer)

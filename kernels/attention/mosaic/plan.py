@@ -17,11 +17,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import math
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Int
 
@@ -30,7 +33,7 @@ from ..masks import Window
 
 __all__ = [
     "CONSUMERS", "MAX_CONSTANT", "POSITIONS_APART_MAX_DIM", "TILE", "WG_ROWS", "Mask", "Shape", "Visit", "mask_loops",
-    "plan_from_tables", "positional_visibility", "visit_plan", "walk", "while_tracing",
+    "folded", "plan_from_tables", "positional_plan", "positional_visibility", "visit_plan", "walk",
 ]
 
 WG_ROWS = 64  # rows of a tile one consumer warpgroup owns: the M of one wgmma
@@ -89,11 +92,31 @@ def plan_from_tables(some: jax.Array, every: jax.Array) -> Int[Array, "6 batch b
 MAX_CONSTANT = 1 << 16  # int32 elements of a plan or an order that may enter a program as a constant
 
 
-def while_tracing(elements: int) -> Any:
-    """A context computing what it can while tracing, so that it enters the program as a
-    constant, for results of at most :data:`MAX_CONSTANT` elements; larger ones (a batch of
-    hundreds of long rows) are left to the device rather than swell the program."""
-    return jax.ensure_compile_time_eval() if elements <= MAX_CONSTANT else contextlib.nullcontext()
+@functools.lru_cache(maxsize=1024)
+def _compiled(fn: Callable[..., Any], static: tuple[tuple[str, Any], ...], avals: tuple[jax.ShapeDtypeStruct, ...]) -> Any:
+    return jax.jit(fn, static_argnames=tuple(name for name, _ in static)).lower(*avals, **dict(static)).compile()
+
+
+def folded(fn: Callable[..., jax.Array], *arrays: Any, elements: int, **static: Hashable) -> Any:
+    """``fn(*arrays, **static)``, computed while tracing so that it enters the caller's program
+    as a constant (a NumPy array), when every array is known then and the result has at most
+    :data:`MAX_CONSTANT` elements; larger ones (a batch of hundreds of long rows) and results
+    of traced arrays (segment ids) are traced into the caller's program instead.
+
+    Computed as one compiled program, kept for its shapes and ``static`` arguments, outside
+    every trace: under ``jax.ensure_compile_time_eval`` each operation was compiled on its own
+    (a ``jax.jit`` inside it too, its inputs being known), and a differentiated call's plans
+    and work orders took seconds of its tracing."""
+    if elements <= MAX_CONSTANT and not any(isinstance(a, jax.core.Tracer) for a in arrays):
+        avals = tuple(jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in arrays)
+        return np.asarray(_compiled(fn, tuple(sorted(static.items())), avals)(*arrays))
+    return fn(*arrays, **static)
+
+
+def positional_plan(*, rows: int, cols: int, block_r: int, block_c: int, shape: Shape, transpose: bool) -> Int[Array, "6 1 blocks"]:
+    """:func:`plan_from_tables` of :func:`positional_visibility`: one batch row's plan under
+    positions alone."""
+    return plan_from_tables(*positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose))
 
 
 def visit_plan(
@@ -109,13 +132,11 @@ def visit_plan(
     longer with the segment ids' mask than a causal diagonal without segment ids (profiled).
 
     The positional plan depends on static sizes only, so it is computed while tracing and
-    enters the program as a constant (see :func:`while_tracing`): on the device it cost a call
-    a dozen small kernels, before the causal forward and around forward and backward (H100)."""
-    with jax.ensure_compile_time_eval():  # [6, 1, row blocks]
-        positional = plan_from_tables(*positional_visibility(rows, cols, block_r, block_c, shape, transpose=transpose))
+    enters the program as a constant (see :func:`folded`): on the device it cost a call a dozen
+    small kernels, before the causal forward and around forward and backward (H100)."""
+    positional = folded(positional_plan, elements=0, rows=rows, cols=cols, block_r=block_r, block_c=block_c, shape=shape, transpose=transpose)
     plan_shape = (positional.shape[0], batch, rows // block_r)
-    with while_tracing(math.prod(plan_shape)):
-        plan = jnp.broadcast_to(positional, plan_shape)
+    plan = folded(jnp.broadcast_to, positional, elements=math.prod(plan_shape), shape=plan_shape)
     if segment_ids is None:
         return plan
     q_rows, k_rows = (cols, rows) if transpose else (rows, cols)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Int
 
-from .plan import Visit, while_tracing
+from .plan import Visit, folded
 
 __all__ = [
     "BALANCED_MAX_ROUNDS", "L2_SECTION_BYTES", "Items", "balance_rounds", "deal_items", "decode_item", "planned_blocks", "program_count",
@@ -97,13 +97,14 @@ def program_count(items: int, persistent: bool) -> int:
 L2_SECTION_BYTES = 32 << 20
 
 
-def section_length(programs: int, row_items: int, batch_row_bytes: int, count: int) -> int:
+def section_length(programs: int, row_items: int, batch_row_bytes: int, count: int, section_bytes: int | None = None) -> int:
     """Items per section of the work order: the items of the batch rows whose streamed bytes
     fit in :data:`L2_SECTION_BYTES` (one row at least), rounded to whole pairs of rounds
-    (``2 * programs`` items)."""
-    if not batch_row_bytes or not L2_SECTION_BYTES:
+    (``2 * programs`` items). ``section_bytes``: :data:`L2_SECTION_BYTES` unless given."""
+    section_bytes = L2_SECTION_BYTES if section_bytes is None else section_bytes
+    if not batch_row_bytes or not section_bytes:
         return count
-    rows = max(L2_SECTION_BYTES // batch_row_bytes, 1)
+    rows = max(section_bytes // batch_row_bytes, 1)
     return 2 * programs * max(round(rows * row_items / (2 * programs)), 1)
 
 
@@ -118,7 +119,7 @@ def planned_blocks(plan: jax.Array) -> Int[Array, "row_tiles"]:
     return (plan[1] - plan[0]).reshape(-1)
 
 
-def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: int = 0) -> Int[Array, "items"]:
+def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: int = 0, section_bytes: int | None = None) -> Int[Array, "items"]:
     """Item ids (see :class:`Items`) in sections that keep the blocks in flight in L2, each
     section's items with the most planned blocks first.
 
@@ -135,7 +136,7 @@ def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
     sections: the heads of one tile together. ``batch_row_bytes=0``: one section."""
     batch, tiles = plan.shape[1:]
     count = batch * tiles * heads
-    length = section_length(programs, tiles * heads, batch_row_bytes, count)
+    length = section_length(programs, tiles * heads, batch_row_bytes, count, section_bytes)
     cost = planned_blocks(plan)
     # The sort runs over row tiles (every head of one tile of one row; on the device each
     # sorted element costs time before the kernel starts), each in the section of its first
@@ -199,16 +200,24 @@ def work_order(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
     (:func:`snake_position`): ranked in sections (:func:`rank_items`), then, up to
     :data:`BALANCED_MAX_ROUNDS` rounds, dealt by load (:func:`balance_rounds`); a constant of
     the program when the plan is one (positions only, see :func:`visit_plan`) and the items
-    few enough (:func:`while_tracing`)."""
+    few enough (:func:`.plan.folded`)."""
     batch, tiles = plan.shape[1:]
-    count = batch * tiles * heads
-    with while_tracing(count):
-        ranked = rank_items(plan, heads, programs, batch_row_bytes=batch_row_bytes)
-        if -(-count // programs) > BALANCED_MAX_ROUNDS:
-            return ranked
-        # Each item's planned blocks, plus one for what every item costs (its tile, its results).
-        cost = planned_blocks(plan)[ranked // heads] + 1
-        return balance_rounds(ranked, cost, programs)
+    # The module's settings are read here, so that a folded order is kept for the ones it used.
+    return folded(
+        _ranked_and_dealt, plan, elements=batch * tiles * heads, heads=heads, programs=programs, batch_row_bytes=batch_row_bytes,
+        section_bytes=L2_SECTION_BYTES, balanced_max_rounds=BALANCED_MAX_ROUNDS,
+    )
+
+
+def _ranked_and_dealt(
+    plan: jax.Array, *, heads: int, programs: int, batch_row_bytes: int, section_bytes: int, balanced_max_rounds: int,
+) -> Int[Array, "items"]:
+    ranked = rank_items(plan, heads, programs, batch_row_bytes=batch_row_bytes, section_bytes=section_bytes)
+    if -(-ranked.shape[0] // programs) > balanced_max_rounds:
+        return ranked
+    # Each item's planned blocks, plus one for what every item costs (its tile, its results).
+    cost = planned_blocks(plan)[ranked // heads] + 1
+    return balance_rounds(ranked, cost, programs)
 
 
 def deal_items(
