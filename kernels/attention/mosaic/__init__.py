@@ -222,8 +222,8 @@ def tile_blocks(params: FwdParams | BwdParams, dim: int) -> tuple[int, int, int 
     registers: above dim 64 the dq kernel's tiles of 128 keys spilled and 64 keys did not, and
     fwd+bwd ran faster on 64 at dim 128, causal and with 4 documents (``bench/ptxas_report.py``
     for the spills; ``bench/bench_attention.py`` times the backward tiles in section g). Since
-    each step picks its tiles (:func:`.kernel.per_step`) no kernel spills at dim 128 (ptxas's
-    report of 2026-11-29, causal); 128 keys were not timed again since.
+    each step picks its tiles (:func:`.kernel.per_step`) no kernel spills at dim 128, and 128
+    keys run level with 64 there and at dim 64 (section g): 64 stays.
     Unset stages stay None: each kernel takes :func:`ring_stages` of what it holds."""
     backward = isinstance(params, BwdParams)
     widest = 64 if backward else 128
