@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for the whole minute, and two workers never compute them twice. Never stopped from here: a
     worker may finish while another still waits for them."""
     worker = getattr(config, "workerinput", {}).get("workerid", "master")
-    if worker not in ("master", "gw0") or not any(item.path.name == "test_sharded.py" for item in items):
+    if config.option.collectonly or worker not in ("master", "gw0") or not any(item.path.name == "test_sharded.py" for item in items):
         return
     path = sharded_facts_path(config)
     path.parent.mkdir(parents=True, exist_ok=True)

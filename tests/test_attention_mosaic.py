@@ -456,12 +456,7 @@ def test_interpreted_backward_above_head_dim_128(races: Callable[[], bool]) -> N
     assert not np.any(np.asarray(grads[1].astype(jnp.float32))[0, seq - 11 :])  # padded keys: dk exactly 0
 
 
-# --------------------------------------------------------------------------------------------
-# GPU (Hopper)
-
-
-
-
+@pytest.mark.slow  # the forward of test_interpreted_backward runs ping-pong too, on 3 tiles of 2 heads
 def test_interpreted_pingpong_forward(races: Callable[[], bool]) -> None:
     # Two query tiles, two documents and padding: the consumers' meetings pair up (a missed
     # one would hang or leave a barrier phase unobserved, which the interpreter reports), and
@@ -499,6 +494,10 @@ def test_interpreted_pipelined_forward(races: Callable[[], bool]) -> None:
     want = jax.nn.logsumexp(jnp.where(visible[:, None], scores, -jnp.inf), axis=-1) / np.log(2.0)
     seen = np.broadcast_to(np.asarray(ids[:, None] > 0), want.shape)
     np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(want)[seen], atol=2e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (Hopper)
 
 
 @pytest.fixture

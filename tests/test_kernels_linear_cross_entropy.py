@@ -76,8 +76,9 @@ def test_values_and_gradients_match_float32(impl: str, options: dict):
 
     cot = jax.random.normal(jax.random.key(5), got.shape)
     loss = lambda f: lambda h, w: jnp.sum(f(h, w) * cot)
-    ours = jax.grad(loss(lambda h, w: linear_cross_entropy(h, w, labels, cfg=CONFIGS[impl], **options)), argnums=(0, 1))(hidden, weight)
-    ref = jax.grad(loss(lambda h, w: reference(h, w, labels, **options)), argnums=(0, 1))(hidden, weight)
+    # Gradients under jit (as a training step takes them; op by op they take several times as long).
+    ours = jax.jit(jax.grad(loss(lambda h, w: linear_cross_entropy(h, w, labels, cfg=CONFIGS[impl], **options)), argnums=(0, 1)))(hidden, weight)
+    ref = jax.jit(jax.grad(loss(lambda h, w: reference(h, w, labels, **options)), argnums=(0, 1)))(hidden, weight)
     for g, r in zip(ours, ref):
         assert_close(g, r, jnp.float32)
     if options.get("ignore_index", -100) is not None:
@@ -91,9 +92,9 @@ def test_bf16_inputs_and_odd_sizes():
         got = linear_cross_entropy(hidden, weight, labels, cfg=cfg)
         assert got.dtype == jnp.float32
         assert_close(got, reference(hidden, weight, labels), jnp.bfloat16)
-        d_hidden = jax.grad(lambda h: linear_cross_entropy(h, weight, labels, cfg=cfg))(hidden)
+        d_hidden = jax.jit(jax.grad(lambda h: linear_cross_entropy(h, weight, labels, cfg=cfg)))(hidden)
         assert d_hidden.dtype == jnp.bfloat16
-        assert_close(d_hidden, jax.grad(lambda h: reference(h, weight, labels))(hidden.astype(jnp.float32)), jnp.bfloat16)
+        assert_close(d_hidden, jax.jit(jax.grad(lambda h: reference(h, weight, labels)))(hidden.astype(jnp.float32)), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("sharpness", [2.0, 3.0])
@@ -112,13 +113,16 @@ def test_confident_predictions_keep_their_gradient(sharpness: float, options: di
     columns = weight[:, labels].T
     hidden = 0.9 * sharpness * columns / jnp.linalg.norm(columns, axis=1, keepdims=True) + 0.1 * jax.random.normal(kh, (tokens, d))
     hidden, weight = hidden.astype(jnp.bfloat16), weight.astype(jnp.bfloat16)
-    ref = jax.grad(lambda h, w: reference(h, w, labels, **options), argnums=(0, 1))(hidden.astype(jnp.float32), weight.astype(jnp.float32))
+    ref = jax.jit(jax.grad(lambda h, w: reference(h, w, labels, **options), argnums=(0, 1)))(hidden.astype(jnp.float32), weight.astype(jnp.float32))
 
-    def errors(cfg: LinearCrossEntropyConfig) -> list[float]:
-        got = jax.grad(lambda h, w: linear_cross_entropy(h, w, labels, cfg=cfg, **options), argnums=(0, 1))(hidden, weight)
+    def errors(cfg: LinearCrossEntropyConfig, jit: bool = True) -> list[float]:
+        grad = jax.grad(lambda h, w: linear_cross_entropy(h, w, labels, cfg=cfg, **options), argnums=(0, 1))
+        got = (jax.jit(grad) if jit else grad)(hidden, weight)
         return [rel_error(g.astype(jnp.float32), r) for g, r in zip(got, ref)]
 
-    plain = errors(LinearCrossEntropyConfig("xla"))
+    # The plain program op by op: under jit the CPU keeps its logits in float32 (a GPU rounds
+    # them to bf16, the product's output type), so its error would not be a bf16 program's.
+    plain = errors(LinearCrossEntropyConfig("xla"), jit=False)
     token_chunks = [LinearCrossEntropyConfig(impl, chunk_tokens=128) for impl in ("chunked_tokens", "chunked_tokens_triton")]
     for cfg in (CONFIGS["chunked"], *token_chunks):
         for name, ours, bar in zip(("d_hidden", "d_weight"), errors(cfg), plain):
@@ -141,8 +145,8 @@ def test_labels_far_below_the_max(options: dict, dtype, impl: str):
         assert np.any(chunk > 45) and np.any(chunk < 35), chunk
     cfg = LinearCrossEntropyConfig(impl, chunk_tokens=12)
     h, w = hidden.astype(dtype), weight.astype(dtype)
-    got, grads = jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, labels, cfg=cfg, **options), argnums=(0, 1))(h, w)
-    ref, ref_grads = jax.value_and_grad(lambda h, w: reference(h, w, labels, **options), argnums=(0, 1))(h.astype(jnp.float32), w.astype(jnp.float32))
+    got, grads = jax.jit(jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, labels, cfg=cfg, **options), argnums=(0, 1)))(h, w)
+    ref, ref_grads = jax.jit(jax.value_and_grad(lambda h, w: reference(h, w, labels, **options), argnums=(0, 1)))(h.astype(jnp.float32), w.astype(jnp.float32))
     assert np.isfinite(float(got))
     assert_close(got, ref, dtype)
     for g, r in zip(grads, ref_grads):

@@ -59,12 +59,12 @@ def test_gradients_match_reference(impl: str) -> None:
 
     kernel_rms = rms_loss(lambda x, w: rms_norm(x, w, 1e-6, cfg=cfg))
     reference_rms = rms_loss(lambda x, w: RMSNormKernel().reference(x, w, eps=1e-6))
-    for got, want in zip(jax.grad(kernel_rms, (0, 1))(x, w), jax.grad(reference_rms, (0, 1))(x, w)):
+    for got, want in zip(jax.jit(jax.grad(kernel_rms, (0, 1)))(x, w), jax.jit(jax.grad(reference_rms, (0, 1)))(x, w)):
         assert_close(got, want, jnp.float32, factor=10)
 
     kernel_layer = layer_loss(lambda x, w, b: layer_norm(x, w, b, 1e-5, cfg=cfg))
     reference_layer = layer_loss(lambda x, w, b: LayerNormKernel().reference(x, w, b, eps=1e-5))
-    for got, want in zip(jax.grad(kernel_layer, (0, 1, 2))(x, w, b), jax.grad(reference_layer, (0, 1, 2))(x, w, b)):
+    for got, want in zip(jax.jit(jax.grad(kernel_layer, (0, 1, 2)))(x, w, b), jax.jit(jax.grad(reference_layer, (0, 1, 2)))(x, w, b)):
         assert_close(got, want, jnp.float32, factor=10)
 
 
