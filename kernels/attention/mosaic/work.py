@@ -11,7 +11,6 @@ their list.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -150,10 +149,6 @@ def rank_items(plan: jax.Array, heads: int, programs: int, *, batch_row_bytes: i
     return (row_tiles[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
 
 
-# Jitted: a plan known while tracing deals its items then, in one compiled step rather than op by
-# op (several times faster the first time at 512 items); inside a traced call it is part of the
-# program.
-@functools.partial(jax.jit, static_argnames="programs")
 def balance_rounds(ranked: Int[Array, "items"], cost: Int[Array, "items"], programs: int) -> Int[Array, "items"]:
     """``ranked`` (each round of ``programs`` items costliest first, as :func:`rank_items`
     gives) re-laid so that program ``p``'s ``i``-th item sits at ``snake_position(i, p)``,
